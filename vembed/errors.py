@@ -1,0 +1,63 @@
+"""The errors users see: one type per kind of bad input, each able to render itself as one line.
+
+Entrypoints catch `VembedError`, print `str(err)` and exit with `err.exit_code`; nothing else is caught, so a real bug
+still shows its traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class VembedError(Exception):
+    """Base class: an error caused by the user's input, reported as one line."""
+
+    exit_code = 2
+    kind = "error"
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.args[0] if self.args else ''}"
+
+
+class RecipeError(VembedError):
+    """A recipe key is unknown, of the wrong type or impossible. `key` is the dotted path (`data.train`)."""
+
+    kind = "recipe error"
+
+    def __init__(self, key: str, message: str, source: str | None = None):
+        self.key, self.message, self.source = key, message, source
+        where = f" in {source}" if source else ""
+        super().__init__(f"{key}{where}: {message}")
+
+
+class DataError(VembedError):
+    """A data file or row cannot be used. Carries the file and, where known, the row."""
+
+    kind = "data error"
+
+    def __init__(self, message: str, file: str | None = None, row: int | None = None):
+        self.file, self.row = file, row
+        where = ""
+        if file:
+            where = f"{file}" + (f", row {row}" if row is not None else "") + ": "
+        super().__init__(f"{where}{message}")
+
+
+class LaunchError(VembedError):
+    """The launch does not match what the recipe or the launcher promised (world size, backend, strategy)."""
+
+    kind = "launch error"
+
+
+class TrainingError(VembedError):
+    """Training cannot go on (NaN loss, ...). The last good checkpoint is kept."""
+
+    kind = "training error"
+    exit_code = 1
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """' (did you mean X?)' for the closest choice, or '' when nothing is close."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""

@@ -1,0 +1,25 @@
+"""Losses on embeddings, chosen by `loss_type` through the LOSSES registry; `build_loss` adds the Matryoshka wrapper."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vembed.losses.base import EmbeddingLoss
+from vembed.registry import Registry
+
+if TYPE_CHECKING:
+    from vembed.recipe import Recipe
+
+LOSSES: Registry[type[EmbeddingLoss]] = Registry("loss_type", modules=("vembed.losses.contrastive",))
+
+
+def build_loss(recipe: "Recipe") -> EmbeddingLoss:
+    loss = LOSSES.get(recipe.loss_type).from_recipe(recipe)
+    if recipe.mrl_dims:
+        from vembed.losses.matryoshka import MatryoshkaLoss
+
+        loss = MatryoshkaLoss(loss, recipe.mrl_dims, recipe.mrl_weights)
+    return loss
+
+
+__all__ = ["LOSSES", "EmbeddingLoss", "build_loss"]

@@ -1,0 +1,121 @@
+"""The adapter contract: build from a recipe, preprocess sides, encode, save, load.
+
+Everything model-specific (processors, pooling, fusion of text+image, which modules LoRA targets) lives in the
+adapter's own file. The training loop only ever calls the methods below.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from vembed.errors import RecipeError
+
+if TYPE_CHECKING:
+    from vembed.data.records import Side
+    from vembed.recipe import Recipe
+
+ADAPTER_FILE = "vembed.json"  # written beside the HF files of every saved model; names the adapter and its settings
+
+
+class EmbeddingAdapter(nn.Module, ABC):
+    """An embedding model as the loop sees it.
+
+    Contract:
+    - `from_recipe(recipe)` builds it from `model_name` (pretrained) or `model_config` (random init).
+    - `preprocess(sides)` turns a list of `Side`s into a dict of CPU tensors (runs in DataLoader workers).
+    - `forward(inputs)` / `encode(inputs)` return a `(len(sides), embedding_dim)` float tensor, in the order of the
+      sides, L2-normalised when the recipe says `normalize: true`.
+    - `save(path)` writes HF files loadable by transformers plus `vembed.json`; `load(path)` reads them back.
+    """
+
+    model_type: ClassVar[str]  # the registry name, set by each adapter
+    default_lora_target_modules: ClassVar[tuple[str, ...]] = ()
+
+    # --- built from a recipe ---------------------------------------------------------------------------------------
+    @classmethod
+    def check_recipe(cls, recipe: "Recipe") -> None:
+        """Adapter-specific recipe checks, before anything is built. Default: exactly one of model_name/model_config."""
+        if (recipe.model_name is None) == (recipe.model_config_dict is None):
+            raise RecipeError(
+                "model_name",
+                f"model_type {cls.model_type!r} needs exactly one of model_name (pretrained) or model_config "
+                "(random init)",
+            )
+
+    @classmethod
+    @abstractmethod
+    def embedding_dim_for(cls, recipe: "Recipe") -> int:
+        """The embedding size this recipe will produce, read from configs only (no weights)."""
+
+    @classmethod
+    @abstractmethod
+    def from_recipe(cls, recipe: "Recipe") -> "EmbeddingAdapter":
+        ...
+
+    # --- used by the loop ------------------------------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def embedding_dim(self) -> int:
+        ...
+
+    @abstractmethod
+    def preprocess(self, sides: Sequence["Side"]) -> dict[str, torch.Tensor]:
+        """Tokenise / process a list of sides into CPU tensors. Images may be paths or PIL images."""
+
+    @abstractmethod
+    def encode(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Embeddings `(n, embedding_dim)` for a preprocessed batch, on the model's device."""
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.encode(inputs)
+
+    @abstractmethod
+    def enable_gradient_checkpointing(self) -> None:
+        """Turn on (non-reentrant) activation checkpointing in every tower."""
+
+    def lora_target_modules(self, recipe: "Recipe") -> list[str]:
+        return list(recipe.lora_target_modules or self.default_lora_target_modules)
+
+    @abstractmethod
+    def apply_lora(self, recipe: "Recipe") -> None:
+        """Wrap the towers with PEFT LoRA (r/alpha/dropout/targets from the recipe); only LoRA weights stay trainable."""
+
+    # --- persistence -----------------------------------------------------------------------------------------------
+    @abstractmethod
+    def save(self, path: str | Path) -> None:
+        """Save HF weights/config/processor under `path` (LoRA merged) and call `write_adapter_file`."""
+
+    @classmethod
+    @abstractmethod
+    def load(cls, path: str | Path) -> "EmbeddingAdapter":
+        ...
+
+    def settings(self) -> dict[str, Any]:
+        """Adapter settings needed to rebuild it from a saved folder (pooling, normalize, max_length, ...)."""
+        return {}
+
+    def write_adapter_file(self, path: str | Path) -> None:
+        info = {"model_type": self.model_type, "embedding_dim": self.embedding_dim, "settings": self.settings()}
+        Path(path, ADAPTER_FILE).write_text(json.dumps(info, indent=2))
+
+
+def read_adapter_file(path: str | Path) -> dict[str, Any]:
+    file = Path(path, ADAPTER_FILE)
+    if not file.is_file():
+        raise RecipeError("model", f"{str(path)!r} is not a vembed model folder (no {ADAPTER_FILE}); pass output_dir/final")
+    return json.loads(file.read_text())
+
+
+def load_adapter(path: str | Path) -> EmbeddingAdapter:
+    """Load any saved vembed model, whatever its adapter."""
+    from vembed.models import MODELS
+
+    info = read_adapter_file(path)
+    return MODELS.get(info["model_type"]).load(path)

@@ -1,0 +1,333 @@
+"""The recipe: one typed schema, the only home of defaults, plus YAML loading, overrides and saving.
+
+A recipe is validated in two stages, both before any model is built:
+1. `load_recipe` checks keys, types and ranges (pydantic, `extra="forbid"`), turning the first problem into a
+   `RecipeError` naming the key path and the fix.
+2. `check_recipe` checks what needs the registries or the file system: the adapter and loss exist, the data files
+   exist, `mrl_dims` fit the embedding size the model's config declares.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from vembed.errors import RecipeError, did_you_mean
+
+TRACKERS = ("tensorboard", "wandb", "trackio")
+
+
+class _Strict(BaseModel):
+    # Unknown keys are errors (with a hint), never silently ignored; assignments are validated too.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class ColumnMap(_Strict):
+    """Which column of a data file holds which part of a record. Columns absent from a file are simply unused."""
+
+    query: str = "query"  # query text
+    query_image: str = "query_image"  # query image path (relative to data.image_root)
+    positive: str = "positive"  # positive (document) text
+    positive_image: str = "positive_image"  # positive image path
+    negatives: str = "negatives"  # hard-negative texts: a list, or one string
+    negative_images: str = "negative_images"  # hard-negative image paths: a list, or one string
+    label: str = "label"  # optional group id: items sharing it count as relevant in evaluation
+
+
+class DataConfig(_Strict):
+    """Where the pairs come from. A source is a file, a glob, a directory, or a list of them."""
+
+    train: str | list[str] | None = None
+    validation: str | list[str] | None = None
+    test: str | list[str] | None = None
+    # auto: from the file extension (.jsonl/.json, .csv, .parquet); hf: any local `datasets.load_dataset` path.
+    format: Literal["auto", "jsonl", "json", "csv", "parquet", "hf"] = "auto"
+    columns: ColumnMap = Field(default_factory=ColumnMap)
+    # Relative image paths are resolved against this directory; unset: the directory of the data file.
+    image_root: str | None = None
+    # Hard negatives per record; unset: the smallest number any training record has (0 when none have any).
+    num_hard_negatives: int | None = Field(default=None, ge=0)
+    # Rows that are empty or point at missing/corrupt images are skipped and counted; above this share, stop.
+    max_bad_fraction: float = Field(default=0.05, ge=0.0, le=1.0)
+    num_workers: int = Field(default=0, ge=0)
+    # Evaluate on at most this many records per split (unset: all).
+    eval_max_samples: int | None = Field(default=None, gt=0)
+
+
+class Recipe(_Strict):
+    """Everything a training run needs. Field comments are the reference documentation of each key."""
+
+    # --- model -----------------------------------------------------------------------------------------------------
+    model_type: str = "clip"  # adapter name: clip, siglip, text, composed
+    model_name: str | None = None  # hub id or local path of pretrained weights
+    # `model_config` in YAML: a config dict to build a randomly initialised model instead. (Renamed in Python only
+    # because pydantic reserves `model_config`.)
+    model_config_dict: dict[str, Any] | None = Field(default=None, alias="model_config")
+    tokenizer_name: str | None = None  # tokenizer/processor path when it is not beside model_name
+    text_model_name: str | None = None  # composed: text tower (hub id or path) ...
+    text_model_config: dict[str, Any] | None = None  # ... or its config for random init
+    vision_model_name: str | None = None  # composed: vision tower (hub id or path) ...
+    vision_model_config: dict[str, Any] | None = None  # ... or its config for random init
+    projection_dim: int | None = Field(default=None, gt=0)  # composed: shared embedding size (unset: text hidden size)
+    pooling: Literal["cls", "mean", "last"] = "mean"  # text and composed adapters
+    normalize: bool = True  # L2-normalise embeddings
+    max_length: int | None = Field(default=None, gt=0)  # tokens per text (unset: the model's own limit)
+    trust_remote_code: bool = False
+    attn_implementation: str | None = None  # e.g. sdpa, eager, flash_attention_2 (unset: transformers' choice)
+
+    # --- data and output -------------------------------------------------------------------------------------------
+    data: DataConfig = Field(default_factory=DataConfig)
+    output_dir: str = "runs/vembed"
+    persistent_dir: str | None = None  # checkpoints are mirrored here (long-term storage) after each save
+
+    # --- optimisation ----------------------------------------------------------------------------------------------
+    batch_size: int = Field(default=32, gt=0)  # per device; the contrastive batch is batch_size x world size
+    eval_batch_size: int | None = Field(default=None, gt=0)  # unset: batch_size
+    learning_rate: float = Field(default=5e-5, gt=0)
+    weight_decay: float = Field(default=0.01, ge=0)
+    epochs: int = Field(default=1, gt=0)
+    max_steps: int | None = Field(default=None, gt=0)  # optimizer steps; when set, it overrides epochs
+    scheduler_type: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_ratio: float = Field(default=0.0, ge=0.0, lt=1.0)
+    max_grad_norm: float | None = Field(default=1.0, gt=0)  # unset: no clipping
+    # Plain accumulation averages gradients of several batches; it does NOT add negatives to the contrastive batch
+    # (use use_gradient_cache for that).
+    gradient_accumulation_steps: int = Field(default=1, gt=0)
+    gradient_checkpointing: bool = False
+    mixed_precision: Literal["no", "fp16", "bf16"] | None = None  # unset: what the accelerate config says
+    seed: int = 42
+
+    # --- loss ------------------------------------------------------------------------------------------------------
+    loss_type: str = "infonce"  # infonce, siglip
+    temperature: float = Field(default=0.05, gt=0)  # infonce: logits / temperature; siglip: initial scale 1/temperature
+    learnable_temperature: bool = False
+    symmetric_loss: bool = True  # infonce: also score documents -> queries
+    siglip_bias_init: float = -10.0  # siglip: initial learnable bias
+    mrl_dims: list[int] | None = None  # Matryoshka: apply the loss at each truncated dimension
+    mrl_weights: list[float] | None = None  # per-dimension weights (unset: all 1)
+
+    # --- LoRA ------------------------------------------------------------------------------------------------------
+    use_lora: bool = False
+    lora_r: int = Field(default=16, gt=0)
+    lora_alpha: int = Field(default=32, gt=0)
+    lora_dropout: float = Field(default=0.05, ge=0.0, lt=1.0)
+    lora_target_modules: list[str] | None = None  # unset: the adapter's default
+
+    # --- strategies ------------------------------------------------------------------------------------------------
+    use_gradient_cache: bool = False
+    gradient_cache_chunk_size: int | None = Field(default=None, gt=0)  # samples per forward chunk under GradCache
+    use_fsdp: bool = False
+
+    # --- checkpoints, evaluation, logging --------------------------------------------------------------------------
+    logging_steps: int = Field(default=10, gt=0)
+    save_steps: int | None = Field(default=500, gt=0)  # unset: no intermediate checkpoints
+    save_total_limit: int = Field(default=2, gt=0)  # recent checkpoints kept, besides the best one
+    eval_steps: int | None = Field(default=None, gt=0)  # unset: evaluate at the end of each epoch
+    eval_before_training: bool = True  # record the untrained model's metrics for comparison
+    metric_for_best_model: str = "q2d/recall@1"  # validation metric that picks the best checkpoint (higher is better)
+    report_to: list[Literal["tensorboard", "wandb", "trackio"]] = Field(default_factory=list)
+    run_name: str | None = None
+    resume_from: str | None = None  # "auto" (latest checkpoint in output_dir) or a checkpoint path
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to_list(cls, value: Any) -> Any:
+        if value is None or value == "none":
+            return []
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("lora_target_modules", mode="before")
+    @classmethod
+    def _single_to_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "Recipe":
+        if self.mrl_dims is not None:
+            if not self.mrl_dims:
+                raise _KeyError("mrl_dims", "is empty; list at least one dimension or remove the key")
+            if any(d <= 0 for d in self.mrl_dims):
+                raise _KeyError("mrl_dims", f"dimensions must be positive, got {self.mrl_dims}")
+            if len(set(self.mrl_dims)) != len(self.mrl_dims):
+                raise _KeyError("mrl_dims", f"has repeated dimensions: {self.mrl_dims}")
+        if self.mrl_weights is not None:
+            if self.mrl_dims is None:
+                raise _KeyError("mrl_weights", "is set but mrl_dims is not; set mrl_dims or remove mrl_weights")
+            if len(self.mrl_weights) != len(self.mrl_dims):
+                raise _KeyError(
+                    "mrl_weights",
+                    f"has {len(self.mrl_weights)} weights for {len(self.mrl_dims)} mrl_dims; give one per dimension",
+                )
+        if self.gradient_cache_chunk_size is not None and not self.use_gradient_cache:
+            raise _KeyError("gradient_cache_chunk_size", "is set but use_gradient_cache is false; set it to true")
+        return self
+
+    # --- helpers ---------------------------------------------------------------------------------------------------
+    @property
+    def resolved_eval_batch_size(self) -> int:
+        return self.eval_batch_size or self.batch_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the resolved recipe (defaults and overrides applied) as YAML, atomically."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        tmp.replace(path)
+
+
+class _KeyError(ValueError):
+    """Raised inside validators so the error names the key it is about, not the model."""
+
+    def __init__(self, key: str, message: str):
+        self.key, self.message = key, message
+        super().__init__(f"{key}: {message}")
+
+
+# --- loading -------------------------------------------------------------------------------------------------------
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise RecipeError("--config_override", f"{text!r} is not key=value (e.g. learning_rate=1e-4)")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise RecipeError("--config_override", f"{text!r} has no key before '='")
+    value = yaml.safe_load(raw) if raw.strip() else None
+    return key.split("."), value
+
+
+def _coerce_scientific(value: Any) -> Any:
+    # YAML 1.1 reads `1e-5` (no dot) as a string; accept it as the number every user means.
+    if isinstance(value, str):
+        try:
+            return float(value) if any(c in value for c in "eE") and value.lower() not in ("none", "null") else value
+        except ValueError:
+            return value
+    return value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        path, value = _parse_override(text)
+        node = raw
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise RecipeError(".".join(path), f"cannot set a sub-key: {part!r} is not a mapping")
+            node = child
+        node[path[-1]] = value
+    return raw
+
+
+def _fields_at(loc: tuple[str | int, ...]) -> list[str]:
+    """Names of the keys valid at the level of `loc` (for 'did you mean')."""
+    model: type[BaseModel] = Recipe
+    for part in loc[:-1]:
+        field = next((f for n, f in model.model_fields.items() if (f.alias or n) == str(part)), None)
+        annotation = getattr(field, "annotation", None)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            model = annotation
+        else:
+            return []
+    return [field.alias or name for name, field in model.model_fields.items()]
+
+
+def _error_to_recipe_error(err: ValidationError, source: str | None) -> RecipeError:
+    first = err.errors()[0]
+    loc = tuple(p for p in first["loc"] if p not in ("function-after[_cross_checks()]",))
+    key = ".".join(str(p) for p in loc) or "recipe"
+    more = len(err.errors()) - 1
+    suffix = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
+    ctx = first.get("ctx") or {}
+    inner = ctx.get("error")
+    if isinstance(inner, _KeyError):
+        return RecipeError(inner.key, inner.message + suffix, source)
+    if first["type"] == "extra_forbidden":
+        hint = did_you_mean(str(loc[-1]), _fields_at(loc)) or "; remove it (see vembed/recipe.py for every key)"
+        return RecipeError(key, f"unknown key{hint}{suffix}", source)
+    given = first.get("input")
+    shown = repr(given) if not isinstance(given, dict) else "a mapping"
+    return RecipeError(key, f"{first['msg'].lower()} (got {shown}){suffix}", source)
+
+
+def recipe_from_dict(raw: dict[str, Any], source: str | None = None) -> Recipe:
+    if not isinstance(raw, dict):
+        raise RecipeError("recipe", "must be a mapping of key: value at the top level", source)
+    raw = _coerce_numbers(raw)
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as err:
+        raise _error_to_recipe_error(err, source) from None
+
+
+def _coerce_numbers(raw: Any) -> Any:
+    if isinstance(raw, dict):
+        return {k: _coerce_numbers(v) for k, v in raw.items()}
+    if isinstance(raw, list):
+        return [_coerce_numbers(v) for v in raw]
+    return _coerce_scientific(raw)
+
+
+def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> Recipe:
+    """Read a YAML recipe (safe_load), apply `key=value` overrides (dotted keys reach into `data`), validate."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError("recipe", f"file {str(path)!r} not found; pass the path of a YAML recipe (see configs/)")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise RecipeError("recipe", f"is not valid YAML{where}: {getattr(err, 'problem', err)}", str(path)) from None
+    if not isinstance(raw, dict):
+        raise RecipeError("recipe", "must be a mapping of key: value at the top level", str(path))
+    raw = apply_overrides(raw, overrides or [])
+    return recipe_from_dict(raw, str(path))
+
+
+# --- checks that need the registries or the file system ------------------------------------------------------------
+
+
+def _check_data_paths(recipe: Recipe, splits: tuple[str, ...]) -> None:
+    from vembed.data.sources import resolve_files  # data owns what counts as a source
+
+    for split in splits:
+        value = getattr(recipe.data, split)
+        if value is None:
+            continue
+        resolve_files(value, recipe.data.format, key=f"data.{split}")
+    if recipe.data.image_root is not None and not Path(recipe.data.image_root).is_dir():
+        raise RecipeError("data.image_root", f"directory {recipe.data.image_root!r} not found")
+
+
+def check_recipe(recipe: Recipe, *, for_training: bool = True) -> None:
+    """Every check that needs more than the schema, still before any model is built."""
+    from vembed.losses import LOSSES
+    from vembed.models import MODELS
+
+    adapter_cls = MODELS.get(recipe.model_type)
+    LOSSES.get(recipe.loss_type)
+    if recipe.use_gradient_cache:
+        raise RecipeError("use_gradient_cache", "GradCache is not available yet (strategies issue); set it to false")
+    if recipe.use_fsdp:
+        raise RecipeError("use_fsdp", "FSDP is not available yet (strategies issue); set it to false")
+    if for_training and recipe.data.train is None:
+        raise RecipeError("data.train", "is required for training; point it at a JSONL/CSV/Parquet file or directory")
+    _check_data_paths(recipe, ("train", "validation", "test"))
+    adapter_cls.check_recipe(recipe)
+    if recipe.mrl_dims:
+        dim = adapter_cls.embedding_dim_for(recipe)
+        too_big = [d for d in recipe.mrl_dims if d > dim]
+        if too_big:
+            raise RecipeError("mrl_dims", f"{too_big} exceed the embedding size {dim} of this model; use dims <= {dim}")
