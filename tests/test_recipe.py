@@ -1,0 +1,127 @@
+"""The recipe: every class of bad input is one RecipeError naming the key and the fix; overrides and saving work."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from vembed.errors import RecipeError
+from vembed.recipe import Recipe, check_recipe, load_recipe, recipe_from_dict
+
+
+def _write(tmp_path, payload, name="recipe.yaml"):
+    path = tmp_path / name
+    path.write_text(payload if isinstance(payload, str) else yaml.safe_dump(payload))
+    return path
+
+
+def _error(raw) -> RecipeError:
+    with pytest.raises(RecipeError) as info:
+        recipe_from_dict(raw, "r.yaml")
+    return info.value
+
+
+def test_defaults_are_valid_and_documented_names():
+    recipe = Recipe()
+    assert recipe.learning_rate > 0 and recipe.batch_size > 0
+    assert "model_config" in recipe.to_dict() and "model_config_dict" not in recipe.to_dict()
+
+
+@pytest.mark.parametrize(
+    "raw, key, hint",
+    [
+        ({"learnin_rate": 1e-4}, "learnin_rate", "did you mean learning_rate?"),
+        ({"lr": 1e-4}, "lr", "remove it"),
+        ({"data": {"trian": "x.jsonl"}}, "data.trian", "did you mean train?"),
+        ({"data": {"columns": {"qurey": "q"}}}, "data.columns.qurey", "did you mean query?"),
+    ],
+)
+def test_unknown_keys_name_the_path_and_suggest(raw, key, hint):
+    err = _error(raw)
+    assert err.key == key
+    assert hint in str(err)
+    assert "\n" not in str(err)
+
+
+@pytest.mark.parametrize(
+    "raw, key",
+    [
+        ({"learning_rate": -1e-4}, "learning_rate"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"batch_size": "many"}, "batch_size"),
+        ({"scheduler_type": "cosin"}, "scheduler_type"),
+        ({"warmup_ratio": 1.5}, "warmup_ratio"),
+        ({"mrl_dims": [64, -8]}, "mrl_dims"),
+        ({"mrl_dims": [64, 32], "mrl_weights": [1.0]}, "mrl_weights"),
+        ({"gradient_cache_chunk_size": 8}, "gradient_cache_chunk_size"),
+        ({"report_to": ["mlflow"]}, "report_to.0"),
+    ],
+)
+def test_wrong_types_and_impossible_values_name_the_key(raw, key):
+    assert _error(raw).key == key
+
+
+def test_yaml_scientific_notation_without_dot_is_a_number(tmp_path):
+    recipe = load_recipe(_write(tmp_path, "learning_rate: 1e-5\n"))
+    assert recipe.learning_rate == pytest.approx(1e-5)
+
+
+def test_overrides_reach_nested_keys_and_parse_values(tmp_path):
+    path = _write(tmp_path, {"model_type": "clip", "data": {"train": "a.jsonl"}})
+    recipe = load_recipe(path, ["learning_rate=3e-4", "data.num_workers=2", "mrl_dims=[32, 16]", "use_lora=true"])
+    assert recipe.learning_rate == pytest.approx(3e-4)
+    assert recipe.data.num_workers == 2 and recipe.data.train == "a.jsonl"
+    assert recipe.mrl_dims == [32, 16] and recipe.use_lora is True
+
+
+def test_bad_override_is_a_recipe_error(tmp_path):
+    path = _write(tmp_path, {})
+    with pytest.raises(RecipeError, match="key=value"):
+        load_recipe(path, ["learning_rate"])
+    with pytest.raises(RecipeError, match="did you mean learning_rate"):
+        load_recipe(path, ["learning_rat=1"])
+
+
+def test_missing_recipe_and_invalid_yaml(tmp_path):
+    with pytest.raises(RecipeError, match="not found"):
+        load_recipe(tmp_path / "nope.yaml")
+    with pytest.raises(RecipeError, match="line 2"):
+        load_recipe(_write(tmp_path, "a: 1\nb: : c\n"))
+
+
+def test_saved_recipe_round_trips(tmp_path):
+    recipe = recipe_from_dict({"model_config": {"projection_dim": 8}, "mrl_dims": [8, 4], "report_to": "tensorboard"})
+    recipe.save(tmp_path / "out" / "recipe.yaml")
+    again = load_recipe(tmp_path / "out" / "recipe.yaml")
+    assert again == recipe
+
+
+def test_check_recipe_rejects_unknown_adapter_loss_and_missing_data(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"query": "a", "positive": "b"}\n')
+    base = {"model_type": "text", "model_config": {"model_type": "bert"}, "tokenizer_name": str(tmp_path),
+            "data": {"train": str(data)}}
+    with pytest.raises(RecipeError, match="did you mean clip"):
+        check_recipe(recipe_from_dict({**base, "model_type": "clipp"}))
+    with pytest.raises(RecipeError, match="did you mean infonce"):
+        check_recipe(recipe_from_dict({**base, "loss_type": "infonc"}))
+    with pytest.raises(RecipeError) as info:
+        check_recipe(recipe_from_dict({**base, "data": {"train": str(tmp_path / "missing.jsonl")}}))
+    assert info.value.key == "data.train"
+    with pytest.raises(RecipeError) as info:
+        check_recipe(recipe_from_dict({**base, "use_gradient_cache": True}))
+    assert "not available yet" in str(info.value)
+
+
+def test_mrl_dims_above_embedding_size_rejected_before_building(tmp_path, tiny_tokenizer_dir):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"query": "a", "positive": "b"}\n')
+    recipe = recipe_from_dict(
+        {"model_type": "text", "tokenizer_name": tiny_tokenizer_dir, "data": {"train": str(data)},
+         "model_config": {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                          "intermediate_size": 64, "vocab_size": 300},
+         "mrl_dims": [64, 16]}
+    )
+    with pytest.raises(RecipeError) as info:
+        check_recipe(recipe)
+    assert info.value.key == "mrl_dims" and "32" in str(info.value)

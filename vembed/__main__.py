@@ -1,0 +1,5 @@
+import sys
+
+from vembed.cli import main
+
+sys.exit(main())

@@ -1,0 +1,65 @@
+"""The `vembed` command: train | eval | export | data | demo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _data_command(args: argparse.Namespace) -> int:
+    from vembed.entrypoints import run_cli
+
+    def body() -> int:
+        from vembed.data import synthetic
+
+        if args.kind == "digits":
+            summary = synthetic.make_digits_dataset(args.out, image_size=args.image_size, seed=args.seed)
+        else:
+            summary = synthetic.make_dummy_dataset(args.out, args.num_samples, seed=args.seed,
+                                                   image_size=args.image_size)
+        print(f"wrote {args.kind} data to {args.out}: {summary}")
+        return 0
+
+    return run_cli(body, args.debug)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from vembed.entrypoints import demo, evaluate, export, launch
+
+    parser = argparse.ArgumentParser(prog="vembed", description="Fine-tune embedding models from a YAML recipe.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train from a recipe (launches accelerate for you, like run.py)")
+    launch.add_arguments(train)
+    train.set_defaults(func=launch.run)
+
+    ev = sub.add_parser("eval", help="retrieval metrics of a saved model on a data file")
+    evaluate.add_arguments(ev)
+    ev.set_defaults(func=evaluate.run)
+
+    ex = sub.add_parser("export", help="export a saved model (sentence-transformers)")
+    export.add_arguments(ex)
+    ex.set_defaults(func=export.run)
+
+    data = sub.add_parser("data", help="generate offline data sets")
+    data.add_argument("kind", choices=["dummy", "digits"], help="dummy: coloured shapes; digits: scikit-learn digits")
+    data.add_argument("--out", required=True, help="output folder")
+    data.add_argument("--num-samples", "--num_samples", type=int, default=512, help="dummy: number of records")
+    data.add_argument("--image-size", "--image_size", type=int, default=32)
+    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--debug", action="store_true")
+    data.set_defaults(func=_data_command)
+
+    dm = sub.add_parser("demo", help="the offline demo: digits data, a tiny CLIP, train, evaluate, export")
+    demo.add_arguments(dm)
+    dm.set_defaults(func=demo.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Evaluate a saved model on a data file: `vembed eval MODEL_DIR DATA [--image-root DIR] [--output metrics.json]`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", help="a folder saved by vembed (e.g. runs/demo/final)")
+    parser.add_argument("data", nargs="+", help="JSONL/CSV/Parquet file(s) or a directory of them")
+    parser.add_argument("--image-root", help="directory relative image paths are resolved against")
+    parser.add_argument("--format", default="auto", choices=["auto", "jsonl", "json", "csv", "parquet", "hf"])
+    parser.add_argument("--column", action="append", default=[], metavar="FIELD=COLUMN",
+                        help="column mapping, e.g. --column query=caption --column positive_image=file")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--mrl-dims", type=int, nargs="+", help="also report metrics at these truncated sizes")
+    parser.add_argument("--max-samples", type=int, help="evaluate on at most this many records")
+    parser.add_argument("--output", help="write the metrics as JSON here")
+    parser.add_argument("--debug", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    from vembed.entrypoints import quiet_libraries, run_cli
+
+    def body() -> int:
+        from vembed.errors import RecipeError
+        from vembed.recipe import ColumnMap, DataConfig
+        from vembed.data.sources import load_examples
+        from vembed.models.base import load_adapter
+
+        columns = {}
+        for item in args.column:
+            if "=" not in item:
+                raise RecipeError("--column", f"{item!r} is not FIELD=COLUMN (e.g. query=caption)")
+            field, column = item.split("=", 1)
+            columns[field] = column
+        try:
+            data = DataConfig(test=args.data, image_root=args.image_root, format=args.format,
+                              columns=ColumnMap(**columns), max_bad_fraction=1.0)
+        except Exception as err:  # pydantic's message names the field
+            raise RecipeError("--column", str(err).splitlines()[-1]) from None
+        from vembed.recipe import _check_data_paths, Recipe  # same checks as for a recipe
+
+        _check_data_paths(Recipe(data=data), ("test",))
+        quiet_libraries()
+        adapter = load_adapter(args.model_dir)
+        examples, report = load_examples(data, "test", num_hard_negatives=0)
+        if args.max_samples:
+            examples = examples[: args.max_samples]
+        from vembed.evaluation.retrieval import evaluate_retrieval
+
+        metrics = evaluate_retrieval(adapter, examples, batch_size=args.batch_size, mrl_dims=args.mrl_dims,
+                                     show_progress=True)
+        text = json.dumps(metrics, indent=2)
+        print(text)
+        if args.output:
+            from vembed.training.checkpoint import write_json_atomic
+
+            write_json_atomic(args.output, metrics)
+        return 0
+
+    return run_cli(body, args.debug)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vembed eval", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""Export a saved model: `vembed export MODEL_DIR --format sentence-transformers --out DIR`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", help="a folder saved by vembed (e.g. runs/demo/final)")
+    parser.add_argument("--format", default="sentence-transformers", choices=["sentence-transformers"])
+    parser.add_argument("--out", help="output folder (default: MODEL_DIR-st)")
+    parser.add_argument("--debug", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    from vembed.entrypoints import quiet_libraries, run_cli
+
+    def body() -> int:
+        quiet_libraries()
+        from vembed.export import export_sentence_transformers
+
+        out = args.out or str(args.model_dir).rstrip("/") + "-st"
+        path = export_sentence_transformers(args.model_dir, out)
+        print(f"exported to {path}")
+        return 0
+
+    return run_cli(body, args.debug)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vembed export", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

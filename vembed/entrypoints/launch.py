@@ -1,0 +1,108 @@
+"""`python run.py RECIPE` / `vembed train RECIPE`: start `accelerate launch` with the right config and process count.
+
+The config is, in order: `--accelerate_config`, the one `accelerate config` saved, or ours from accelerate_configs/
+(ddp.yaml with one process per GPU when there are several GPUs, single.yaml otherwise). The recipe is validated here
+first, so a typo fails in a second instead of after N processes have started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from vembed.entrypoints import run_cli
+from vembed.entrypoints.train import add_arguments as add_train_arguments
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "accelerate_configs"
+TRAIN_SCRIPT = Path(__file__).resolve().parent / "train.py"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_train_arguments(parser)
+    parser.add_argument("--accelerate_config", "--accelerate-config", help="accelerate config file to launch with")
+    parser.add_argument("--num_processes", "--num-processes", type=int, help="override the config's process count")
+    parser.add_argument("--dry_run", "--dry-run", action="store_true", help="print the launch command and stop")
+
+
+def _saved_accelerate_config() -> Path | None:
+    try:
+        from accelerate.commands.config import default_config_file
+    except ImportError:
+        return None
+    path = Path(default_config_file)
+    return path if path.is_file() else None
+
+
+def _config_num_processes(path: Path) -> int:
+    import yaml
+
+    data = yaml.safe_load(path.read_text()) or {}
+    return int(data.get("num_processes") or 1)
+
+
+def choose_config(explicit: str | None) -> tuple[Path, int | None]:
+    """The accelerate config to use and, when we pick it, the process count to force."""
+    from vembed.errors import LaunchError
+
+    if explicit:
+        path = Path(explicit)
+        if not path.is_file():
+            named = CONFIGS / explicit
+            path = named if named.is_file() else CONFIGS / f"{explicit}.yaml"
+        if not path.is_file():
+            choices = ", ".join(sorted(p.stem for p in CONFIGS.glob("*.yaml")))
+            raise LaunchError(f"accelerate config {explicit!r} not found; pass a file or one of: {choices}")
+        return path, None
+    saved = _saved_accelerate_config()
+    if saved is not None:
+        return saved, None
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus > 1:
+        return CONFIGS / "ddp.yaml", gpus
+    return CONFIGS / "single.yaml", 1
+
+
+def run(args: argparse.Namespace) -> int:
+    def body() -> int:
+        from vembed.recipe import check_recipe, load_recipe
+
+        check_recipe(load_recipe(args.recipe, args.config_override))
+        config, forced = choose_config(args.accelerate_config)
+        num_processes = args.num_processes or forced or _config_num_processes(config)
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+                   "--num_processes", str(num_processes)]
+        if num_processes > 1:
+            command += ["--main_process_port", str(_free_port())]
+        command += [str(TRAIN_SCRIPT), args.recipe]
+        if args.config_override:
+            command += ["--config_override", *args.config_override]
+        if args.debug:
+            command.append("--debug")
+        print(f"launching {num_processes} process(es) with {config}", file=sys.stderr)
+        if args.dry_run:
+            print(" ".join(command))
+            return 0
+        env = dict(os.environ, VEMBED_EXPECTED_WORLD_SIZE=str(num_processes))
+        return subprocess.call(command, env=env)
+
+    return run_cli(body, args.debug)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="run.py", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

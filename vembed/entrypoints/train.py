@@ -1,0 +1,50 @@
+"""Train from a recipe: `accelerate launch vembed/entrypoints/train.py RECIPE.yaml [--config_override k=v ...]`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file by `accelerate launch vembed/entrypoints/train.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from vembed.entrypoints import quiet_libraries, run_cli  # noqa: E402
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="YAML recipe (see configs/)")
+    parser.add_argument(
+        "--config_override", "--config-override", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+        help="override recipe keys, dotted for nested ones: learning_rate=1e-4 data.train=my.jsonl",
+    )
+    parser.add_argument("--debug", action="store_true", help="show Python tracebacks for recipe/data errors")
+
+
+def run(args: argparse.Namespace) -> int:
+    def body() -> int:
+        from vembed.recipe import check_recipe, load_recipe
+
+        recipe = load_recipe(args.recipe, args.config_override)
+        check_recipe(recipe)  # everything is validated before a model is built or output_dir is created
+        quiet_libraries()
+        from vembed.training.loop import Trainer
+
+        trainer = Trainer(recipe)
+        try:
+            trainer.run()
+        finally:
+            trainer.accelerator.end_training()  # tears down the process group; gloo runs can abort without it
+        return 0
+
+    return run_cli(body, args.debug)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vembed train", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,360 @@
+"""The one training loop: batch → adapter.encode → embeddings → loss → backward through the accelerator.
+
+It reads the same for every launch; what differs between launches lives in `strategy.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, is_dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vembed.errors import TrainingError
+from vembed.training.checkpoint import (
+    CheckpointManager,
+    TrainerState,
+    is_better,
+    resolve_resume,
+    write_json_atomic,
+)
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from vembed.data.records import Example
+    from vembed.recipe import Recipe
+
+logger = logging.getLogger("vembed")
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    final_model_dir: Path
+    metrics: dict[str, Any]
+    state: TrainerState
+
+
+def _to_jsonable(obj: Any) -> Any:
+    if is_dataclass(obj):
+        return asdict(obj)
+    if hasattr(obj, "to_dict"):
+        return obj.to_dict()
+    return obj
+
+
+class Trainer:
+    """Holds what the loop needs; `run()` trains, evaluates and exports. One instance per launch."""
+
+    def __init__(self, recipe: "Recipe", accelerator: "Accelerator | None" = None):
+        from vembed.training.strategy import build_accelerator
+
+        self.recipe = recipe
+        self.accelerator = accelerator or build_accelerator(recipe)
+        self.output_dir = Path(recipe.output_dir)
+
+    # --- building --------------------------------------------------------------------------------------------------
+    def _build(self) -> None:
+        from accelerate.utils import set_seed
+        from torch.utils.data import DataLoader
+        from transformers import get_scheduler
+
+        from vembed.data.collate import PairCollator
+        from vembed.data.dataset import PairDataset
+        from vembed.data.sampler import EpochShuffleSampler
+        from vembed.data.sources import load_examples
+        from vembed.losses import build_loss
+        from vembed.models import MODELS
+        from vembed.training.objective import ContrastiveObjective, parameter_groups
+
+        recipe, acc = self.recipe, self.accelerator
+        set_seed(recipe.seed)
+        adapter = MODELS.get(recipe.model_type).from_recipe(recipe)
+        if recipe.gradient_checkpointing:
+            adapter.enable_gradient_checkpointing()
+        if recipe.use_lora:
+            adapter.apply_lora(recipe)
+        self.objective = ContrastiveObjective(adapter, build_loss(recipe))
+
+        self.train_examples, self.train_report = load_examples(recipe.data, "train", num_hard_negatives=recipe.data.num_hard_negatives)
+        self.num_negatives = min((len(e.negatives) for e in self.train_examples), default=0)
+        self.eval_examples = self._load_eval_split("validation")
+        self.test_examples = self._load_eval_split("test")
+
+        self.dataset = PairDataset(self.train_examples, self.num_negatives)
+        self.sampler = EpochShuffleSampler(len(self.dataset), seed=recipe.seed)
+        loader = DataLoader(
+            self.dataset,
+            batch_size=recipe.batch_size,
+            sampler=self.sampler,
+            collate_fn=PairCollator(adapter),
+            drop_last=True,  # every rank must gather equally many embeddings
+            num_workers=recipe.data.num_workers,
+            pin_memory=torch.cuda.is_available(),
+        )
+        optimizer = torch.optim.AdamW(parameter_groups(self.objective, recipe.weight_decay), lr=recipe.learning_rate)
+
+        batches_per_epoch = math.ceil(len(loader) / acc.num_processes)  # what each process sees once sharded
+        if batches_per_epoch == 0 or len(self.dataset) < recipe.batch_size * acc.num_processes:
+            from vembed.errors import DataError
+
+            raise DataError(
+                f"{len(self.dataset)} training records cannot fill one batch of {recipe.batch_size} on "
+                f"{acc.num_processes} process(es); lower batch_size or add data",
+                file=str(recipe.data.train),
+            )
+        self.steps_per_epoch = max(batches_per_epoch // recipe.gradient_accumulation_steps, 1)
+        self.total_steps = recipe.max_steps or self.steps_per_epoch * recipe.epochs
+        self.num_epochs = math.ceil(self.total_steps / self.steps_per_epoch)
+        scheduler = get_scheduler(
+            recipe.scheduler_type,
+            optimizer,
+            num_warmup_steps=int(recipe.warmup_ratio * self.total_steps),
+            num_training_steps=self.total_steps,
+        )
+        self.model, self.optimizer, self.loader, self.scheduler = acc.prepare(self.objective, optimizer, loader, scheduler)
+        self.checkpoints = CheckpointManager(acc, self.output_dir, recipe.save_total_limit, recipe.persistent_dir)
+
+    def _load_eval_split(self, split: str) -> "list[Example]":
+        from vembed.data.sources import load_examples
+
+        if getattr(self.recipe.data, split) is None:
+            return []
+        examples, _ = load_examples(self.recipe.data, split, num_hard_negatives=0)
+        limit = self.recipe.data.eval_max_samples
+        return examples[:limit] if limit else examples
+
+    @property
+    def adapter(self):
+        return self.accelerator.unwrap_model(self.model).adapter
+
+    # --- evaluation ------------------------------------------------------------------------------------------------
+    def evaluate(self, examples: "list[Example]") -> dict[str, float]:
+        from vembed.evaluation.retrieval import evaluate_retrieval
+
+        if not examples:
+            return {}
+        return evaluate_retrieval(
+            self.adapter,
+            examples,
+            batch_size=self.recipe.resolved_eval_batch_size,
+            mrl_dims=self.recipe.mrl_dims,
+            accelerator=self.accelerator,
+            show_progress=self.accelerator.is_local_main_process,
+        )
+
+    # --- the loop --------------------------------------------------------------------------------------------------
+    def run(self) -> TrainResult:
+        from tqdm.auto import tqdm
+
+        recipe, acc = self.recipe, self.accelerator
+        if acc.is_main_process:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            recipe.save(self.output_dir / "recipe.yaml")
+        self._build()
+        trainable = sum(p.numel() for p in self.objective.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in self.objective.parameters())
+        from vembed.training.strategy import describe_launch
+
+        acc.print(describe_launch(acc, recipe, trainable, total))
+        acc.print(f"data                {self.train_report.summary() if hasattr(self.train_report, 'summary') else self.train_report}")
+        if recipe.report_to:
+            acc.init_trackers(recipe.run_name or "vembed", config=_flat_config(recipe.to_dict()))
+
+        state = TrainerState()
+        resume_path = resolve_resume(recipe.resume_from, self.output_dir)
+        metrics: dict[str, Any] = {}
+        if resume_path is not None:
+            state = self.checkpoints.load(resume_path)
+            acc.print(f"resumed from {resume_path} at step {state.global_step}")
+            metrics = self._read_metrics()
+        elif recipe.eval_before_training and self.eval_examples:
+            metrics["before"] = self.evaluate(self.eval_examples)
+            acc.print(f"before training: {_headline(metrics['before'])}")
+
+        progress = tqdm(
+            total=self.total_steps, initial=state.global_step, disable=not acc.is_local_main_process,
+            desc="train", dynamic_ncols=True,
+        )
+        samples_per_step = recipe.batch_size * acc.num_processes
+        window_start, window_samples, running_loss, running_count = time.perf_counter(), 0, 0.0, 0
+        self.model.train()
+        if acc.is_main_process and metrics:
+            write_json_atomic(self.output_dir / "metrics.json", metrics)  # keeps "before" across a resume
+        done = state.global_step >= self.total_steps
+        while not done and state.epoch < self.num_epochs:
+            # The prepared loader passes its own epoch counter to the sampler on every iteration; set it explicitly
+            # so a resumed run replays the same permutation as an uninterrupted one.
+            self.loader.set_epoch(state.epoch)
+            loader = self.loader
+            if state.batches_in_epoch:
+                loader = acc.skip_first_batches(self.loader, state.batches_in_epoch)
+            for batch in loader:
+                with acc.accumulate(self.model):
+                    loss = self.model(batch)
+                    acc.backward(loss)
+                    if acc.sync_gradients:
+                        self._check_and_clip(state)
+                    self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+                state.batches_in_epoch += 1
+                state.samples_seen += samples_per_step
+                window_samples += samples_per_step
+                running_loss = running_loss + loss.detach().float()  # no host sync until we log
+                running_count += 1
+                if not acc.sync_gradients:
+                    continue
+                self.scheduler.step()
+                state.global_step += 1
+                progress.update(1)
+                if state.global_step % recipe.logging_steps == 0 or state.global_step == self.total_steps:
+                    elapsed = max(time.perf_counter() - window_start, 1e-9)
+                    mean_loss = acc.reduce(torch.as_tensor(running_loss, device=acc.device) / running_count, "mean")
+                    record = {
+                        "step": state.global_step,
+                        "loss": mean_loss.item(),
+                        "lr": self.scheduler.get_last_lr()[0],
+                        "samples_per_second": window_samples / elapsed,
+                    }
+                    state.loss_history.append(record)
+                    progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
+                                         sps=f"{record['samples_per_second']:.0f}")
+                    acc.log({f"train/{k}": v for k, v in record.items() if k != "step"}, step=state.global_step)
+                    window_start, window_samples, running_loss, running_count = time.perf_counter(), 0, 0.0, 0
+                done = state.global_step >= self.total_steps
+                self._maybe_evaluate_and_save(state, end_of_epoch=False, done=done)
+                if done:
+                    break
+            if not done:
+                state.epoch += 1
+                state.batches_in_epoch = 0
+                self._maybe_evaluate_and_save(state, end_of_epoch=True, done=False)
+        progress.close()
+        return self._finish(state, metrics)
+
+    def _check_and_clip(self, state: TrainerState) -> None:
+        # The gradient norm is computed after DDP's all-reduce, so every rank sees the same value and stops together:
+        # a NaN on one rank never leaves the others waiting in a collective.
+        max_norm = self.recipe.max_grad_norm if self.recipe.max_grad_norm is not None else float("inf")
+        norm = self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
+        if norm is not None and not torch.isfinite(torch.as_tensor(norm)).item():
+            last = state.best_checkpoint or "none saved yet"
+            from vembed.training.checkpoint import list_checkpoints
+
+            found = list_checkpoints(self.output_dir)
+            last = str(found[-1]) if found else last
+            raise TrainingError(
+                f"loss or gradients became NaN/Inf at step {state.global_step + 1} (epoch {state.epoch}); weights "
+                f"were not updated; last good checkpoint: {last}. Lower learning_rate or set max_grad_norm"
+            )
+
+    def _maybe_evaluate_and_save(self, state: TrainerState, *, end_of_epoch: bool, done: bool) -> None:
+        recipe = self.recipe
+        step = state.global_step
+        due_eval = bool(self.eval_examples) and (
+            (recipe.eval_steps is not None and step % recipe.eval_steps == 0)
+            or (recipe.eval_steps is None and end_of_epoch)
+        )
+        due_save = recipe.save_steps is not None and step % recipe.save_steps == 0 and not done
+        improved = False
+        if due_eval:
+            result = self.evaluate(self.eval_examples)
+            state.eval_history.append({"step": step, **result})
+            self.accelerator.log({f"eval/{k}": v for k, v in result.items()}, step=step)
+            value = result.get(recipe.metric_for_best_model)
+            if value is None:
+                self.accelerator.print(
+                    f"warning: metric_for_best_model {recipe.metric_for_best_model!r} is not among the evaluation "
+                    f"metrics ({', '.join(sorted(result))}); no best checkpoint is tracked"
+                )
+            improved = is_better(value, state.best_metric)
+            if improved:
+                state.best_metric = value
+            self.model.train()
+        if (due_save or (improved and recipe.save_steps is not None)) and not done:
+            if improved:
+                state.best_checkpoint = f"checkpoint-{step}"
+            self.checkpoints.save(state)
+
+    def _read_metrics(self) -> dict[str, Any]:
+        import json
+
+        path = self.output_dir / "metrics.json"
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    def _finish(self, state: TrainerState, metrics: dict[str, Any]) -> TrainResult:
+        acc, recipe = self.accelerator, self.recipe
+        final_dir = self.output_dir / "final"
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            import shutil
+
+            tmp = self.output_dir / ".tmp-final"
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.adapter.save(tmp)
+            shutil.rmtree(final_dir, ignore_errors=True)
+            tmp.rename(final_dir)
+        acc.wait_for_everyone()
+
+        if self.eval_examples:
+            metrics["validation"] = self.evaluate(self.eval_examples)
+        if self.test_examples:
+            metrics["test"] = self.evaluate(self.test_examples)
+        metrics["train"] = {
+            "steps": state.global_step,
+            "epochs_completed": state.epoch,
+            "samples_seen": state.samples_seen,
+            "world_size": acc.num_processes,
+            "final_loss": state.loss_history[-1]["loss"] if state.loss_history else None,
+            "data": _to_jsonable(self.train_report),
+            "decode_failures": getattr(self.dataset, "decode_failures", 0),
+            "loss": self.objective.loss.config,
+        }
+        metrics["loss_history"] = state.loss_history
+        metrics["eval_history"] = state.eval_history
+        metrics["best"] = {"metric": recipe.metric_for_best_model, "value": state.best_metric,
+                           "checkpoint": state.best_checkpoint}
+        if acc.is_main_process:
+            write_json_atomic(self.output_dir / "metrics.json", metrics)
+            self._plots(metrics)
+            for name in ("before", "validation", "test"):
+                if metrics.get(name):
+                    acc.print(f"{name:<11} {_headline(metrics[name])}")
+            acc.print(f"final model: {final_dir}")
+        return TrainResult(self.output_dir, final_dir, metrics, state)
+
+    def _plots(self, metrics: dict[str, Any]) -> None:
+        from vembed.evaluation.plots import plot_loss_curve, plot_recall_vs_dim
+
+        plot_loss_curve(metrics["loss_history"], self.output_dir / "loss_curve.png", metrics["eval_history"])
+        split = metrics.get("test") or metrics.get("validation")
+        if split and self.recipe.mrl_dims:
+            plot_recall_vs_dim(split, self.output_dir / "recall_vs_dim.png")
+
+
+def _headline(result: dict[str, float]) -> str:
+    keys = ("q2d/recall@1", "q2d/recall@5", "q2d/recall@10", "q2d/mrr", "d2q/recall@1")
+    return "  ".join(f"{k}={result[k]:.3f}" for k in keys if k in result)
+
+
+def _flat_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    # Trackers (tensorboard hparams) accept only scalars.
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flat_config(value, f"{name}."))
+        elif isinstance(value, (int, float, str, bool)):
+            flat[name] = value
+        elif value is not None:
+            flat[name] = str(value)
+    return flat
+
+
+def train(recipe: "Recipe", accelerator: "Accelerator | None" = None) -> TrainResult:
+    return Trainer(recipe, accelerator).run()

@@ -1,0 +1,106 @@
+"""Launch strategy: build the Accelerator for this launch and check it is the launch the user asked for.
+
+Everything that differs between single-device and DDP (process-group backend, world-size checks) lives here, so the
+loop reads the same for every launch. GradCache, FSDP and DeepSpeed join this module in the strategies issue.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from vembed.errors import LaunchError
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from vembed.recipe import Recipe
+
+EXPECTED_WORLD_SIZE_ENV = "VEMBED_EXPECTED_WORLD_SIZE"  # set by run.py / tests: the process count the launch promised
+
+
+def _launcher_num_processes() -> int | None:
+    """`--num_processes N` from the parent `accelerate launch` command line, if that is what started us.
+
+    `accelerate launch --cpu --num_processes 2` silently starts ONE process and sets no WORLD_SIZE; the parent's
+    command line is the only place the promise survives.
+    """
+    try:
+        args = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    if not any("accelerate" in a for a in args[:3]) or "launch" not in args:
+        return None
+    for i, arg in enumerate(args):
+        match = re.fullmatch(r"--num[_-]processes(?:=(\d+))?", arg)
+        if match:
+            value = match.group(1) or (args[i + 1] if i + 1 < len(args) else "")
+            return int(value) if value.isdigit() else None
+    return None
+
+
+def expected_world_size() -> int | None:
+    for source in (os.environ.get(EXPECTED_WORLD_SIZE_ENV), os.environ.get("WORLD_SIZE")):
+        if source and source.isdigit():
+            return int(source)
+    return _launcher_num_processes()
+
+
+def check_world_size(accelerator: "Accelerator") -> None:
+    expected = expected_world_size()
+    if expected is not None and expected != accelerator.num_processes:
+        raise LaunchError(
+            f"the launch promised {expected} processes but this run has {accelerator.num_processes}; on CPU, "
+            "`accelerate launch --cpu --num_processes N` starts one process: use "
+            "`--config_file accelerate_configs/ddp_cpu.yaml` (MULTI_GPU launcher with use_cpu) instead"
+        )
+
+
+def build_accelerator(recipe: "Recipe") -> "Accelerator":
+    """The Accelerator for this launch: device, precision, accumulation, trackers, and gloo on CPU."""
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, ProjectConfiguration
+
+    on_cpu = not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    handlers = [DistributedDataParallelKwargs(find_unused_parameters=False)]
+    if on_cpu and distributed:
+        handlers.append(InitProcessGroupKwargs(backend="gloo"))  # NCCL needs GPUs
+    if on_cpu and recipe.mixed_precision == "fp16":
+        from vembed.errors import RecipeError
+
+        raise RecipeError("mixed_precision", "fp16 needs a GPU; use bf16 or no on CPU")
+    accelerator = Accelerator(
+        cpu=on_cpu,
+        mixed_precision=recipe.mixed_precision,
+        gradient_accumulation_steps=recipe.gradient_accumulation_steps,
+        log_with=list(recipe.report_to) or None,
+        project_config=ProjectConfiguration(
+            project_dir=recipe.output_dir, logging_dir=str(Path(recipe.output_dir, "logs"))
+        ),
+        kwargs_handlers=handlers,
+        # We compute total steps from the sharded loader and step the scheduler once per optimizer step ourselves.
+        step_scheduler_with_optimizer=False,
+        dataloader_config=DataLoaderConfiguration(even_batches=True),
+    )
+    check_world_size(accelerator)
+    return accelerator
+
+
+def describe_launch(accelerator: "Accelerator", recipe: "Recipe", trainable: int, total: int) -> str:
+    """The block printed at start: what runs where, and how big the contrastive batch really is."""
+    world = accelerator.num_processes
+    lines = [
+        f"strategy            {accelerator.distributed_type.value.lower()} ({world} process{'es' if world > 1 else ''})",
+        f"device              {accelerator.device}",
+        f"precision           {accelerator.mixed_precision}",
+        f"per-device batch    {recipe.batch_size}",
+        f"contrastive batch   {recipe.batch_size * world} (negatives gathered across processes)",
+        f"effective batch     {recipe.batch_size * world * recipe.gradient_accumulation_steps} per optimizer step",
+        f"parameters          {trainable:,} trainable / {total:,} total",
+    ]
+    return "\n".join(lines)
