@@ -19,18 +19,38 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
+class _GatherWithGrad(torch.autograd.Function):
+    # Public collectives only: torch.distributed.nn.functional.all_gather is deprecated (FutureWarning in torch 2.13)
+    # and its suggested replacement lives in a private module.
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, tensor)
+        ctx.rows = tensor.shape[0]
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        # Every rank holds the gradient of its own loss w.r.t. the whole gathered tensor; summing them (all_reduce,
+        # which every backend has, unlike reduce_scatter on gloo) and keeping this rank's rows gives each rank the
+        # gradient of the sum of all ranks' losses w.r.t. its own embeddings.
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        start = dist.get_rank() * ctx.rows
+        return grad[start : start + ctx.rows]
+
+
 def gather_with_grad(tensor: torch.Tensor) -> torch.Tensor:
     """Concatenate `tensor` (same shape on every rank) along dim 0, in rank order, with gradients flowing back.
 
-    The backward of `torch.distributed.nn.all_gather` sums the gradient every rank computed for a slice and hands it
-    to the rank that owns it, so a loss computed on the gathered batch gives each rank the gradient of the global
-    objective with respect to its own embeddings.
+    The backward sums the gradient every rank computed for a slice and hands it to the rank that owns it, so a loss
+    computed on the gathered batch gives each rank the gradient of the global objective with respect to its own
+    embeddings.
     """
     if not is_distributed():
         return tensor
-    from torch.distributed.nn.functional import all_gather
-
-    return torch.cat(all_gather(tensor.contiguous()), dim=0)
+    return _GatherWithGrad.apply(tensor.contiguous())
 
 
 def gather_no_grad(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,129 @@
+"""DDP exactness: two gloo ranks with DistributedDataParallel give the gradients of one process on the whole batch.
+
+Each test launches two real ranks with `accelerate.debug_launcher`. Every rank encodes its half of a fixed global
+batch with a small linear encoder, wrapped in DDP together with the loss (as the training loop does), and writes
+its loss and gradients (after DDP's averaging) to a file; the pytest process then computes the same loss on the
+concatenated batch with no process group and compares.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from accelerate import debug_launcher
+from torch import nn
+
+from vembed.losses.base import EmbeddingLoss
+from vembed.losses.contrastive import InfoNCELoss, SigLIPLoss
+from vembed.losses.matryoshka import MatryoshkaLoss
+
+WORLD, B, K, IN, OUT = 2, 4, 2, 16, 8  # ranks, pairs per rank, hard negatives per pair, encoder in/out sizes
+MAX_RELATIVE_DIFFERENCE = 1e-5
+
+
+def _infonce() -> EmbeddingLoss:
+    return InfoNCELoss(temperature=0.05, learnable_temperature=True, symmetric=True)
+
+
+def _siglip() -> EmbeddingLoss:
+    return SigLIPLoss(temperature=0.1, learnable_temperature=True, bias_init=-3.0)
+
+
+def _matryoshka_infonce() -> EmbeddingLoss:
+    return MatryoshkaLoss(_infonce(), dims=[4, OUT], weights=[1.0, 0.5])
+
+
+LOSS_BUILDERS = {"infonce": _infonce, "siglip": _siglip, "matryoshka_infonce": _matryoshka_infonce}
+
+
+class EncoderWithLoss(nn.Module):
+    """What the loop hands to DDP: the encoder and the loss in one module, so the loss's parameters are averaged."""
+
+    def __init__(self, loss: EmbeddingLoss):
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = nn.Linear(IN, OUT)
+        self.loss = loss
+
+    def forward(self, queries, positives, negatives):
+        return tuple(F.normalize(self.encoder(x), dim=-1) for x in (queries, positives, negatives))
+
+
+def _global_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1234)
+    return (
+        torch.randn(WORLD * B, IN, generator=generator),
+        torch.randn(WORLD * B, IN, generator=generator),
+        torch.randn(WORLD * B, K, IN, generator=generator),
+    )
+
+
+def _loss_and_gradients(model: nn.Module, forward: nn.Module, batch) -> dict:
+    model.zero_grad()
+    loss = model.loss(*forward(*batch))
+    loss.backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+    return {"loss": loss.detach(), "grads": grads}
+
+
+def _rank_worker(case: str, out_dir: str) -> None:
+    """One DDP rank: its half of the global batch (rank 0 first), loss, backward, gradients to a file."""
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    model = EncoderWithLoss(LOSS_BUILDERS[case]())
+    ddp = nn.parallel.DistributedDataParallel(model)
+    local = tuple(t[rank * B : (rank + 1) * B] for t in _global_batch())
+    torch.save(_loss_and_gradients(model, ddp, local), Path(out_dir) / f"rank{rank}.pt")
+
+
+def _relative_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).abs().max() / expected.abs().max()).item()
+
+
+def _assert_ddp_matches_single_process(case: str, tmp_path: Path) -> float:
+    debug_launcher(_rank_worker, args=(case, str(tmp_path)), num_processes=WORLD)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+
+    model = EncoderWithLoss(LOSS_BUILDERS[case]())
+    expected = _loss_and_gradients(model, model, _global_batch())
+
+    # The global loss is the mean of the per-rank losses.
+    mean_loss = torch.stack([r["loss"] for r in ranks]).mean()
+    assert _relative_difference(mean_loss, expected["loss"]) <= MAX_RELATIVE_DIFFERENCE
+    worst = 0.0
+    for r, result in enumerate(ranks):
+        assert result["grads"].keys() == expected["grads"].keys()
+        for name, grad in expected["grads"].items():
+            difference = _relative_difference(result["grads"][name], grad)
+            assert difference <= MAX_RELATIVE_DIFFERENCE, f"rank {r}, {name}: relative difference {difference:.2e}"
+            worst = max(worst, difference)
+    print(f"{case}: max relative gradient difference {worst:.2e}")
+    return worst
+
+
+def test_infonce_ddp_gradients_match_single_process_full_batch(tmp_path):
+    # symmetric, with hard negatives, learnable temperature (its gradient is compared too)
+    _assert_ddp_matches_single_process("infonce", tmp_path)
+
+
+def test_siglip_ddp_gradients_match_single_process_full_batch(tmp_path):
+    # with hard negatives; learnable scale and bias
+    _assert_ddp_matches_single_process("siglip", tmp_path)
+
+
+def test_matryoshka_infonce_ddp_gradients_match_single_process_full_batch(tmp_path):
+    _assert_ddp_matches_single_process("matryoshka_infonce", tmp_path)
+
+
+def test_loss_parameters_are_compared_in_ddp_checks():
+    # Guards the checks above: they compare the loss's own parameters, not only the encoder's.
+    names = {
+        case: [n for n, p in EncoderWithLoss(build()).named_parameters() if p.requires_grad]
+        for case, build in LOSS_BUILDERS.items()
+    }
+    assert names["infonce"] == ["encoder.weight", "encoder.bias", "loss.log_scale"]
+    assert names["siglip"] == ["encoder.weight", "encoder.bias", "loss.log_scale", "loss.bias"]
+    assert names["matryoshka_infonce"] == ["encoder.weight", "encoder.bias", "loss.loss.log_scale"]
