@@ -32,3 +32,50 @@ def tiny_tokenizer_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tokenizer")
     train_tokenizer(CAPTIONS * 4, path, vocab_size=300, max_length=16)
     return str(path)
+
+
+TINY_CLIP_CONFIG = {
+    "projection_dim": 16,
+    "text_config": {
+        "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "max_position_embeddings": 32, "pad_token_id": 0, "bos_token_id": 2,
+        "eos_token_id": 3, "dropout": 0.1,
+    },
+    "vision_config": {
+        "image_size": 32, "patch_size": 8, "num_channels": 3, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "dropout": 0.1,
+    },
+}
+
+
+@pytest.fixture(scope="session")
+def dummy_data_dir(tmp_path_factory):
+    """Coloured-shape images with captions (train/validation/test JSONL, images/, tokenizer/)."""
+    from vembed.data.synthetic import make_dummy_dataset
+
+    path = tmp_path_factory.mktemp("dummy") / "data"
+    make_dummy_dataset(path, 96, seed=0, image_size=32)
+    return path
+
+
+@pytest.fixture
+def tiny_clip_recipe(dummy_data_dir, tmp_path):
+    """A recipe dict for a tiny random-init CLIP on the dummy data, writing into a fresh output_dir."""
+    return {
+        "model_type": "clip",
+        "model_config": TINY_CLIP_CONFIG,
+        "tokenizer_name": str(dummy_data_dir / "tokenizer"),
+        "data": {
+            "train": str(dummy_data_dir / "train.jsonl"),
+            "validation": str(dummy_data_dir / "validation.jsonl"),
+            "test": str(dummy_data_dir / "test.jsonl"),
+        },
+        "output_dir": str(tmp_path / "run"),
+        "batch_size": 8,
+        "learning_rate": 1e-3,
+        "epochs": 1,
+        "logging_steps": 1,
+        "save_steps": 100,
+        "seed": 0,
+        "eval_before_training": False,
+    }

@@ -1,0 +1,248 @@
+"""vembed/data/sources.py: finding files, reading rows into Examples, skipping and counting bad rows."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from vembed.data.sources import load_examples, resolve_files
+from vembed.errors import DataError, RecipeError
+from vembed.recipe import DataConfig
+
+
+@pytest.fixture(autouse=True)
+def _private_datasets_cache(tmp_path_factory, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf_cache")))
+
+
+def _png(path, colour=(255, 0, 0)):
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (4, 4), colour).save(path)
+    return path
+
+
+def _jsonl(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+ROWS = [
+    {"query": "a red square", "positive": "doc one", "negatives": ["n1", "n2"], "label": 1},
+    {"query": "a blue circle", "positive": "doc two", "negatives": ["n3", "n4", "n5"], "label": 2},
+    {"query": "a green triangle", "positive": "doc three", "negatives": ["n6", "n7"], "label": 3},
+]
+
+
+def _write(tmp_path, fmt, rows=ROWS):
+    import pandas as pd
+
+    if fmt == "jsonl":
+        return _jsonl(tmp_path / "pairs.jsonl", rows)
+    frame = pd.DataFrame(rows)
+    if fmt == "csv":
+        frame["negatives"] = [json.dumps(n) for n in frame["negatives"]]  # a CSV cell holds a list as JSON
+        frame.to_csv(tmp_path / "pairs.csv", index=False)
+        return tmp_path / "pairs.csv"
+    frame.to_parquet(tmp_path / "pairs.parquet")
+    return tmp_path / "pairs.parquet"
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet"])
+def test_each_format_reads_the_same_examples(tmp_path, fmt):
+    path = _write(tmp_path, fmt)
+    examples, report = load_examples(DataConfig(train=str(path)), "train")
+    assert [e.query.text for e in examples] == ["a red square", "a blue circle", "a green triangle"]
+    assert [e.positive.text for e in examples] == ["doc one", "doc two", "doc three"]
+    # unset num_hard_negatives: the smallest count (2); the longer list is truncated
+    assert [[n.text for n in e.negatives] for e in examples] == [["n1", "n2"], ["n3", "n4"], ["n6", "n7"]]
+    assert [e.label for e in examples] == ["1", "2", "3"]
+    assert [(e.source, e.row) for e in examples] == [(str(path), 1), (str(path), 2), (str(path), 3)]
+    assert (report.total, report.kept, report.skipped, report.num_hard_negatives) == (3, 3, {}, 2)
+
+
+def test_columns_are_mapped_and_absent_ones_unused(tmp_path):
+    path = _jsonl(tmp_path / "qa.jsonl", [{"question": "why?", "answer": "because", "topic": "x"}])
+    cfg = DataConfig(train=str(path), columns={"query": "question", "positive": "answer", "label": "topic"})
+    (example,), report = load_examples(cfg, "train")
+    assert (example.query.text, example.positive.text, example.label) == ("why?", "because", "x")
+    assert example.negatives == [] and report.num_hard_negatives == 0
+
+
+def test_missing_query_column_names_the_file_and_its_columns(tmp_path):
+    path = _jsonl(tmp_path / "qa.jsonl", [{"question": "why?", "positive": "because"}])
+    with pytest.raises(DataError) as err:
+        load_examples(DataConfig(train=str(path)), "train")
+    message = str(err.value)
+    assert str(path) in message and "no query column" in message and "'query_image'" in message
+    assert "['question', 'positive']" in message and "data.columns" in message
+    assert "positive column" not in message
+
+
+def test_relative_images_resolve_against_the_file_directory_or_image_root(tmp_path):
+    _png(tmp_path / "data" / "img" / "a.png")
+    _png(tmp_path / "pics" / "img" / "a.png")
+    absolute = _png(tmp_path / "elsewhere" / "b.png")
+    path = _jsonl(
+        tmp_path / "data" / "pairs.jsonl",
+        [{"query": "a", "positive_image": "img/a.png"}, {"query": "b", "positive_image": str(absolute)}],
+    )
+    examples, _ = load_examples(DataConfig(train=str(path)), "train")
+    assert [e.positive.image for e in examples] == [str(tmp_path / "data" / "img" / "a.png"), str(absolute)]
+    examples, _ = load_examples(DataConfig(train=str(path), image_root=str(tmp_path / "pics")), "train")
+    assert examples[0].positive.image == str(tmp_path / "pics" / "img" / "a.png")
+    assert all(os.path.isabs(e.positive.image) for e in examples)
+
+
+def test_negative_texts_and_images_pair_by_position(tmp_path):
+    _png(tmp_path / "n1.png")
+    _png(tmp_path / "n2.png")
+    path = _jsonl(
+        tmp_path / "pairs.jsonl",
+        [
+            {"query": "q", "positive": "p", "negatives": ["t1", "t2"], "negative_images": ["n1.png", "n2.png"]},
+            {"query": "q", "positive": "p", "negatives": "only one", "negative_images": "n1.png"},
+        ],
+    )
+    examples, report = load_examples(DataConfig(train=str(path)), "train", num_hard_negatives=1)
+    first = examples[0].negatives
+    assert len(first) == 1 and first[0].text == "t1" and first[0].image == str(tmp_path / "n1.png")
+    assert examples[1].negatives[0].text == "only one"
+    assert report.num_hard_negatives == 1
+
+
+def test_explicit_num_hard_negatives_skips_rows_with_fewer(tmp_path):
+    rows = [{"query": f"q{i}", "positive": "p", "negatives": ["a", "b", "c"]} for i in range(9)]
+    rows.append({"query": "short", "positive": "p", "negatives": ["a"]})
+    path = _jsonl(tmp_path / "pairs.jsonl", rows)
+    examples, report = load_examples(DataConfig(train=str(path), num_hard_negatives=2, max_bad_fraction=0.2), "train")
+    assert len(examples) == 9 and all(len(e.negatives) == 2 for e in examples)
+    assert report.skipped == {"too_few_negatives": 1} and report.bad_rows[0].row == 10
+    # the argument wins over the config (evaluation splits pass 0)
+    examples, report = load_examples(DataConfig(train=str(path), num_hard_negatives=2), "train", num_hard_negatives=0)
+    assert len(examples) == 10 and report.num_hard_negatives == 0 and all(e.negatives == [] for e in examples)
+
+
+def test_empty_rows_and_missing_images_are_skipped_and_counted(tmp_path):
+    _png(tmp_path / "ok.png")
+    rows = [{"query": f"q{i}", "positive_image": "ok.png"} for i in range(7)]
+    rows += [
+        {"query": "   ", "positive_image": "ok.png"},  # row 8: blank query
+        {"query": "q", "positive": None},  # row 9: no positive
+        {"query": "q", "positive_image": "gone.png"},  # row 10: missing image
+        {"query": "q", "positive_image": "ok.png", "negative_images": ["gone.png"]},  # row 11: missing negative
+    ]
+    path = _jsonl(tmp_path / "pairs.jsonl", rows)
+    examples, report = load_examples(DataConfig(train=str(path), max_bad_fraction=0.5), "train")
+    assert len(examples) == 7
+    assert (report.total, report.kept, report.num_skipped) == (11, 7, 4)
+    assert report.skipped == {"empty_query": 1, "empty_positive": 1, "missing_image": 2}
+    reasons = [(bad.row, bad.reason) for bad in report.bad_rows]
+    assert reasons == [(8, "empty_query"), (9, "empty_positive"), (10, "missing_image"), (11, "missing_image")]
+    assert "gone.png" in report.bad_rows[2].detail
+    assert "kept 7 of 11" in report.summary() and "2 missing_image" in report.summary()
+
+
+def test_too_many_bad_rows_raise_naming_file_row_and_fix(tmp_path):
+    rows = [{"query": "q", "positive": "p"}] * 8 + [{"query": "", "positive": "p"}] * 2
+    path = _jsonl(tmp_path / "pairs.jsonl", rows)
+    with pytest.raises(DataError) as err:
+        load_examples(DataConfig(train=str(path), max_bad_fraction=0.1), "train")
+    assert (err.value.file, err.value.row) == (str(path), 9)
+    message = str(err.value)
+    assert "2 of 10" in message and "2 empty_query" in message and "data.max_bad_fraction" in message
+    assert f"{path}, row 9" in message
+
+
+def test_a_split_whose_rows_are_all_bad_raises(tmp_path):
+    path = _jsonl(tmp_path / "pairs.jsonl", [{"query": "q", "positive": ""}])
+    with pytest.raises(DataError, match="no usable rows"):
+        load_examples(DataConfig(train=str(path), max_bad_fraction=1.0), "train")
+
+
+def test_several_files_with_different_columns(tmp_path):
+    a = _jsonl(tmp_path / "d" / "a.jsonl", [{"query": "qa", "positive": "pa"}])
+    _jsonl(tmp_path / "d" / "b.jsonl", [{"query": "qb", "positive": "pb", "label": "x"}])
+    (tmp_path / "d" / "notes.txt").write_text("ignored")
+    examples, report = load_examples(DataConfig(train=str(tmp_path / "d")), "train")
+    assert [(e.query.text, e.label) for e in examples] == [("qa", None), ("qb", "x")]
+    assert report.files == [str(a), str(tmp_path / "d" / "b.jsonl")]
+
+
+def test_resolve_files_paths_globs_directories_and_lists(tmp_path):
+    for name in ("b.jsonl", "a.csv", "c.parquet", "skip.txt"):
+        (tmp_path / name).write_text("")
+    found = resolve_files(str(tmp_path), "auto", key="data.train")
+    assert found == [str(tmp_path / n) for n in ("a.csv", "b.jsonl", "c.parquet")]
+    assert resolve_files(str(tmp_path / "*.jsonl"), "auto", "data.train") == [str(tmp_path / "b.jsonl")]
+    assert resolve_files(str(tmp_path), "csv", "data.train") == [str(tmp_path / "a.csv")]
+    both = [str(tmp_path / "b.jsonl"), str(tmp_path / "a.csv"), str(tmp_path / "b.jsonl")]
+    assert resolve_files(both, "auto", "data.train") == [str(tmp_path / "b.jsonl"), str(tmp_path / "a.csv")]
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("trian.jsonl", "did you mean train.jsonl"),
+        ("*.parquet", "matched no files"),
+        ("nodir/x.jsonl", "does not exist either"),
+        ("empty", "has no .jsonl/.json/.csv/.parquet files"),
+        ("train.txt", "cannot tell the format"),
+    ],
+)
+def test_resolve_files_errors_name_the_key_and_the_fix(tmp_path, monkeypatch, value, expected):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.jsonl").write_text("")
+    (tmp_path / "train.txt").write_text("")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RecipeError) as err:
+        resolve_files(value, "auto", key="data.validation")
+    assert err.value.key == "data.validation" and expected in str(err.value)
+
+
+def test_check_recipe_reports_a_missing_training_file_by_key(tmp_path):
+    from vembed.recipe import _check_data_paths, recipe_from_dict
+
+    recipe = recipe_from_dict({"data": {"train": str(tmp_path / "nope.jsonl")}})
+    with pytest.raises(RecipeError) as err:
+        _check_data_paths(recipe, ("train",))
+    assert err.value.key == "data.train" and "not found" in str(err.value)
+
+
+def test_unset_split_and_unparsable_file(tmp_path):
+    with pytest.raises(RecipeError, match="data.validation"):
+        load_examples(DataConfig(train="x"), "validation")
+    bad = tmp_path / "broken.jsonl"
+    bad.write_text('{"query": "a", "positive": "b"}\n{not json\n')
+    with pytest.raises(DataError, match="cannot read as json") as err:
+        load_examples(DataConfig(train=str(bad)), "train")
+    assert err.value.file == str(bad)
+
+
+def test_hf_saved_dataset_with_embedded_images(tmp_path):
+    import datasets
+    from PIL import Image
+
+    images = [Image.new("RGB", (4, 4), (i * 40, 0, 0)) for i in range(3)]
+    table = datasets.Dataset.from_dict(
+        {"query": ["a", "b", "c"], "positive_image": images},
+        features=datasets.Features({"query": datasets.Value("string"), "positive_image": datasets.Image()}),
+    )
+    datasets.DatasetDict({"train": table, "validation": table.select([0])}).save_to_disk(str(tmp_path / "hf"))
+    cfg = DataConfig(train=str(tmp_path / "hf"), validation=str(tmp_path / "hf"), format="hf")
+    examples, report = load_examples(cfg, "train")
+    assert report.kept == 3
+    from vembed.data.images import load_image
+
+    decoded = load_image(examples[1].positive.image)
+    assert decoded.mode == "RGB" and decoded.getpixel((0, 0)) == (40, 0, 0)
+    examples, _ = load_examples(cfg, "validation")
+    assert len(examples) == 1
+    with pytest.raises(RecipeError, match="format 'hf'"):
+        resolve_files(str(tmp_path / "missing"), "hf", key="data.train")

@@ -1,0 +1,35 @@
+"""The record types every data source produces and every adapter consumes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Union
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+ImageLike = Union[str, "Image.Image"]  # a file path (resolved, absolute) or a decoded RGB image
+
+
+@dataclass
+class Side:
+    """One item to embed: text, an image, or both (the adapter decides how it fuses both)."""
+
+    text: str | None = None
+    image: ImageLike | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.text and self.text.strip()) and self.image is None
+
+
+@dataclass
+class Example:
+    """A training/evaluation record: a query, its positive, optional hard negatives and an optional group label."""
+
+    query: Side
+    positive: Side
+    negatives: list[Side] = field(default_factory=list)
+    label: str | None = None  # items sharing a label are relevant to each other in evaluation
+    row: int | None = None  # row in the source file, for error messages
+    source: str | None = None  # source file, for error messages

@@ -1,0 +1,60 @@
+"""Build a small word-piece tokenizer offline, for random-init models (tests and the demo).
+
+Real users bring the tokenizer of their checkpoint; this exists so that nothing has to come from a hub.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+BOS, EOS, PAD, UNK = "<|startoftext|>", "<|endoftext|>", "<|pad|>", "<|unk|>"
+
+
+def train_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: int = 512, max_length: int = 32):
+    """Train a lower-cased BPE on `texts`, wrap it as a transformers tokenizer that adds BOS/EOS, save it to `out_dir`.
+
+    The EOS id is what CLIP-style text towers pool at, so configs built for this tokenizer must use its
+    `eos_token_id` (see `special_token_ids`).
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=UNK))
+    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        # EOS must not get id 2: CLIP text towers whose config says eos_token_id == 2 fall back to legacy argmax pooling.
+        special_tokens=[PAD, UNK, BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(texts), trainer=trainer)
+    bos, eos = tok.token_to_id(BOS), tok.token_to_id(EOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A {EOS}", special_tokens=[(BOS, bos), (EOS, eos)]
+    )
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        model_max_length=max_length,
+    )
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    wrapped.save_pretrained(out_dir)
+    return wrapped
+
+
+def special_token_ids(tokenizer) -> dict[str, int]:
+    """The ids a random-init text config must agree with (pad/bos/eos), keyed as HF configs name them."""
+    return {
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "vocab_size": len(tokenizer),
+    }
