@@ -1,6 +1,6 @@
 """DDP exactness: two gloo ranks with DistributedDataParallel give the gradients of one process on the whole batch.
 
-Each test launches two real ranks with `accelerate.debug_launcher`. Every rank encodes its half of a fixed global
+Each test launches two real gloo ranks (tests/ranks.py). Every rank encodes its half of a fixed global
 batch with a small linear encoder, wrapped in DDP together with the loss (as the training loop does), and writes
 its loss and gradients (after DDP's averaging) to a file; the pytest process then computes the same loss on the
 concatenated batch with no process group and compares.
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from accelerate import debug_launcher
+from ranks import run_on_ranks
 from torch import nn
 
 from vembed.losses.base import EmbeddingLoss
@@ -84,7 +84,7 @@ def _relative_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def _assert_ddp_matches_single_process(case: str, tmp_path: Path) -> float:
-    debug_launcher(_rank_worker, args=(case, str(tmp_path)), num_processes=WORLD)
+    run_on_ranks(_rank_worker, case, str(tmp_path), world=WORLD)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
 
     model = EncoderWithLoss(LOSS_BUILDERS[case]())

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate import debug_launcher
+from ranks import run_on_ranks
 
 from vembed.recipe import recipe_from_dict
 
@@ -61,7 +61,7 @@ def test_ddp_gradients_match_single_process_full_batch(tiny_clip_recipe, tmp_pat
     raw_path = tmp_path / "raw.json"
     raw_path.write_text(json.dumps(raw))
 
-    debug_launcher(_ddp_worker, args=(str(raw_path), str(tmp_path)), num_processes=2)
+    run_on_ranks(_ddp_worker, str(raw_path), str(tmp_path), world=2)
     ddp = torch.load(tmp_path / "ddp.pt", weights_only=True)
 
     single = _gradients(dict(raw, batch_size=GLOBAL_BATCH), list(range(GLOBAL_BATCH)))

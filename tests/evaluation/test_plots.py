@@ -1,0 +1,48 @@
+"""The plots write real PNGs, and return None when there is nothing to draw."""
+
+from __future__ import annotations
+
+import sys
+
+from vembed.evaluation.plots import plot_loss_curve, plot_recall_vs_dim
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _is_png(path) -> bool:
+    data = path.read_bytes()
+    return data.startswith(PNG_MAGIC) and len(data) > 1000
+
+
+def test_recall_vs_dim_writes_a_png_for_both_directions(tmp_path):
+    metrics = {"num_queries": 10.0, "q2d/recall@1": 0.5, "d2q/recall@1": 0.4}
+    for dim, scale in ((16, 0.5), (32, 0.8), (64, 1.0)):
+        for k, base in ((1, 0.5), (5, 0.8), (10, 0.9)):
+            metrics[f"q2d/dim{dim}/recall@{k}"] = base * scale
+            metrics[f"d2q/dim{dim}/recall@{k}"] = base * scale * 0.9
+    out = plot_recall_vs_dim(metrics, tmp_path / "plots" / "recall.png", full_dim=128)
+    assert out == tmp_path / "plots" / "recall.png" and _is_png(out)
+
+
+def test_recall_vs_dim_without_mrl_metrics_draws_nothing(tmp_path):
+    assert plot_recall_vs_dim({"q2d/recall@1": 0.5}, tmp_path / "r.png") is None
+    assert not (tmp_path / "r.png").exists()
+
+
+def test_loss_curve_with_learning_rate_and_eval_history(tmp_path):
+    history = [{"step": s, "loss": 2.0 / s, "lr": 1e-4 * (1 - s / 20)} for s in range(1, 20)]
+    evals = [{"step": 0, "q2d/recall@1": 0.1}, {"step": 10, "q2d/recall@1": 0.5}]
+    out = plot_loss_curve(history, tmp_path / "loss.png", eval_history=evals)
+    assert _is_png(out)
+    assert _is_png(plot_loss_curve(history[:1], tmp_path / "one_point.png"))
+
+
+def test_loss_curve_without_history_draws_nothing(tmp_path):
+    assert plot_loss_curve([], tmp_path / "loss.png") is None
+    assert plot_loss_curve([{"step": 1, "lr": 1e-4}], tmp_path / "loss.png") is None
+
+
+def test_plots_leave_pyplot_alone(tmp_path):
+    plot_loss_curve([{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}], tmp_path / "loss.png")
+    if "matplotlib.pyplot" in sys.modules:  # imported by something else: our figures must not be in its list
+        assert sys.modules["matplotlib.pyplot"].get_fignums() == []

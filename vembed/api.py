@@ -1,0 +1,105 @@
+"""The Python entry point for using a trained model: `vembed.load(path).encode(texts=[...], images=[...])`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Union
+
+import torch
+import torch.nn.functional as F
+
+from vembed.data.records import Side
+from vembed.evaluation.retrieval import encode_sides
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from vembed.models.base import EmbeddingAdapter
+
+ImageInput = Union[str, os.PathLike, "Image.Image"]
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class Embedder:
+    """A saved vembed model ready to embed texts, images, or text+image pairs.
+
+    >>> model = vembed.load("runs/demo/final")
+    >>> q = model.encode(texts=["a red square"])           # (1, dim)
+    >>> d = model.encode(images=["square.png"])             # paths or PIL images
+    >>> scores = q @ d.T                                    # cosine similarities
+    """
+
+    def __init__(self, adapter: "EmbeddingAdapter", device: str | torch.device | None = None):
+        self.device = torch.device(device or _default_device())
+        self.adapter = adapter.to(self.device).eval()
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, device: str | torch.device | None = None) -> "Embedder":
+        """Load a folder written by vembed (`output_dir/final` or a checkpoint's model), whatever its adapter.
+
+        `device`: where to run (default: cuda when available, else cpu).
+        """
+        from vembed.models.base import load_adapter
+
+        return cls(load_adapter(Path(path)), device=device)
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.adapter.embedding_dim
+
+    @property
+    def model_type(self) -> str:
+        return self.adapter.model_type
+
+    def encode(
+        self,
+        texts: str | Sequence[str] | None = None,
+        images: ImageInput | Sequence[ImageInput] | None = None,
+        batch_size: int = 32,
+        show_progress: bool = False,
+        normalize: bool = True,
+    ) -> torch.Tensor:
+        """Embed texts, images, or both; returns a CPU float32 tensor `(n, embedding_dim)`.
+
+        - only `texts` (or only `images`): one row per item;
+        - both, of equal length: item i is ONE side with text i and image i (e.g. a composed query "this shirt, in
+          red"), fused as the adapter fuses text+image sides; one row per pair. To embed texts and images
+          separately, call `encode` twice.
+
+        A single string or image is treated as a list of one. Images are file paths or PIL images. Rows are
+        L2-normalised unless `normalize=False` (then they are whatever the model outputs).
+        """
+        texts = [texts] if isinstance(texts, str) else texts
+        images = [images] if isinstance(images, (str, os.PathLike)) or _is_pil(images) else images
+        if texts is None and images is None:
+            raise ValueError("encode needs texts, images, or both")
+        if texts is not None and images is not None and len(texts) != len(images):
+            raise ValueError(
+                f"got {len(texts)} texts and {len(images)} images; pairs need equal lengths "
+                "(to embed them separately, call encode(texts=...) and encode(images=...))"
+            )
+        if images is not None:
+            images = [os.fspath(img) if isinstance(img, os.PathLike) else img for img in images]
+        n = len(texts if texts is not None else images)
+        sides = [Side(text=texts[i] if texts is not None else None, image=images[i] if images is not None else None)
+                 for i in range(n)]
+        embeddings = encode_sides(self.adapter, sides, batch_size=batch_size, show_progress=show_progress)
+        if normalize:
+            embeddings = F.normalize(embeddings, dim=-1)
+        return embeddings.cpu()
+
+    def __repr__(self) -> str:
+        return f"Embedder(model_type={self.model_type!r}, embedding_dim={self.embedding_dim}, device={self.device})"
+
+
+def _is_pil(obj: object) -> bool:
+    try:
+        from PIL import Image
+    except ImportError:  # pragma: no cover - pillow is a dependency
+        return False
+    return isinstance(obj, Image.Image)

@@ -1,0 +1,321 @@
+"""Retrieval metrics (recall@k, MRR, nDCG@10) of an adapter on a list of examples, in both directions.
+
+The corpus is the set of unique positives; relevance comes from labels when the examples carry them, otherwise from
+each query's own positive. Scores are computed in chunks of queries so a large corpus never needs a full score matrix.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from vembed.errors import DataError
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from vembed.data.records import Example, Side
+    from vembed.models.base import EmbeddingAdapter
+
+NDCG_K = 10
+SCORE_CHUNK_ELEMENTS = 1 << 25  # query-chunk x corpus scores held at once (128 MiB of float32)
+
+
+# --- relevance -----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GroupRelevance:
+    """Relevance as group ids: query i and document j are relevant iff `query_groups[i] == doc_groups[j]`.
+
+    The compact equivalent of a boolean (n_queries, n_documents) matrix when relevance is an equivalence (shared
+    label, or "this is my positive"): O(n) memory instead of O(n_queries x n_documents).
+    """
+
+    query_groups: torch.Tensor  # (n_queries,) int
+    doc_groups: torch.Tensor  # (n_documents,) int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return len(self.query_groups), len(self.doc_groups)
+
+    def transpose(self) -> "GroupRelevance":
+        return GroupRelevance(self.doc_groups, self.query_groups)
+
+    def block(self, start: int, stop: int, device: torch.device) -> torch.Tensor:
+        rows = self.query_groups[start:stop].to(device)
+        return rows[:, None] == self.doc_groups.to(device)[None, :]
+
+
+def _as_relevance(relevance: Any, shape: tuple[int, int]) -> GroupRelevance | torch.Tensor:
+    if isinstance(relevance, GroupRelevance):
+        rel: GroupRelevance | torch.Tensor = relevance
+    else:
+        rel = torch.as_tensor(relevance).bool()
+    if tuple(rel.shape) != shape:
+        raise ValueError(f"relevance has shape {tuple(rel.shape)}, expected (n_queries, n_documents) = {shape}")
+    return rel
+
+
+def _relevance_block(rel: GroupRelevance | torch.Tensor, start: int, stop: int, device: torch.device) -> torch.Tensor:
+    if isinstance(rel, GroupRelevance):
+        return rel.block(start, stop, device)
+    return rel[start:stop].to(device)
+
+
+# --- metrics -------------------------------------------------------------------------------------------------------
+
+
+def retrieval_metrics(
+    query_emb: torch.Tensor,
+    doc_emb: torch.Tensor,
+    relevance: torch.Tensor | GroupRelevance | Any,
+    ks: Sequence[int] = (1, 5, 10),
+    *,
+    chunk_size: int | None = None,
+) -> dict[str, float]:
+    """Rank documents for each query by cosine similarity and score the ranking.
+
+    Args:
+        query_emb: `(n_queries, dim)`; rows are L2-normalised here, so scores are cosines.
+        doc_emb: `(n_documents, dim)`.
+        relevance: a boolean `(n_queries, n_documents)` matrix (tensor, array or nested lists), or a
+            `GroupRelevance`.
+        ks: cut-offs for recall.
+        chunk_size: queries scored at once (default: as many as fit in ~128 MiB of scores).
+
+    Returns `{"recall@k": ..., "mrr": ..., "ndcg@10": ...}`, averaged over queries that have at least one relevant
+    document (queries with none are left out, as in trec_eval):
+    - recall@k: the share of queries with at least one relevant document in the top k (the usual definition for
+      text-image retrieval; not the share of all relevant documents retrieved).
+    - mrr: mean reciprocal rank of the first relevant document, over the full ranking (no cut-off).
+    - ndcg@10: binary gains `1 / log2(rank + 1)` of relevant documents in the top 10, divided by the ideal DCG of
+      `min(n_relevant, 10)` relevant documents at the top.
+
+    Ties count against the model: a non-relevant document scoring the same as a relevant one ranks before it, so a
+    collapsed model (all embeddings equal) scores near zero rather than perfectly. Non-finite scores rank last.
+    """
+    if query_emb.ndim != 2 or doc_emb.ndim != 2 or query_emb.shape[1] != doc_emb.shape[1]:
+        shapes = f"{tuple(query_emb.shape)} and {tuple(doc_emb.shape)}"
+        raise ValueError(f"embeddings must be (n, dim) with the same dim, got {shapes}")
+    n_q, n_d = len(query_emb), len(doc_emb)
+    rel = _as_relevance(relevance, (n_q, n_d))
+    device = query_emb.device
+    queries = F.normalize(query_emb.float(), dim=-1)
+    docs = F.normalize(doc_emb.float().to(device), dim=-1)
+    chunk = chunk_size or max(1, SCORE_CHUNK_ELEMENTS // max(n_d, 1))
+    top = min(NDCG_K, n_d)
+    discounts = 1.0 / torch.log2(torch.arange(2, NDCG_K + 2, device=device, dtype=torch.float64))
+
+    # Finite embeddings give finite cosines; otherwise NaN scores become -inf so that they rank last.
+    finite = bool(torch.isfinite(queries).all() and torch.isfinite(docs).all())
+    order = torch.arange(top, device=device)
+    ideal_by_count = torch.cumsum(discounts, 0)  # ideal DCG of 1..10 relevant documents
+    first_ranks, ndcgs = [], []
+    for start in range(0, n_q, chunk):
+        stop = min(start + chunk, n_q)
+        scores = queries[start:stop] @ docs.T
+        if not finite:
+            scores = torch.nan_to_num(scores, nan=-math.inf)
+        is_rel = _relevance_block(rel, start, stop, device)
+        n_rel = is_rel.sum(dim=1)
+        keep = n_rel > 0
+        if not keep.all():
+            scores, is_rel, n_rel = scores[keep], is_rel[keep], n_rel[keep]
+        if not len(n_rel):
+            continue
+        top_rel = scores.masked_fill(~is_rel, -math.inf).topk(top, dim=1).values  # (c, top), descending
+        non_rel = scores.masked_fill(is_rel, -math.inf)
+        del scores
+        # Rank of the first relevant document: 1 + non-relevant documents scoring at least as high (ties pessimistic;
+        # a relevant score of -inf ranks after every non-relevant document).
+        best_rel = top_rel[:, 0]
+        ahead = (non_rel >= best_rel[:, None]).sum(dim=1, dtype=torch.int32)
+        first_ranks.append(1 + torch.where(best_rel > -math.inf, ahead, n_d - n_rel))
+
+        # nDCG@10: the r-th best relevant document (r = 0..9) ranks at 1 + r + (non-relevant scoring >= it). Only
+        # ranks <= 10 matter, so comparing against the 10 best non-relevant scores is enough (the count is capped).
+        top_non = non_rel.topk(top, dim=1).values  # -inf where fewer than `top` non-relevant documents exist
+        beaten = (top_non[:, None, :] >= top_rel[:, :, None]) & (top_non[:, None, :] > -math.inf)
+        ranks = 1 + order[None, :] + beaten.sum(dim=-1)  # (c, top)
+        valid = (order[None, :] < n_rel[:, None]) & (ranks <= NDCG_K)
+        gains = discounts[(ranks - 1).clamp(max=NDCG_K - 1)] * valid
+        ndcgs.append(gains.sum(dim=1) / ideal_by_count[n_rel.clamp(max=NDCG_K) - 1])
+
+    if not first_ranks:
+        raise ValueError("no query has a relevant document; check the relevance matrix")
+    ranks_all = torch.cat(first_ranks).double()
+    metrics = {f"recall@{k}": (ranks_all <= k).double().mean().item() for k in ks}
+    metrics["mrr"] = (1.0 / ranks_all).mean().item()
+    metrics[f"ndcg@{NDCG_K}"] = torch.cat(ndcgs).mean().item()
+    return metrics
+
+
+# --- encoding ------------------------------------------------------------------------------------------------------
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    param = next(module.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+@torch.no_grad()
+def encode_sides(
+    adapter: "EmbeddingAdapter",
+    sides: Sequence["Side"],
+    *,
+    batch_size: int = 64,
+    accelerator: "Accelerator | None" = None,
+    show_progress: bool = False,
+    desc: str = "encoding",
+) -> torch.Tensor:
+    """Embed `sides` in batches, in eval mode (the previous mode is restored), returning `(len(sides), dim)` float32.
+
+    With an `accelerator`, each process encodes a contiguous share and the shares are gathered, so every process
+    returns the same full tensor. Every process runs the same number of forward passes (short shares are padded with
+    a repeated side), which sharded models (FSDP) need. `adapter` may be the model `accelerator.prepare` returned:
+    batches go through its forward (the adapter's `encode`), preprocessing through the unwrapped adapter.
+    """
+    core = accelerator.unwrap_model(adapter) if accelerator is not None else adapter
+    n = len(sides)
+    if accelerator is not None and accelerator.num_processes > 1:
+        per = math.ceil(n / accelerator.num_processes) if n else 0
+        mine = list(sides[accelerator.process_index * per : (accelerator.process_index + 1) * per])
+        local = mine + [sides[-1]] * (per - len(mine)) if n else []
+        device = accelerator.device
+        show_progress = show_progress and accelerator.is_main_process
+    else:
+        local, device = list(sides), _device_of(core)
+
+    was_training = adapter.training
+    adapter.eval()
+    try:
+        starts = range(0, len(local), batch_size)
+        if show_progress:
+            from tqdm.auto import tqdm
+
+            starts = tqdm(starts, desc=desc, unit="batch")
+        parts = []
+        for start in starts:
+            inputs = core.preprocess(local[start : start + batch_size])
+            inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+            parts.append(adapter(inputs).float())
+    finally:
+        adapter.train(was_training)
+    dim = core.embedding_dim
+    embeddings = torch.cat(parts) if parts else torch.empty(0, dim, device=device)
+    if accelerator is not None and accelerator.num_processes > 1:
+        # Plain gather, not gather_for_metrics: the latter trims by the remainder of whichever prepared dataloader is
+        # at its end (the training one, when evaluating at the end of an epoch), which is not ours.
+        embeddings = accelerator.gather(embeddings.contiguous())[:n]
+    return embeddings
+
+
+# --- evaluation of examples ----------------------------------------------------------------------------------------
+
+
+def _side_key(side: "Side") -> tuple[Any, ...]:
+    image = side.image
+    return (side.text, image if isinstance(image, str) or image is None else ("pil", id(image)))
+
+
+def _corpus_and_relevance(examples: Sequence["Example"]) -> tuple[list["Side"], GroupRelevance]:
+    """Unique positives as the corpus, and who is relevant to whom.
+
+    Without labels, a query's relevant document is its own positive (identical positives are one document, relevant
+    to every query that has it). With labels, documents are deduplicated within a label, and a document is relevant
+    to every query of its label.
+    """
+    labelled = sum(ex.label is not None for ex in examples)
+    if 0 < labelled < len(examples):
+        raise DataError(
+            f"{labelled} of {len(examples)} evaluation records have a label; give every record a label or none"
+        )
+    use_labels = labelled > 0
+    label_ids: dict[Any, int] = {}
+    doc_index: dict[tuple[Any, ...], int] = {}
+    docs, doc_groups, query_groups = [], [], []
+    for ex in examples:
+        key = _side_key(ex.positive) + ((ex.label,) if use_labels else ())
+        if key not in doc_index:
+            doc_index[key] = len(docs)
+            docs.append(ex.positive)
+            doc_groups.append(label_ids.setdefault(ex.label, len(label_ids)) if use_labels else doc_index[key])
+        query_groups.append(label_ids[ex.label] if use_labels else doc_index[key])
+    return docs, GroupRelevance(torch.tensor(query_groups), torch.tensor(doc_groups))
+
+
+def evaluate_retrieval(
+    adapter: "EmbeddingAdapter",
+    examples: Sequence["Example"],
+    *,
+    batch_size: int = 64,
+    mrl_dims: Sequence[int] | None = None,
+    accelerator: "Accelerator | None" = None,
+    show_progress: bool = False,
+) -> dict[str, float]:
+    """Encode the queries and the unique positives of `examples` and score retrieval both ways.
+
+    Keys: `q2d/recall@1`, `q2d/recall@5`, `q2d/recall@10`, `q2d/mrr`, `q2d/ndcg@10` (queries retrieve documents),
+    the same under `d2q/` (documents retrieve queries), the same again under `q2d/dim{d}/` and `d2q/dim{d}/` for each
+    Matryoshka dimension in `mrl_dims` (embeddings truncated to `d`, then renormalised), and `num_queries`,
+    `num_documents`. With an `accelerator`, encoding is sharded across processes and every process returns the same
+    metrics.
+    """
+    if not examples:
+        raise DataError("no examples to evaluate")
+    dim = (accelerator.unwrap_model(adapter) if accelerator is not None else adapter).embedding_dim
+    too_big = [d for d in mrl_dims or () if not 0 < d <= dim]
+    if too_big:
+        raise ValueError(f"mrl_dims {too_big} are not in 1..{dim}, the embedding size")
+    docs, relevance = _corpus_and_relevance(examples)
+    kwargs = dict(batch_size=batch_size, accelerator=accelerator, show_progress=show_progress)
+    query_emb = encode_sides(adapter, [ex.query for ex in examples], desc="queries", **kwargs)
+    doc_emb = encode_sides(adapter, docs, desc="documents", **kwargs)
+
+    metrics: dict[str, float] = {}
+    for dim_prefix, d in [("", None)] + [(f"dim{d}/", d) for d in mrl_dims or ()]:
+        q, p = (query_emb, doc_emb) if d is None else (query_emb[:, :d], doc_emb[:, :d])
+        for direction, scores in (
+            ("q2d", retrieval_metrics(q, p, relevance)),
+            ("d2q", retrieval_metrics(p, q, relevance.transpose())),
+        ):
+            metrics.update({f"{direction}/{dim_prefix}{name}": value for name, value in scores.items()})
+    metrics["num_queries"] = float(len(examples))
+    metrics["num_documents"] = float(len(docs))
+    return metrics
+
+
+def zero_shot_accuracy(
+    adapter: "EmbeddingAdapter",
+    examples: Sequence["Example"],
+    class_prompts: dict[Any, str],
+    *,
+    side: Literal["query", "positive"] = "positive",
+    batch_size: int = 64,
+    accelerator: "Accelerator | None" = None,
+) -> float:
+    """Share of examples whose `side` (default: the positive, e.g. an image) is nearest to its own label's prompt.
+
+    `class_prompts` maps each label to a text (`{"7": "a photo of the digit seven"}`); labels are compared as strings,
+    so integer keys match the string labels records carry.
+    """
+    from vembed.data.records import Side
+
+    if not examples:
+        raise DataError("no examples to evaluate")
+    label_index = {str(key): i for i, key in enumerate(class_prompts)}
+    unknown = sorted({str(ex.label) for ex in examples} - set(label_index))
+    if unknown:
+        raise DataError(f"labels {unknown[:5]} have no class prompt (records without a label count as 'None')")
+    kwargs = dict(batch_size=batch_size, accelerator=accelerator)
+    prompt_emb = F.normalize(encode_sides(adapter, [Side(text=t) for t in class_prompts.values()], **kwargs), dim=-1)
+    item_emb = F.normalize(encode_sides(adapter, [getattr(ex, side) for ex in examples], **kwargs), dim=-1)
+    predicted = (item_emb @ prompt_emb.T).argmax(dim=1).cpu()
+    target = torch.tensor([label_index[str(ex.label)] for ex in examples])
+    return (predicted == target).double().mean().item()
