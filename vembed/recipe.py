@@ -311,6 +311,15 @@ def _check_data_paths(recipe: Recipe, splits: tuple[str, ...]) -> None:
         raise RecipeError("data.image_root", f"directory {recipe.data.image_root!r} not found")
 
 
+def _check_trackers(recipe: Recipe) -> None:
+    # accelerate drops a tracker whose package is missing with only a log line; a user asked for it, so refuse.
+    import importlib.util
+
+    for tracker in recipe.report_to:
+        if importlib.util.find_spec(tracker) is None:
+            raise RecipeError("report_to", f"{tracker} is not installed; pip install 'vembed[{tracker}]' or remove it")
+
+
 def check_recipe(recipe: Recipe, *, for_training: bool = True) -> None:
     """Every check that needs more than the schema, still before any model is built."""
     from vembed.losses import LOSSES
@@ -325,6 +334,7 @@ def check_recipe(recipe: Recipe, *, for_training: bool = True) -> None:
     if for_training and recipe.data.train is None:
         raise RecipeError("data.train", "is required for training; point it at a JSONL/CSV/Parquet file or directory")
     _check_data_paths(recipe, ("train", "validation", "test"))
+    _check_trackers(recipe)
     adapter_cls.check_recipe(recipe)
     if recipe.mrl_dims:
         dim = adapter_cls.embedding_dim_for(recipe)

@@ -32,18 +32,21 @@ def _train(raw: dict) -> Trainer:
     return trainer
 
 
-@pytest.mark.parametrize("interrupt_at", [3, 10])  # mid first epoch; mid second epoch (8 steps each)
+# 8 steps per epoch: mid first epoch, exactly at the epoch boundary, mid second epoch.
+@pytest.mark.parametrize("interrupt_at", [3, 8, 10])
 def test_resumed_run_ends_with_the_same_weights(tiny_clip_recipe, tmp_path, monkeypatch, interrupt_at):
     raw = dict(tiny_clip_recipe, max_steps=11, save_steps=interrupt_at, save_total_limit=1, epochs=1)
     reference = _train(dict(raw, output_dir=str(tmp_path / "reference")))
     assert reference.steps_per_epoch < 10, "the test must cross an epoch boundary"
 
-    # Kill the second run right after its first checkpoint is on disk.
+    # Kill the second run right after its checkpoint at `interrupt_at` is on disk.
     original_save = checkpoint_module.CheckpointManager.save
 
     def save_then_die(self, state):
         path = original_save(self, state)
-        raise Interrupted(path)
+        if state.global_step == interrupt_at:
+            raise Interrupted(path)
+        return path
 
     monkeypatch.setattr(checkpoint_module.CheckpointManager, "save", save_then_die)
     interrupted_dir = tmp_path / "interrupted"

@@ -167,10 +167,12 @@ class Trainer:
             acc.init_trackers(recipe.run_name or "vembed", config=_flat_config(recipe.to_dict()))
 
         state = TrainerState()
+        self._last_saved_step: int | None = None
         resume_path = resolve_resume(recipe.resume_from, self.output_dir)
         metrics: dict[str, Any] = {}
         if resume_path is not None:
             state = self.checkpoints.load(resume_path)
+            self._last_saved_step = state.global_step
             acc.print(f"resumed from {resume_path} at step {state.global_step}")
             metrics = self._read_metrics()
         elif recipe.eval_before_training and self.eval_examples:
@@ -254,15 +256,17 @@ class Trainer:
             )
 
     def _maybe_evaluate_and_save(self, state: TrainerState, *, end_of_epoch: bool, done: bool) -> None:
+        """Evaluate every `eval_steps` (or at each epoch end) and save every `save_steps` and whenever the validation
+        metric improves. At the last step nothing is saved here: `final/` is written instead."""
         recipe = self.recipe
         step = state.global_step
-        due_eval = bool(self.eval_examples) and (
-            (recipe.eval_steps is not None and step % recipe.eval_steps == 0)
-            or (recipe.eval_steps is None and end_of_epoch)
-        )
-        due_save = recipe.save_steps is not None and step % recipe.save_steps == 0 and not done
+        if end_of_epoch:
+            due_eval, due_save = recipe.eval_steps is None, False
+        else:
+            due_eval = recipe.eval_steps is not None and step % recipe.eval_steps == 0
+            due_save = recipe.save_steps is not None and step % recipe.save_steps == 0
         improved = False
-        if due_eval:
+        if due_eval and self.eval_examples:
             result = self.evaluate(self.eval_examples)
             state.eval_history.append({"step": step, **result})
             self.accelerator.log({f"eval/{k}": v for k, v in result.items()}, step=step)
@@ -275,11 +279,13 @@ class Trainer:
             improved = is_better(value, state.best_metric)
             if improved:
                 state.best_metric = value
+                state.best_checkpoint = f"checkpoint-{step}" if recipe.save_steps is not None else None
             self.model.train()
-        if (due_save or (improved and recipe.save_steps is not None)) and not done:
-            if improved:
-                state.best_checkpoint = f"checkpoint-{step}"
+        if done or step == self._last_saved_step:
+            return
+        if due_save or (improved and recipe.save_steps is not None):
             self.checkpoints.save(state)
+            self._last_saved_step = step
 
     def _read_metrics(self) -> dict[str, Any]:
         import json

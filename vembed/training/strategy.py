@@ -33,7 +33,8 @@ def _launcher_num_processes() -> int | None:
         args = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
         return None
-    if not any("accelerate" in a for a in args[:3]) or "launch" not in args:
+    launched = any(a == "launch" or a.endswith("accelerate.commands.launch") for a in args[:4])
+    if not launched or not any("accelerate" in a for a in args[:4]):
         return None
     for i, arg in enumerate(args):
         match = re.fullmatch(r"--num[_-]processes(?:=(\d+))?", arg)

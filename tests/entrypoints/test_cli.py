@@ -1,0 +1,97 @@
+"""The real command line: bad input → one line, exit 2, nothing written; a 2-process CPU launch trains end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", PYTHONPATH=str(ROOT))
+
+
+def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _write_recipe(tmp_path: Path, raw: dict) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ({"learnin_rate": 1e-4}, "learnin_rate"),
+        ({"learning_rate": -1.0}, "learning_rate"),
+        ({"mrl_dims": [999]}, "mrl_dims"),
+        ({"data": {"train": "no/such/file.jsonl"}}, "data.train"),
+    ],
+    ids=["unknown-key", "negative-lr", "mrl-too-big", "missing-data"],
+)
+def test_bad_recipe_is_one_line_exit_2_and_nothing_written(tiny_clip_recipe, tmp_path, change, expected):
+    raw = {**tiny_clip_recipe, **change}
+    result = _run([sys.executable, "run.py", str(_write_recipe(tmp_path, raw))], timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and expected in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+    assert not Path(raw["output_dir"]).exists()
+
+
+def test_debug_flag_shows_the_traceback(tiny_clip_recipe, tmp_path):
+    recipe = _write_recipe(tmp_path, {**tiny_clip_recipe, "learnin_rate": 1})
+    result = _run([sys.executable, "-m", "vembed.entrypoints.train", str(recipe), "--debug"], timeout=120)
+    assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+def test_cpu_flag_with_two_processes_is_refused_not_silently_single(tiny_clip_recipe, tmp_path):
+    recipe = _write_recipe(tmp_path, tiny_clip_recipe)
+    result = _run([sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
+                   "vembed/entrypoints/train.py", str(recipe)])
+    assert result.returncode != 0
+    assert "promised 2 processes" in result.stderr and "ddp_cpu.yaml" in result.stderr
+
+
+@pytest.mark.slow
+def test_accelerate_launch_two_cpu_processes_end_to_end(tiny_clip_recipe, tmp_path):
+    raw = dict(tiny_clip_recipe, max_steps=4, save_steps=2, report_to=["tensorboard"], mrl_dims=[16, 8])
+    recipe = _write_recipe(tmp_path, raw)
+    result = _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                   "accelerate_configs/ddp_cpu.yaml", "--main_process_port", str(_free_port()),
+                   "vembed/entrypoints/train.py", str(recipe), "--config_override", "learning_rate=5e-4"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = Path(raw["output_dir"])
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["train"]["world_size"] == 2
+    assert metrics["train"]["steps"] == 4
+    assert (out / "checkpoint-2" / "trainer_state.json").is_file()
+    assert (out / "loss_curve.png").stat().st_size > 0 and (out / "recall_vs_dim.png").stat().st_size > 0
+    assert "q2d/dim8/recall@1" in metrics["test"]
+    assert yaml.safe_load((out / "recipe.yaml").read_text())["learning_rate"] == pytest.approx(5e-4)
+    assert list((out / "logs").rglob("events.out.tfevents*")), "tensorboard tracker wrote nothing"
+
+    import vembed
+
+    model = vembed.load(str(out / "final"))
+    emb = model.encode(texts=["a photo of a red square"])
+    assert emb.shape == (1, 16) and abs(float(emb.norm()) - 1.0) < 1e-5
+
+    evaluated = _run([sys.executable, "-m", "vembed", "eval", str(out / "final"), raw["data"]["test"]])
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    cli_metrics = json.loads(evaluated.stdout[evaluated.stdout.index("{"):])
+    assert cli_metrics["q2d/recall@1"] == pytest.approx(metrics["test"]["q2d/recall@1"], abs=1e-6)
