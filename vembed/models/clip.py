@@ -1,0 +1,200 @@
+"""CLIP as an embedding model: the HF `CLIPModel` text and vision towers with their projections.
+
+Text sides get text features, image sides image features; a side with both gets the L2-normalised sum of its
+normalised text and image features (see `_common.combine`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from vembed.models import MODELS
+from vembed.models._common import (
+    COMPOSED_ONLY_KEYS,
+    PIXEL_VALUES,
+    auto_config,
+    clip_image_processor,
+    combine,
+    enable_checkpointing,
+    forward_argument_names,
+    inject_lora,
+    load_image_processor,
+    load_model,
+    load_tokenizer,
+    make_batch,
+    reject_keys,
+    require_tokenizer_name,
+    resolve_max_length,
+    save_hf_model,
+    saved_settings,
+    text_inputs,
+)
+from vembed.models.base import EmbeddingAdapter
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    from vembed.data.records import Side
+    from vembed.recipe import Recipe
+
+@MODELS.register("clip")
+class ClipAdapter(EmbeddingAdapter):
+    """A CLIP-style dual encoder. SigLIP subclasses it, changing only the class attributes and hooks below."""
+
+    model_type = "clip"
+    default_lora_target_modules = ("q_proj", "k_proj", "v_proj", "out_proj")  # the attention projections, both towers
+    text_padding: ClassVar[str] = "longest"  # CLIP pools at the EOS token under a causal mask, so padding is free
+    # The HF model's own contrastive-loss scalars. The vembed loss owns the temperature, so these get no gradient;
+    # DDP (without find_unused_parameters) fails on trainable parameters without a gradient, so they are frozen.
+    unused_parameters: ClassVar[tuple[str, ...]] = ("logit_scale",)
+
+    def __init__(
+        self,
+        model: "PreTrainedModel",
+        tokenizer: Any,
+        image_processor: Any,
+        *,
+        normalize: bool = True,
+        max_length: int | None = None,
+        trust_remote_code: bool = False,
+        attn_implementation: str | None = None,
+    ):
+        super().__init__()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.normalize = normalize
+        self.max_length = max_length
+        self.trust_remote_code = trust_remote_code
+        self.attn_implementation = attn_implementation
+        for name in self.unused_parameters:
+            getattr(model, name).requires_grad_(False)
+        self._text_keys = forward_argument_names(model.get_text_features)
+
+    # --- hooks the SigLIP subclass overrides -----------------------------------------------------------------------
+    @classmethod
+    def _dim_from_config(cls, config: "PretrainedConfig") -> int:
+        return config.projection_dim
+
+    @classmethod
+    def _new_image_processor(cls, config: "PretrainedConfig") -> Any:
+        return clip_image_processor(config.vision_config.image_size)
+
+    # --- built from a recipe ---------------------------------------------------------------------------------------
+    @classmethod
+    def check_recipe(cls, recipe: "Recipe") -> None:
+        super().check_recipe(recipe)
+        reject_keys(recipe, COMPOSED_ONLY_KEYS, cls.model_type, "composed")
+        if recipe.model_config_dict is not None:
+            require_tokenizer_name(recipe, "model_config")
+
+    @classmethod
+    def _config(cls, recipe: "Recipe") -> "PretrainedConfig":
+        return auto_config(
+            recipe.model_name,
+            recipe.model_config_dict,
+            key="model_name" if recipe.model_name else "model_config",
+            trust_remote_code=recipe.trust_remote_code,
+            model_type=cls.model_type,
+        )
+
+    @classmethod
+    def embedding_dim_for(cls, recipe: "Recipe") -> int:
+        return cls._dim_from_config(cls._config(recipe))
+
+    @classmethod
+    def from_recipe(cls, recipe: "Recipe") -> "ClipAdapter":
+        cls.check_recipe(recipe)
+        cls.embedding_dim_for(recipe)  # config-level checks (e.g. SigLIP's matching tower sizes) before any weights
+        model = load_model(
+            recipe.model_name,
+            recipe.model_config_dict,
+            key="model_name" if recipe.model_name else "model_config",
+            trust_remote_code=recipe.trust_remote_code,
+            attn_implementation=recipe.attn_implementation,
+            model_type=cls.model_type,
+        )
+        tokenizer = load_tokenizer(recipe.tokenizer_name or recipe.model_name, recipe.trust_remote_code)
+        if recipe.model_name is not None:
+            image_processor = load_image_processor(recipe.model_name, recipe.trust_remote_code)
+        else:
+            image_processor = cls._new_image_processor(model.config)
+        return cls(
+            model,
+            tokenizer,
+            image_processor,
+            normalize=recipe.normalize,
+            max_length=resolve_max_length(recipe.max_length, tokenizer, model.config.text_config),
+            trust_remote_code=recipe.trust_remote_code,
+            attn_implementation=recipe.attn_implementation,
+        )
+
+    # --- used by the loop ------------------------------------------------------------------------------------------
+    @property
+    def embedding_dim(self) -> int:
+        return self._dim_from_config(self.model.config)
+
+    def preprocess(self, sides: Sequence["Side"]) -> dict[str, torch.Tensor]:
+        return make_batch(
+            sides,
+            self.tokenizer,
+            self.image_processor,
+            max_length=self.max_length,
+            text_keys=self._text_keys,
+            padding=self.text_padding,
+        )
+
+    def encode(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        text = image = None
+        tokens = text_inputs(inputs)
+        if tokens is not None:
+            text = self.model.get_text_features(**tokens).pooler_output
+        if PIXEL_VALUES in inputs:
+            pixels = inputs[PIXEL_VALUES].to(self.model.dtype)
+            image = self.model.get_image_features(pixel_values=pixels).pooler_output
+        return combine(text, image, inputs, self.normalize)
+
+    def enable_gradient_checkpointing(self) -> None:
+        enable_checkpointing(self.model)
+
+    def apply_lora(self, recipe: "Recipe") -> None:
+        inject_lora(
+            [self.model],
+            recipe,
+            self.lora_target_modules(recipe),
+            strict=recipe.lora_target_modules is not None,
+            model_type=self.model_type,
+        )
+
+    # --- persistence -----------------------------------------------------------------------------------------------
+    def settings(self) -> dict[str, Any]:
+        return {
+            "normalize": self.normalize,
+            "max_length": self.max_length,
+            "trust_remote_code": self.trust_remote_code,
+            "attn_implementation": self.attn_implementation,
+        }
+
+    def save(self, path: str | Path) -> None:
+        save_hf_model(self.model, path)
+        self.tokenizer.save_pretrained(path)
+        self.image_processor.save_pretrained(path)
+        self.write_adapter_file(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ClipAdapter":
+        settings = saved_settings(path, cls.model_type)
+        trust = settings.get("trust_remote_code", False)
+        model = load_model(
+            str(path),
+            None,
+            key="model",
+            trust_remote_code=trust,
+            attn_implementation=settings.get("attn_implementation"),
+            model_type=cls.model_type,
+        )
+        return cls(model, load_tokenizer(str(path), trust), load_image_processor(str(path), trust), **settings)

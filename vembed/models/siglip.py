@@ -1,0 +1,44 @@
+"""SigLIP as an embedding model: the HF `SiglipModel` towers, handled like CLIP (same batch layout and fusion).
+
+What differs from CLIP: texts are padded to a fixed length, the embedding size is the vision width, and both of
+SigLIP's loss scalars (logit_scale, logit_bias) are frozen.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from vembed.errors import RecipeError
+from vembed.models import MODELS
+from vembed.models.clip import ClipAdapter
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+
+@MODELS.register("siglip")
+class SiglipAdapter(ClipAdapter):
+    model_type = "siglip"
+    # SigLIP pools the text at the LAST position and was trained on texts padded to a fixed length; padding to the
+    # batch's longest text would make a text's embedding depend on its batch-mates.
+    text_padding: ClassVar[str] = "max_length"
+    unused_parameters: ClassVar[tuple[str, ...]] = ("logit_scale", "logit_bias")  # the vembed loss owns these
+
+    @classmethod
+    def _dim_from_config(cls, config: "PretrainedConfig") -> int:
+        text_dim = config.text_config.projection_size
+        vision_dim = config.vision_config.hidden_size
+        if text_dim != vision_dim:
+            raise RecipeError(
+                "model_config",
+                f"text_config.projection_size ({text_dim}) must equal vision_config.hidden_size ({vision_dim}): "
+                "text and image embeddings share one space",
+            )
+        return vision_dim
+
+    @classmethod
+    def _new_image_processor(cls, config: "PretrainedConfig") -> Any:
+        from transformers import SiglipImageProcessorPil
+
+        size = config.vision_config.image_size
+        return SiglipImageProcessorPil(size={"height": size, "width": size})  # SigLIP resizes straight to a square
