@@ -36,5 +36,6 @@ def quiet_libraries() -> None:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars on every save and load
     except ImportError:
         pass

@@ -37,6 +37,8 @@ class EmbeddingAdapter(nn.Module, ABC):
 
     model_type: ClassVar[str]  # the registry name, set by each adapter
     default_lora_target_modules: ClassVar[tuple[str, ...]] = ()
+    # One tower per modality; a step that feeds no side of a modality leaves that tower without gradients.
+    modalities: ClassVar[frozenset[str]] = frozenset({"text"})
 
     # --- built from a recipe ---------------------------------------------------------------------------------------
     @classmethod

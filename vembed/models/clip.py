@@ -46,6 +46,7 @@ class ClipAdapter(EmbeddingAdapter):
     """A CLIP-style dual encoder. SigLIP subclasses it, changing only the class attributes and hooks below."""
 
     model_type = "clip"
+    modalities = frozenset({"text", "image"})
     default_lora_target_modules = ("q_proj", "k_proj", "v_proj", "out_proj")  # the attention projections, both towers
     text_padding: ClassVar[str] = "longest"  # CLIP pools at the EOS token under a causal mask, so padding is free
     # The HF model's own contrastive-loss scalars. The vembed loss owns the temperature, so these get no gradient;

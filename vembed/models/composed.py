@@ -62,6 +62,7 @@ class ComposedAdapter(EmbeddingAdapter):
     """Text: pooled by `pooling`, then projected. Image: pooler_output (else the CLS token), then projected."""
 
     model_type = "composed"
+    modalities = frozenset({"text", "image"})
     default_lora_target_modules = ATTENTION_PROJECTIONS
 
     def __init__(

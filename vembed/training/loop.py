@@ -52,11 +52,18 @@ class Trainer:
     """Holds what the loop needs; `run()` trains, evaluates and exports. One instance per launch."""
 
     def __init__(self, recipe: "Recipe", accelerator: "Accelerator | None" = None):
-        from vembed.training.strategy import build_accelerator
+        from vembed.data.sources import load_examples
+        from vembed.models import MODELS
+        from vembed.training.strategy import build_accelerator, every_step_uses_every_tower
 
         self.recipe = recipe
-        self.accelerator = accelerator or build_accelerator(recipe)
         self.output_dir = Path(recipe.output_dir)
+        # Records first: whether every batch reaches every tower decides how DDP is set up.
+        self.train_examples, self.train_report = load_examples(
+            recipe.data, "train", num_hard_negatives=recipe.data.num_hard_negatives
+        )
+        all_towers = every_step_uses_every_tower(MODELS.get(recipe.model_type).modalities, self.train_examples)
+        self.accelerator = accelerator or build_accelerator(recipe, find_unused_parameters=not all_towers)
 
     # --- building --------------------------------------------------------------------------------------------------
     def _build(self) -> None:
@@ -67,7 +74,6 @@ class Trainer:
         from vembed.data.collate import PairCollator
         from vembed.data.dataset import PairDataset
         from vembed.data.sampler import EpochShuffleSampler
-        from vembed.data.sources import load_examples
         from vembed.losses import build_loss
         from vembed.models import MODELS
         from vembed.training.objective import ContrastiveObjective, parameter_groups
@@ -81,7 +87,6 @@ class Trainer:
             adapter.apply_lora(recipe)
         self.objective = ContrastiveObjective(adapter, build_loss(recipe))
 
-        self.train_examples, self.train_report = load_examples(recipe.data, "train", num_hard_negatives=recipe.data.num_hard_negatives)
         self.num_negatives = min((len(e.negatives) for e in self.train_examples), default=0)
         self.eval_examples = self._load_eval_split("validation")
         self.test_examples = self._load_eval_split("test")
@@ -157,41 +162,50 @@ class Trainer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             recipe.save(self.output_dir / "recipe.yaml")
         self._build()
-        trainable = sum(p.numel() for p in self.objective.parameters() if p.requires_grad)
-        total = sum(p.numel() for p in self.objective.parameters())
         from vembed.training.strategy import describe_launch
 
+        trainable = sum(p.numel() for p in self.objective.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in self.objective.parameters())
         acc.print(describe_launch(acc, recipe, trainable, total))
-        acc.print(f"data                {self.train_report.summary() if hasattr(self.train_report, 'summary') else self.train_report}")
+        acc.print(f"data                {self.train_report.summary()}")
         if recipe.report_to:
             acc.init_trackers(recipe.run_name or "vembed", config=_flat_config(recipe.to_dict()))
 
-        state = TrainerState()
+        state, metrics = self._start_or_resume()
+        progress = tqdm(total=self.total_steps, initial=state.global_step, disable=not acc.is_local_main_process,
+                        desc="train", dynamic_ncols=True)
+        try:
+            self._train(state, progress)
+        finally:
+            progress.close()  # also on errors, so the message is not glued to a half-drawn bar
+        return self._finish(state, metrics)
+
+    def _start_or_resume(self) -> tuple[TrainerState, dict[str, Any]]:
+        """A fresh state (with the untrained model's metrics) or the state of the checkpoint to resume from."""
+        recipe, acc = self.recipe, self.accelerator
         self._last_saved_step: int | None = None
         resume_path = resolve_resume(recipe.resume_from, self.output_dir)
-        metrics: dict[str, Any] = {}
         if resume_path is not None:
             state = self.checkpoints.load(resume_path)
             self._last_saved_step = state.global_step
             acc.print(f"resumed from {resume_path} at step {state.global_step}")
-            metrics = self._read_metrics()
-        elif recipe.eval_before_training and self.eval_examples:
+            return state, self._read_metrics()
+        metrics: dict[str, Any] = {}
+        if recipe.eval_before_training and self.eval_examples:
             metrics["before"] = self.evaluate(self.eval_examples)
             acc.print(f"before training: {_headline(metrics['before'])}")
+            if acc.is_main_process:
+                write_json_atomic(self.output_dir / "metrics.json", metrics)  # keeps "before" across a resume
+        return TrainerState(), metrics
 
-        progress = tqdm(
-            total=self.total_steps, initial=state.global_step, disable=not acc.is_local_main_process,
-            desc="train", dynamic_ncols=True,
-        )
-        samples_per_step = recipe.batch_size * acc.num_processes
-        window_start, window_samples, running_loss, running_count = time.perf_counter(), 0, 0.0, 0
+    def _train(self, state: TrainerState, progress) -> None:
+        acc = self.accelerator
+        meter = _Meter(samples_per_batch=self.recipe.batch_size * acc.num_processes)
         self.model.train()
-        if acc.is_main_process and metrics:
-            write_json_atomic(self.output_dir / "metrics.json", metrics)  # keeps "before" across a resume
         done = state.global_step >= self.total_steps
         while not done and state.epoch < self.num_epochs:
-            # The prepared loader passes its own epoch counter to the sampler on every iteration; set it explicitly
-            # so a resumed run replays the same permutation as an uninterrupted one.
+            # The prepared loader hands its own epoch counter to the sampler on every pass; set it explicitly so a
+            # resumed run replays the same permutation as an uninterrupted one.
             self.loader.set_epoch(state.epoch)
             loader = self.loader
             if state.batches_in_epoch:
@@ -205,29 +219,15 @@ class Trainer:
                     self.optimizer.step()
                     self.optimizer.zero_grad(set_to_none=True)
                 state.batches_in_epoch += 1
-                state.samples_seen += samples_per_step
-                window_samples += samples_per_step
-                running_loss = running_loss + loss.detach().float()  # no host sync until we log
-                running_count += 1
+                state.samples_seen += meter.samples_per_batch
+                meter.add(loss)
                 if not acc.sync_gradients:
                     continue
                 self.scheduler.step()
                 state.global_step += 1
                 progress.update(1)
-                if state.global_step % recipe.logging_steps == 0 or state.global_step == self.total_steps:
-                    elapsed = max(time.perf_counter() - window_start, 1e-9)
-                    mean_loss = acc.reduce(torch.as_tensor(running_loss, device=acc.device) / running_count, "mean")
-                    record = {
-                        "step": state.global_step,
-                        "loss": mean_loss.item(),
-                        "lr": self.scheduler.get_last_lr()[0],
-                        "samples_per_second": window_samples / elapsed,
-                    }
-                    state.loss_history.append(record)
-                    progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
-                                         sps=f"{record['samples_per_second']:.0f}")
-                    acc.log({f"train/{k}": v for k, v in record.items() if k != "step"}, step=state.global_step)
-                    window_start, window_samples, running_loss, running_count = time.perf_counter(), 0, 0.0, 0
+                if state.global_step % self.recipe.logging_steps == 0 or state.global_step == self.total_steps:
+                    self._log(state, meter, progress)
                 done = state.global_step >= self.total_steps
                 self._maybe_evaluate_and_save(state, end_of_epoch=False, done=done)
                 if done:
@@ -236,8 +236,20 @@ class Trainer:
                 state.epoch += 1
                 state.batches_in_epoch = 0
                 self._maybe_evaluate_and_save(state, end_of_epoch=True, done=False)
-        progress.close()
-        return self._finish(state, metrics)
+
+    def _log(self, state: TrainerState, meter: "_Meter", progress) -> None:
+        acc = self.accelerator
+        record = {
+            "step": state.global_step,
+            "loss": acc.reduce(meter.mean_loss(acc.device), "mean").item(),  # averaged over ranks
+            "lr": self.scheduler.get_last_lr()[0],
+            "samples_per_second": meter.samples_per_second(),
+        }
+        state.loss_history.append(record)
+        progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
+                             sps=f"{record['samples_per_second']:.0f}")
+        acc.log({f"train/{k}": v for k, v in record.items() if k != "step"}, step=state.global_step)
+        meter.reset()
 
     def _check_and_clip(self, state: TrainerState) -> None:
         # The gradient norm is computed after DDP's all-reduce, so every rank sees the same value and stops together:
@@ -341,6 +353,30 @@ class Trainer:
         split = metrics.get("test") or metrics.get("validation")
         if split and self.recipe.mrl_dims:
             plot_recall_vs_dim(split, self.output_dir / "recall_vs_dim.png")
+
+
+class _Meter:
+    """Loss and throughput since the last log line; the loss stays on the device until it is logged (no host sync
+    per step)."""
+
+    def __init__(self, samples_per_batch: int):
+        self.samples_per_batch = samples_per_batch
+        self.reset()
+
+    def reset(self) -> None:
+        self.started, self.samples, self.batches = time.perf_counter(), 0, 0
+        self.loss_sum: torch.Tensor | float = 0.0
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.loss_sum = self.loss_sum + loss.detach().float()
+        self.batches += 1
+        self.samples += self.samples_per_batch
+
+    def mean_loss(self, device: torch.device) -> torch.Tensor:
+        return torch.as_tensor(self.loss_sum, device=device) / max(self.batches, 1)
+
+    def samples_per_second(self) -> float:
+        return self.samples / max(time.perf_counter() - self.started, 1e-9)
 
 
 def _headline(result: dict[str, float]) -> str:

@@ -18,6 +18,8 @@ from vembed.errors import LaunchError
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
+    from vembed.data.records import Example
+
     from vembed.recipe import Recipe
 
 EXPECTED_WORLD_SIZE_ENV = "VEMBED_EXPECTED_WORLD_SIZE"  # set by run.py / tests: the process count the launch promised
@@ -61,14 +63,28 @@ def check_world_size(accelerator: "Accelerator") -> None:
         )
 
 
-def build_accelerator(recipe: "Recipe") -> "Accelerator":
-    """The Accelerator for this launch: device, precision, accumulation, trackers, and gloo on CPU."""
+def every_step_uses_every_tower(modalities: frozenset[str], examples: "list[Example]") -> bool:
+    """True when each record feeds every tower (e.g. text AND image for CLIP), so every batch gives every parameter a
+    gradient and DDP can skip its (costly) search for unused parameters."""
+    for example in examples:
+        sides = [example.query, example.positive, *example.negatives]
+        present = {"text" for s in sides if s.text} | {"image" for s in sides if s.image is not None}
+        if not modalities <= present:
+            return False
+    return True
+
+
+def build_accelerator(recipe: "Recipe", find_unused_parameters: bool = False) -> "Accelerator":
+    """The Accelerator for this launch: device, precision, accumulation, trackers, and gloo on CPU.
+
+    `find_unused_parameters`: set when some steps may leave a tower without gradients (text-only pairs on CLIP).
+    """
     from accelerate import Accelerator, DataLoaderConfiguration
     from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, ProjectConfiguration
 
     on_cpu = not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    handlers = [DistributedDataParallelKwargs(find_unused_parameters=False)]
+    handlers = [DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters)]
     if on_cpu and distributed:
         handlers.append(InitProcessGroupKwargs(backend="gloo"))  # NCCL needs GPUs
     if on_cpu and recipe.mixed_precision == "fp16":

@@ -1,0 +1,72 @@
+"""The loop's promises beyond exactness: NaN stops cleanly, checkpoints mirror, text-only data trains CLIP under DDP."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ranks import run_on_ranks
+from vembed.errors import TrainingError
+from vembed.recipe import recipe_from_dict
+from vembed.training.loop import Trainer
+from vembed.training.objective import ContrastiveObjective
+
+
+def test_nan_loss_stops_at_once_keeping_the_last_good_checkpoint(tiny_clip_recipe, monkeypatch):
+    raw = dict(tiny_clip_recipe, max_steps=8, save_steps=2)
+    original = ContrastiveObjective.forward
+    calls = {"n": 0}
+
+    def forward_turning_nan(self, batch):
+        calls["n"] += 1
+        loss = original(self, batch)
+        return loss * float("nan") if calls["n"] == 5 else loss
+
+    monkeypatch.setattr(ContrastiveObjective, "forward", forward_turning_nan)
+    trainer = Trainer(recipe_from_dict(raw))
+    with pytest.raises(TrainingError, match="NaN/Inf at step 5") as info:
+        trainer.run()
+    assert "checkpoint-4" in str(info.value)
+    run = Path(raw["output_dir"])
+    assert (run / "checkpoint-4" / "trainer_state.json").is_file()
+    assert not (run / "final").exists()
+    # The weights were not touched by the bad step.
+    for name, param in trainer.accelerator.unwrap_model(trainer.model).named_parameters():
+        assert torch.isfinite(param).all(), name
+
+
+def test_checkpoints_are_mirrored_to_persistent_dir(tiny_clip_recipe, tmp_path):
+    raw = dict(tiny_clip_recipe, max_steps=4, save_steps=2, persistent_dir=str(tmp_path / "persistent"))
+    Trainer(recipe_from_dict(raw)).run()
+    mirrored = tmp_path / "persistent" / "checkpoint-2"
+    assert (mirrored / "trainer_state.json").is_file()
+    assert sorted(p.name for p in mirrored.iterdir()) == sorted(p.name for p in (Path(raw["output_dir"]) / "checkpoint-2").iterdir())
+
+
+def test_gradient_accumulation_takes_fewer_optimizer_steps(tiny_clip_recipe):
+    trainer = Trainer(recipe_from_dict(dict(tiny_clip_recipe, gradient_accumulation_steps=2)))
+    result = trainer.run()
+    assert result.state.global_step == trainer.steps_per_epoch
+    assert trainer.steps_per_epoch == (len(trainer.dataset) // 8) // 2
+
+
+def _text_only_clip_worker(raw_path: str) -> None:
+    raw = json.loads(Path(raw_path).read_text())
+    trainer = Trainer(recipe_from_dict(raw))
+    assert trainer.accelerator.num_processes == 2
+    trainer.run()
+
+
+def test_clip_trains_on_text_only_pairs_under_ddp(tiny_clip_recipe, tmp_path):
+    # No images at all: CLIP's vision tower gets no gradient, which plain DDP refuses unless told to expect it.
+    rows = [{"query": f"a photo of a red square number {i}", "positive": f"a red square {i}"} for i in range(40)]
+    data = tmp_path / "text.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    raw = dict(tiny_clip_recipe, data={"train": str(data)}, max_steps=2, save_steps=None)
+    raw_path = tmp_path / "raw.json"
+    raw_path.write_text(json.dumps(raw))
+    run_on_ranks(_text_only_clip_worker, str(raw_path), world=2)
+    assert json.loads((Path(raw["output_dir"]) / "metrics.json").read_text())["train"]["world_size"] == 2
