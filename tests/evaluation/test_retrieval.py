@@ -47,11 +47,8 @@ class LookupAdapter(EmbeddingAdapter):
     def encode(self, inputs):
         return torch.nn.functional.normalize(self.table[inputs["index"]], dim=-1)
 
-    def enable_gradient_checkpointing(self):
-        pass
-
-    def apply_lora(self, recipe):
-        raise NotImplementedError
+    def towers(self):
+        return []  # a lookup table: nothing to checkpoint or wrap with LoRA
 
     def save(self, path):
         raise NotImplementedError

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from ranks import run_on_ranks
+
 from vembed.errors import TrainingError
 from vembed.recipe import recipe_from_dict
 from vembed.training.loop import Trainer
@@ -43,7 +43,8 @@ def test_checkpoints_are_mirrored_to_persistent_dir(tiny_clip_recipe, tmp_path):
     Trainer(recipe_from_dict(raw)).run()
     mirrored = tmp_path / "persistent" / "checkpoint-2"
     assert (mirrored / "trainer_state.json").is_file()
-    assert sorted(p.name for p in mirrored.iterdir()) == sorted(p.name for p in (Path(raw["output_dir"]) / "checkpoint-2").iterdir())
+    original = Path(raw["output_dir"]) / "checkpoint-2"
+    assert sorted(p.name for p in mirrored.iterdir()) == sorted(p.name for p in original.iterdir())
 
 
 def test_gradient_accumulation_takes_fewer_optimizer_steps(tiny_clip_recipe):

@@ -26,7 +26,8 @@ def train_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: int =
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        # EOS must not get id 2: CLIP text towers whose config says eos_token_id == 2 fall back to legacy argmax pooling.
+        # EOS must not get id 2: CLIP text towers whose config says eos_token_id == 2 fall back to legacy argmax
+        # pooling.
         special_tokens=[PAD, UNK, BOS, EOS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,

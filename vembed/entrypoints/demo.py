@@ -73,7 +73,10 @@ def run(args: argparse.Namespace) -> int:
         metrics = json.loads((Path(recipe.output_dir) / "metrics.json").read_text())
         summary = {
             "zero_shot_accuracy": {"before": before, "after": after},
-            "test_text_to_image_recall@1": {"before": _before_test(recipe, data_dir), "after": metrics["test"]["q2d/recall@1"]},
+            "test_text_to_image_recall@1": {
+                "before": _before_test(recipe, data_dir),
+                "after": metrics["test"]["q2d/recall@1"],
+            },
             "test": metrics["test"],
         }
         exported = _export(final_dir)

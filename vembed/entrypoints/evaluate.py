@@ -25,10 +25,10 @@ def run(args: argparse.Namespace) -> int:
     from vembed.entrypoints import quiet_libraries, run_cli
 
     def body() -> int:
-        from vembed.errors import RecipeError
-        from vembed.recipe import ColumnMap, DataConfig
         from vembed.data.sources import load_examples
+        from vembed.errors import RecipeError
         from vembed.models.base import load_adapter
+        from vembed.recipe import ColumnMap, DataConfig
 
         columns = {}
         for item in args.column:
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
                               columns=ColumnMap(**columns), max_bad_fraction=1.0)
         except Exception as err:  # pydantic's message names the field
             raise RecipeError("--column", str(err).splitlines()[-1]) from None
-        from vembed.recipe import _check_data_paths, Recipe  # same checks as for a recipe
+        from vembed.recipe import Recipe, _check_data_paths  # same checks as for a recipe
 
         _check_data_paths(Recipe(data=data), ("test",))
         quiet_libraries()

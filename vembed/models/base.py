@@ -79,15 +79,25 @@ class EmbeddingAdapter(nn.Module, ABC):
         return self.encode(inputs)
 
     @abstractmethod
+    def towers(self) -> list[nn.Module]:
+        """The transformers models inside; checkpointing and LoRA apply to each of them."""
+
     def enable_gradient_checkpointing(self) -> None:
         """Turn on (non-reentrant) activation checkpointing in every tower."""
+        from vembed.models._common import enable_checkpointing
+
+        enable_checkpointing(*self.towers())
 
     def lora_target_modules(self, recipe: "Recipe") -> list[str]:
         return list(recipe.lora_target_modules or self.default_lora_target_modules)
 
-    @abstractmethod
     def apply_lora(self, recipe: "Recipe") -> None:
-        """Wrap the towers with PEFT LoRA (r/alpha/dropout/targets from the recipe); only LoRA weights stay trainable."""
+        """Wrap the towers with PEFT LoRA (r/alpha/dropout/targets from the recipe); only LoRA weights stay trainable
+        (plus whatever the adapter adds outside its towers, such as composed's new projections)."""
+        from vembed.models._common import inject_lora
+
+        inject_lora(self.towers(), recipe, self.lora_target_modules(recipe),
+                    strict=recipe.lora_target_modules is not None, model_type=self.model_type)
 
     # --- persistence -----------------------------------------------------------------------------------------------
     @abstractmethod
@@ -100,8 +110,13 @@ class EmbeddingAdapter(nn.Module, ABC):
         ...
 
     def settings(self) -> dict[str, Any]:
-        """Adapter settings needed to rebuild it from a saved folder (pooling, normalize, max_length, ...)."""
-        return {}
+        """Adapter settings needed to rebuild it from a saved folder; adapters add their own (pooling, ...)."""
+        return {
+            "normalize": self.normalize,
+            "max_length": self.max_length,
+            "trust_remote_code": self.trust_remote_code,
+            "attn_implementation": self.attn_implementation,
+        }
 
     def write_adapter_file(self, path: str | Path) -> None:
         info = {"model_type": self.model_type, "embedding_dim": self.embedding_dim, "settings": self.settings()}
@@ -111,7 +126,9 @@ class EmbeddingAdapter(nn.Module, ABC):
 def read_adapter_file(path: str | Path) -> dict[str, Any]:
     file = Path(path, ADAPTER_FILE)
     if not file.is_file():
-        raise RecipeError("model", f"{str(path)!r} is not a vembed model folder (no {ADAPTER_FILE}); pass output_dir/final")
+        raise RecipeError(
+            "model", f"{str(path)!r} is not a vembed model folder (no {ADAPTER_FILE}); pass output_dir/final"
+        )
     return json.loads(file.read_text())
 
 

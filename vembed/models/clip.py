@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from torch import nn
 
 from vembed.models import MODELS
 from vembed.models._common import (
@@ -19,9 +20,7 @@ from vembed.models._common import (
     auto_config,
     clip_image_processor,
     combine,
-    enable_checkpointing,
     forward_argument_names,
-    inject_lora,
     load_image_processor,
     load_model,
     load_tokenizer,
@@ -159,26 +158,8 @@ class ClipAdapter(EmbeddingAdapter):
             image = self.model.get_image_features(pixel_values=pixels).pooler_output
         return combine(text, image, inputs, self.normalize)
 
-    def enable_gradient_checkpointing(self) -> None:
-        enable_checkpointing(self.model)
-
-    def apply_lora(self, recipe: "Recipe") -> None:
-        inject_lora(
-            [self.model],
-            recipe,
-            self.lora_target_modules(recipe),
-            strict=recipe.lora_target_modules is not None,
-            model_type=self.model_type,
-        )
-
-    # --- persistence -----------------------------------------------------------------------------------------------
-    def settings(self) -> dict[str, Any]:
-        return {
-            "normalize": self.normalize,
-            "max_length": self.max_length,
-            "trust_remote_code": self.trust_remote_code,
-            "attn_implementation": self.attn_implementation,
-        }
+    def towers(self) -> list[nn.Module]:
+        return [self.model]
 
     def save(self, path: str | Path) -> None:
         save_hf_model(self.model, path)

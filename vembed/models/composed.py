@@ -22,10 +22,8 @@ from vembed.models._common import (
     clip_image_processor,
     cls_or_pooler,
     combine,
-    enable_checkpointing,
     forward_argument_names,
     freeze_unused_pooler,
-    inject_lora,
     load_image_processor,
     load_model,
     load_tokenizer,
@@ -185,29 +183,13 @@ class ComposedAdapter(EmbeddingAdapter):
             image = self.vision_projection(cls_or_pooler(output))
         return combine(text, image, inputs, self.normalize)
 
-    def enable_gradient_checkpointing(self) -> None:
-        enable_checkpointing(self.text_model, self.vision_model)
-
-    def apply_lora(self, recipe: "Recipe") -> None:
+    def towers(self) -> list[nn.Module]:
         # Only the towers get LoRA; the projections are new, so they stay fully trainable.
-        inject_lora(
-            [self.text_model, self.vision_model],
-            recipe,
-            self.lora_target_modules(recipe),
-            strict=recipe.lora_target_modules is not None,
-            model_type=self.model_type,
-        )
+        return [self.text_model, self.vision_model]
 
     # --- persistence -----------------------------------------------------------------------------------------------
     def settings(self) -> dict[str, Any]:
-        return {
-            "projection_dim": self.projection_dim,
-            "pooling": self.pooling,
-            "normalize": self.normalize,
-            "max_length": self.max_length,
-            "trust_remote_code": self.trust_remote_code,
-            "attn_implementation": self.attn_implementation,
-        }
+        return {**super().settings(), "projection_dim": self.projection_dim, "pooling": self.pooling}
 
     def save(self, path: str | Path) -> None:
         from safetensors.torch import save_file

@@ -9,16 +9,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from vembed.models import MODELS
 from vembed.models._common import (
     ATTENTION_PROJECTIONS,
     COMPOSED_ONLY_KEYS,
     auto_config,
-    enable_checkpointing,
     forward_argument_names,
     freeze_unused_pooler,
-    inject_lora,
     load_model,
     load_tokenizer,
     make_batch,
@@ -119,27 +118,12 @@ class TextAdapter(EmbeddingAdapter):
         embeddings = pool(hidden, tokens.get("attention_mask"), self.pooling).float()
         return F.normalize(embeddings, dim=-1) if self.normalize else embeddings
 
-    def enable_gradient_checkpointing(self) -> None:
-        enable_checkpointing(self.model)
-
-    def apply_lora(self, recipe: "Recipe") -> None:
-        inject_lora(
-            [self.model],
-            recipe,
-            self.lora_target_modules(recipe),
-            strict=recipe.lora_target_modules is not None,
-            model_type=self.model_type,
-        )
+    def towers(self) -> list[nn.Module]:
+        return [self.model]
 
     # --- persistence -----------------------------------------------------------------------------------------------
     def settings(self) -> dict[str, Any]:
-        return {
-            "pooling": self.pooling,
-            "normalize": self.normalize,
-            "max_length": self.max_length,
-            "trust_remote_code": self.trust_remote_code,
-            "attn_implementation": self.attn_implementation,
-        }
+        return {**super().settings(), "pooling": self.pooling}
 
     def save(self, path: str | Path) -> None:
         save_hf_model(self.model, path)

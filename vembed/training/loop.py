@@ -122,7 +122,9 @@ class Trainer:
             num_warmup_steps=int(recipe.warmup_ratio * self.total_steps),
             num_training_steps=self.total_steps,
         )
-        self.model, self.optimizer, self.loader, self.scheduler = acc.prepare(self.objective, optimizer, loader, scheduler)
+        self.model, self.optimizer, self.loader, self.scheduler = acc.prepare(
+            self.objective, optimizer, loader, scheduler
+        )
         self.checkpoints = CheckpointManager(acc, self.output_dir, recipe.save_total_limit, recipe.persistent_dir)
 
     def _load_eval_split(self, split: str) -> "list[Example]":

@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from vembed.data.records import Example
-
     from vembed.recipe import Recipe
 
 EXPECTED_WORLD_SIZE_ENV = "VEMBED_EXPECTED_WORLD_SIZE"  # set by run.py / tests: the process count the launch promised
@@ -111,8 +110,9 @@ def build_accelerator(recipe: "Recipe", find_unused_parameters: bool = False) ->
 def describe_launch(accelerator: "Accelerator", recipe: "Recipe", trainable: int, total: int) -> str:
     """The block printed at start: what runs where, and how big the contrastive batch really is."""
     world = accelerator.num_processes
+    processes = f"{world} process{'es' if world > 1 else ''}"
     lines = [
-        f"strategy            {accelerator.distributed_type.value.lower()} ({world} process{'es' if world > 1 else ''})",
+        f"strategy            {accelerator.distributed_type.value.lower()} ({processes})",
         f"device              {accelerator.device}",
         f"precision           {accelerator.mixed_precision}",
         f"per-device batch    {recipe.batch_size}",
