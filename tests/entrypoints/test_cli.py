@@ -95,3 +95,24 @@ def test_accelerate_launch_two_cpu_processes_end_to_end(tiny_clip_recipe, tmp_pa
     assert evaluated.returncode == 0, evaluated.stderr[-2000:]
     cli_metrics = json.loads(evaluated.stdout[evaluated.stdout.index("{"):])
     assert cli_metrics["q2d/recall@1"] == pytest.approx(metrics["test"]["q2d/recall@1"], abs=1e-6)
+
+    exported = _run([sys.executable, "-m", "vembed", "export", str(out / "final"), "--out", str(tmp_path / "st")])
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert (tmp_path / "st" / "modules.json").is_file()
+
+
+def test_data_command_writes_a_dummy_data_set(tmp_path):
+    out = tmp_path / "dummy"
+    result = _run([sys.executable, "-m", "vembed", "data", "dummy", "--out", str(out), "--num-samples", "40"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [json.loads(line) for split in ("train", "validation", "test")
+            for line in (out / f"{split}.jsonl").read_text().splitlines()]
+    assert len(rows) == 40
+    assert all((out / row["positive_image"]).is_file() for row in rows)
+    assert (out / "tokenizer" / "tokenizer.json").is_file()
+
+
+def test_eval_of_a_folder_that_is_not_a_model_is_one_line(tmp_path, dummy_data_dir):
+    result = _run([sys.executable, "-m", "vembed", "eval", str(tmp_path), str(dummy_data_dir / "test.jsonl")])
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "vembed.json" in result.stderr
