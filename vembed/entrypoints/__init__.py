@@ -30,6 +30,7 @@ def quiet_libraries() -> None:
     import warnings
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # "Generating train split" for every small file
     logging.getLogger("accelerate").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=FutureWarning)
     try:

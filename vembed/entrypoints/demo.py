@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from vembed.entrypoints import quiet_libraries, run_cli
 
     def body() -> int:
+        quiet_libraries()
         from vembed.entrypoints import launch
         from vembed.recipe import check_recipe, load_recipe
 
@@ -51,7 +52,6 @@ def run(args: argparse.Namespace) -> int:
                      f"data.test={data_dir}/test.jsonl", f"tokenizer_name={data_dir}/tokenizer", *args.config_override]
         recipe = load_recipe(args.recipe, overrides)
         check_recipe(recipe)
-        quiet_libraries()
 
         # The untrained model: same seed, same init as the first training step sees.
         from accelerate.utils import set_seed

@@ -199,7 +199,7 @@ def encode_sides(
         if show_progress:
             from tqdm.auto import tqdm
 
-            starts = tqdm(starts, desc=desc, unit="batch")
+            starts = tqdm(starts, desc=desc, unit="batch", leave=False)  # transient: training's bar stays readable
         parts = []
         for start in starts:
             inputs = core.preprocess(local[start : start + batch_size])

@@ -152,7 +152,8 @@ class Trainer:
             batch_size=self.recipe.resolved_eval_batch_size,
             mrl_dims=self.recipe.mrl_dims,
             accelerator=self.accelerator,
-            show_progress=self.accelerator.is_local_main_process,
+            # Small sets encode in a blink; a bar for each would only bury the training bar.
+            show_progress=self.accelerator.is_local_main_process and len(examples) >= 2000,
         )
 
     # --- the loop --------------------------------------------------------------------------------------------------
@@ -342,6 +343,9 @@ class Trainer:
         if acc.is_main_process:
             write_json_atomic(self.output_dir / "metrics.json", metrics)
             self._plots(metrics)
+            failures = metrics["train"]["decode_failures"]
+            if failures:
+                acc.print(f"warning: {failures} training record(s) had images that would not decode and were replaced")
             for name in ("before", "validation", "test"):
                 if metrics.get(name):
                     acc.print(f"{name:<11} {_headline(metrics[name])}")
