@@ -111,8 +111,10 @@ def describe_launch(accelerator: "Accelerator", recipe: "Recipe", trainable: int
     """The block printed at start: what runs where, and how big the contrastive batch really is."""
     world = accelerator.num_processes
     processes = f"{world} process{'es' if world > 1 else ''}"
+    kind = accelerator.distributed_type.value
+    strategy = {"NO": "single device", "MULTI_GPU": "DDP (NCCL)", "MULTI_CPU": "DDP (gloo)"}.get(kind, kind)
     lines = [
-        f"strategy            {accelerator.distributed_type.value.lower()} ({processes})",
+        f"strategy            {strategy} ({processes})",
         f"device              {accelerator.device}",
         f"precision           {accelerator.mixed_precision}",
         f"per-device batch    {recipe.batch_size}",
