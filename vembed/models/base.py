@@ -40,6 +40,21 @@ class EmbeddingAdapter(nn.Module, ABC):
     # One tower per modality; a step that feeds no side of a modality leaves that tower without gradients.
     modalities: ClassVar[frozenset[str]] = frozenset({"text"})
 
+    def __init__(
+        self,
+        *,
+        normalize: bool = True,
+        max_length: int | None = None,
+        trust_remote_code: bool = False,
+        attn_implementation: str | None = None,
+    ):
+        """The settings every adapter has; `settings()` saves them and `load` passes them back."""
+        super().__init__()
+        self.normalize = normalize
+        self.max_length = max_length
+        self.trust_remote_code = trust_remote_code
+        self.attn_implementation = attn_implementation
+
     # --- built from a recipe ---------------------------------------------------------------------------------------
     @classmethod
     def check_recipe(cls, recipe: "Recipe") -> None:

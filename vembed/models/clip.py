@@ -63,14 +63,11 @@ class ClipAdapter(EmbeddingAdapter):
         trust_remote_code: bool = False,
         attn_implementation: str | None = None,
     ):
-        super().__init__()
+        super().__init__(normalize=normalize, max_length=max_length, trust_remote_code=trust_remote_code,
+                         attn_implementation=attn_implementation)
         self.model = model
         self.tokenizer = tokenizer
         self.image_processor = image_processor
-        self.normalize = normalize
-        self.max_length = max_length
-        self.trust_remote_code = trust_remote_code
-        self.attn_implementation = attn_implementation
         for name in self.unused_parameters:
             getattr(model, name).requires_grad_(False)
         self._text_keys = forward_argument_names(model.get_text_features)

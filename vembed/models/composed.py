@@ -77,7 +77,8 @@ class ComposedAdapter(EmbeddingAdapter):
         trust_remote_code: bool = False,
         attn_implementation: str | None = None,
     ):
-        super().__init__()
+        super().__init__(normalize=normalize, max_length=max_length, trust_remote_code=trust_remote_code,
+                         attn_implementation=attn_implementation)
         self.text_model = text_model
         self.vision_model = vision_model
         self.tokenizer = tokenizer
@@ -87,10 +88,6 @@ class ComposedAdapter(EmbeddingAdapter):
         self.text_projection = nn.Linear(_width(text_model.config), self.projection_dim, bias=False)
         self.vision_projection = nn.Linear(_width(vision_model.config), self.projection_dim, bias=False)
         self.pooling = pooling
-        self.normalize = normalize
-        self.max_length = max_length
-        self.trust_remote_code = trust_remote_code
-        self.attn_implementation = attn_implementation
         freeze_unused_pooler(text_model)  # the vision pooler (if any) is used, the text one never
         self._text_keys = forward_argument_names(text_model.forward)
 

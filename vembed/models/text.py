@@ -53,14 +53,11 @@ class TextAdapter(EmbeddingAdapter):
         trust_remote_code: bool = False,
         attn_implementation: str | None = None,
     ):
-        super().__init__()
+        super().__init__(normalize=normalize, max_length=max_length, trust_remote_code=trust_remote_code,
+                         attn_implementation=attn_implementation)
         self.model = model
         self.tokenizer = tokenizer
         self.pooling = pooling
-        self.normalize = normalize
-        self.max_length = max_length
-        self.trust_remote_code = trust_remote_code
-        self.attn_implementation = attn_implementation
         freeze_unused_pooler(model)
         self._text_keys = forward_argument_names(model.forward)
 
