@@ -336,8 +336,8 @@ def check_recipe(recipe: Recipe, *, for_training: bool = True) -> None:
     _check_data_paths(recipe, ("train", "validation", "test"))
     _check_trackers(recipe)
     adapter_cls.check_recipe(recipe)
+    dim = adapter_cls.embedding_dim_for(recipe)  # reads the config only: a bad model_name fails here, cheaply
     if recipe.mrl_dims:
-        dim = adapter_cls.embedding_dim_for(recipe)
         too_big = [d for d in recipe.mrl_dims if d > dim]
         if too_big:
             raise RecipeError("mrl_dims", f"{too_big} exceed the embedding size {dim} of this model; use dims <= {dim}")

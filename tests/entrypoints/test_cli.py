@@ -40,8 +40,9 @@ def _write_recipe(tmp_path: Path, raw: dict) -> Path:
         ({"learning_rate": -1.0}, "learning_rate"),
         ({"mrl_dims": [999]}, "mrl_dims"),
         ({"data": {"train": "no/such/file.jsonl"}}, "data.train"),
+        ({"model_config": None, "model_name": "no/such-local-model"}, "model_name"),
     ],
-    ids=["unknown-key", "negative-lr", "mrl-too-big", "missing-data"],
+    ids=["unknown-key", "negative-lr", "mrl-too-big", "missing-data", "missing-model"],
 )
 def test_bad_recipe_is_one_line_exit_2_and_nothing_written(tiny_clip_recipe, tmp_path, change, expected):
     raw = {**tiny_clip_recipe, **change}

@@ -4,7 +4,9 @@ LoRA injection and LoRA-merged saving. Nothing here is adapter-specific; each ad
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Iterable, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -196,6 +198,18 @@ def hf_kwargs(trust_remote_code: bool, attn_implementation: str | None) -> dict[
     return kwargs
 
 
+@contextmanager
+def _loading(key: str, name: str):
+    """Turn transformers' "can't find / can't download" errors into one recipe line that names the key."""
+    try:
+        yield
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        offline = " (HF_HUB_OFFLINE is set: only local folders and the local cache are used)" if os.environ.get(
+            "HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes") else ""
+        raise RecipeError(key, f"cannot load {name!r}{offline}: {first}; check the hub id or local path") from None
+
+
 def auto_config(
     name: str | None,
     config_dict: dict[str, Any] | None,
@@ -209,7 +223,8 @@ def auto_config(
     from transformers import AutoConfig
 
     if name is not None:
-        config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+        with _loading(key, name):
+            config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
     else:
         kwargs = dict(config_dict or {})
         given = kwargs.pop("model_type", None)
@@ -244,22 +259,25 @@ def load_model(
         auto_config(name, None, key=key, trust_remote_code=trust_remote_code, model_type=model_type)
         # float32 master weights whatever the checkpoint's dtype ("auto" is the transformers default): mixed
         # precision comes from autocast, and AdamW on bf16 weights loses small updates.
-        return AutoModel.from_pretrained(name, dtype=torch.float32, **kwargs)
+        with _loading(key, name):
+            return AutoModel.from_pretrained(name, dtype=torch.float32, **kwargs)
     config = auto_config(None, config_dict, key=key, model_type=model_type)
     return AutoModel.from_config(config, **kwargs)
 
 
-def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
+def load_tokenizer(name: str, trust_remote_code: bool = False, key: str = "tokenizer_name") -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    with _loading(key, name):
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
 
 
-def load_image_processor(name: str, trust_remote_code: bool = False) -> Any:
+def load_image_processor(name: str, trust_remote_code: bool = False, key: str = "model_name") -> Any:
     """The PIL-backend image processor of a checkpoint (torchvision is not a dependency)."""
     from transformers import AutoImageProcessor
 
-    return AutoImageProcessor.from_pretrained(name, backend="pil", trust_remote_code=trust_remote_code)
+    with _loading(key, name):
+        return AutoImageProcessor.from_pretrained(name, backend="pil", trust_remote_code=trust_remote_code)
 
 
 def clip_image_processor(image_size: int) -> Any:

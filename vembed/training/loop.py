@@ -161,10 +161,10 @@ class Trainer:
         from tqdm.auto import tqdm
 
         recipe, acc = self.recipe, self.accelerator
+        self._build()  # model and data first: if either fails, output_dir is left untouched
         if acc.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             recipe.save(self.output_dir / "recipe.yaml")
-        self._build()
         from vembed.training.strategy import describe_launch
 
         trainable = sum(p.numel() for p in self.objective.parameters() if p.requires_grad)
