@@ -71,3 +71,52 @@ def test_clip_trains_on_text_only_pairs_under_ddp(tiny_clip_recipe, tmp_path):
     raw_path.write_text(json.dumps(raw))
     run_on_ranks(_text_only_clip_worker, str(raw_path), world=2)
     assert json.loads((Path(raw["output_dir"]) / "metrics.json").read_text())["train"]["world_size"] == 2
+
+
+def test_lora_with_gradient_checkpointing_trains_only_adapters_and_saves_merged(tiny_clip_recipe):
+    from safetensors.torch import load_file
+
+    raw = dict(tiny_clip_recipe, use_lora=True, lora_r=4, gradient_checkpointing=True, max_steps=3,
+               learnable_temperature=True)
+    trainer = Trainer(recipe_from_dict(raw))
+    trainer._build()
+    before = {n: p.detach().clone() for n, p in trainer.objective.named_parameters()}
+    trainer = Trainer(recipe_from_dict(raw))
+    result = trainer.run()
+    after = dict(trainer.objective.named_parameters())
+    changed = {n for n in before if not torch.equal(before[n], after[n].detach())}
+    assert changed and all("lora_" in n or n.startswith("loss.") for n in changed), sorted(changed)
+    saved = load_file(str(result.final_model_dir / "model.safetensors"))
+    assert not any("lora" in k for k in saved)  # merged: a plain CLIPModel state dict
+
+
+def _bf16_worker(raw_path: str) -> None:
+    raw = json.loads(Path(raw_path).read_text())
+    trainer = Trainer(recipe_from_dict(raw))
+    assert trainer.accelerator.mixed_precision == "bf16"
+    trainer.run()
+
+
+def test_bf16_autocast_trains(tiny_clip_recipe, tmp_path):
+    # Its own process: accelerate fixes the precision once per process, and other tests here made an fp32 one.
+    raw = dict(tiny_clip_recipe, mixed_precision="bf16", max_steps=3)
+    raw_path = tmp_path / "raw.json"
+    raw_path.write_text(json.dumps(raw))
+    run_on_ranks(_bf16_worker, str(raw_path), world=1)
+    history = json.loads((Path(raw["output_dir"]) / "metrics.json").read_text())["loss_history"]
+    assert len(history) == 3 and all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
+
+
+def test_wandb_tracker_works_offline(tiny_clip_recipe, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
+    (tmp_path / "wandb").mkdir()
+    trainer = Trainer(recipe_from_dict(dict(tiny_clip_recipe, max_steps=2, report_to=["wandb"], run_name="offline")))
+    try:
+        trainer.run()
+    finally:
+        trainer.accelerator.end_training()
+    runs = list((tmp_path / "wandb").rglob("offline-run-*"))
+    assert runs, "wandb wrote no offline run"
+    assert list(runs[0].rglob("*.wandb")), "the offline run holds no history"
