@@ -343,6 +343,8 @@ class Trainer:
         if acc.is_main_process:
             write_json_atomic(self.output_dir / "metrics.json", metrics)
             self._plots(metrics)
+            if self.train_report.num_skipped:
+                acc.print(f"warning: {self.train_report.summary()}")
             failures = metrics["train"]["decode_failures"]
             if failures:
                 acc.print(f"warning: {failures} training record(s) had images that would not decode and were replaced")
