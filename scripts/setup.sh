@@ -16,7 +16,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 venv_python=.venv/bin/python
 
-stamp=".venv/.vembed-$extras-$(cat setup.cfg pyproject.toml | sha1sum | cut -c1-12)"
+# Reinstall only when the package metadata changed (hashlib: sha1sum is not on every OS).
+digest=$("$venv_python" -c "import hashlib; print(hashlib.sha1(open('setup.cfg','rb').read() + open('pyproject.toml','rb').read()).hexdigest()[:12])")
+stamp=".venv/.vembed-$extras-$digest"
 if [ -f "$stamp" ]; then
   exit 0
 fi
