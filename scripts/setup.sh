@@ -30,4 +30,5 @@ fi
 echo "installing vembed[$extras] ..." >&2
 "$venv_python" -m pip install -q -e ".[$extras]"
 "$venv_python" -c "import torch, transformers, accelerate; print(f'torch {torch.__version__}, transformers {transformers.__version__}, accelerate {accelerate.__version__}')" >&2
+rm -f .venv/.vembed-"$extras"-*
 touch "$stamp"
