@@ -84,7 +84,7 @@ def test_save_load_round_trip_gives_identical_embeddings(clip, mixed_sides, chec
 def test_saved_folder_loads_with_plain_transformers(clip, mixed_sides, checks, tmp_path):
     from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
 
-    from vembed.models._common import load_image
+    from vembed.data.images import load_image
 
     clip.save(tmp_path)
     model = CLIPModel.from_pretrained(tmp_path).eval()

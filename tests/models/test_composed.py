@@ -80,7 +80,8 @@ def test_saved_towers_load_with_plain_transformers(composed, mixed_sides, checks
     from safetensors.torch import load_file
     from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
 
-    from vembed.models._common import load_image, pool
+    from vembed.data.images import load_image
+    from vembed.models._common import pool
 
     composed.save(tmp_path)
     text_model = AutoModel.from_pretrained(tmp_path / "text").eval()

@@ -49,7 +49,7 @@ def test_save_load_round_trip_gives_identical_embeddings(siglip, mixed_sides, ch
 def test_saved_folder_loads_with_plain_transformers(siglip, mixed_sides, checks, tmp_path):
     from transformers import AutoImageProcessor, AutoTokenizer, SiglipModel
 
-    from vembed.models._common import load_image
+    from vembed.data.images import load_image
 
     siglip.save(tmp_path)
     model = SiglipModel.from_pretrained(tmp_path).eval()

@@ -24,14 +24,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debug", action="store_true")
 
 
-def _zero_shot(adapter, data_dir: Path, split: str) -> float:
-    from vembed.data.sources import load_examples
-    from vembed.evaluation.retrieval import zero_shot_accuracy
-    from vembed.recipe import DataConfig
+def _test_figures(adapter, examples, prompts: dict, batch_size: int) -> tuple[float, float]:
+    """Zero-shot digit accuracy and text→image recall@1 on the test split."""
+    from vembed.evaluation.retrieval import evaluate_retrieval, zero_shot_accuracy
 
-    examples, _ = load_examples(DataConfig(test=str(data_dir / f"{split}.jsonl")), "test", num_hard_negatives=0)
-    prompts = json.loads((data_dir / "classes.json").read_text())
-    return zero_shot_accuracy(adapter, examples, prompts)
+    recall = evaluate_retrieval(adapter, examples, batch_size=batch_size)["q2d/recall@1"]
+    return zero_shot_accuracy(adapter, examples, prompts, batch_size=batch_size), recall
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,11 +54,16 @@ def run(args: argparse.Namespace) -> int:
         # The untrained model: same seed, same init as the first training step sees.
         from accelerate.utils import set_seed
 
+        from vembed.data.sources import load_examples
         from vembed.models import MODELS
 
         set_seed(recipe.seed)
         untrained = MODELS.get(recipe.model_type).from_recipe(recipe)
-        before = _zero_shot(untrained, data_dir, "test")
+        test_examples, _ = load_examples(recipe.data, "test", num_hard_negatives=0)
+        prompts = json.loads((data_dir / "classes.json").read_text())
+        batch_size = recipe.resolved_eval_batch_size
+        before, recall_before = _test_figures(untrained, test_examples, prompts, batch_size)
+        del untrained
 
         code = launch.main([args.recipe, "--config_override", *overrides, *(["--debug"] if args.debug else [])])
         if code != 0:
@@ -69,14 +72,11 @@ def run(args: argparse.Namespace) -> int:
         from vembed.models.base import load_adapter
 
         final_dir = Path(recipe.output_dir) / "final"
-        after = _zero_shot(load_adapter(final_dir), data_dir, "test")
+        after, recall_after = _test_figures(load_adapter(final_dir), test_examples, prompts, batch_size)
         metrics = json.loads((Path(recipe.output_dir) / "metrics.json").read_text())
         summary = {
             "zero_shot_accuracy": {"before": before, "after": after},
-            "test_text_to_image_recall@1": {
-                "before": _before_test(recipe, data_dir),
-                "after": metrics["test"]["q2d/recall@1"],
-            },
+            "test_text_to_image_recall@1": {"before": recall_before, "after": recall_after},
             "test": metrics["test"],
         }
         exported = _export(final_dir)
@@ -89,20 +89,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     return run_cli(body, args.debug)
-
-
-def _before_test(recipe, data_dir: Path) -> float:
-    """Text→image recall@1 of the untrained model on the test split."""
-    from accelerate.utils import set_seed
-
-    from vembed.data.sources import load_examples
-    from vembed.evaluation.retrieval import evaluate_retrieval
-    from vembed.models import MODELS
-
-    set_seed(recipe.seed)
-    untrained = MODELS.get(recipe.model_type).from_recipe(recipe)
-    examples, _ = load_examples(recipe.data, "test", num_hard_negatives=0)
-    return evaluate_retrieval(untrained, examples, batch_size=recipe.resolved_eval_batch_size)["q2d/recall@1"]
 
 
 def _export(final_dir: Path) -> Path | None:

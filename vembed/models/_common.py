@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vembed.data.images import load_image
 from vembed.errors import RecipeError
 
 if TYPE_CHECKING:
-    from PIL import Image
     from transformers import PretrainedConfig, PreTrainedModel
 
     from vembed.data.records import ImageLike, Side
@@ -34,16 +34,6 @@ TEXT_INDEX = "text_index"
 IMAGE_INDEX = "image_index"
 PIXEL_VALUES = "pixel_values"
 _LAYOUT_KEYS = (TEXT_INDEX, IMAGE_INDEX, PIXEL_VALUES)
-
-
-def load_image(image: "ImageLike") -> "Image.Image":
-    """An RGB PIL image from a path or a PIL image (grey, palette and RGBA images are converted)."""
-    from PIL import Image
-
-    if isinstance(image, Image.Image):
-        return image if image.mode == "RGB" else image.convert("RGB")
-    with Image.open(image) as opened:  # convert() copies the pixels, so the file handle can close at once
-        return opened.convert("RGB")
 
 
 def split_sides(sides: Sequence["Side"]) -> tuple[list[str], list["ImageLike"], dict[str, torch.Tensor]]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, is_dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +19,7 @@ from vembed.training.checkpoint import (
     CheckpointManager,
     TrainerState,
     is_better,
+    list_checkpoints,
     resolve_resume,
     write_json_atomic,
 )
@@ -38,14 +39,6 @@ class TrainResult:
     final_model_dir: Path
     metrics: dict[str, Any]
     state: TrainerState
-
-
-def _to_jsonable(obj: Any) -> Any:
-    if is_dataclass(obj):
-        return asdict(obj)
-    if hasattr(obj, "to_dict"):
-        return obj.to_dict()
-    return obj
 
 
 class Trainer:
@@ -260,11 +253,8 @@ class Trainer:
         max_norm = self.recipe.max_grad_norm if self.recipe.max_grad_norm is not None else float("inf")
         norm = self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
         if norm is not None and not torch.isfinite(torch.as_tensor(norm)).item():
-            last = state.best_checkpoint or "none saved yet"
-            from vembed.training.checkpoint import list_checkpoints
-
             found = list_checkpoints(self.output_dir)
-            last = str(found[-1]) if found else last
+            last = str(found[-1]) if found else "none saved yet"
             raise TrainingError(
                 f"loss or gradients became NaN/Inf at step {state.global_step + 1} (epoch {state.epoch}); weights "
                 f"were not updated; last good checkpoint: {last}. Lower learning_rate or set max_grad_norm"
@@ -332,7 +322,7 @@ class Trainer:
             "samples_seen": state.samples_seen,
             "world_size": acc.num_processes,
             "final_loss": state.loss_history[-1]["loss"] if state.loss_history else None,
-            "data": _to_jsonable(self.train_report),
+            "data": self.train_report.to_dict(),
             "decode_failures": getattr(self.dataset, "decode_failures", 0),
             "loss": self.objective.loss.config,
         }
