@@ -118,8 +118,12 @@ class Recipe(_Strict):
     lora_target_modules: list[str] | None = None  # unset: the adapter's default
 
     # --- strategies ------------------------------------------------------------------------------------------------
-    use_gradient_cache: bool = False
-    gradient_cache_chunk_size: int | None = Field(default=None, gt=0)  # samples per forward chunk under GradCache
+    # GradCache: the contrastive batch stays batch_size x world size while activations are those of one chunk.
+    # Unset: on when gradient_checkpointing is on and the model has more than 1B parameters (the run says so).
+    use_gradient_cache: bool | None = None
+    # Samples (per device) encoded per forward chunk under GradCache; smaller saves memory, larger runs faster.
+    # Unset: 8, or the per-device batch if that is smaller.
+    gradient_cache_chunk_size: int | None = Field(default=None, gt=0)
     use_fsdp: bool = False
 
     # --- checkpoints, evaluation, logging --------------------------------------------------------------------------
@@ -162,7 +166,7 @@ class Recipe(_Strict):
                     "mrl_weights",
                     f"has {len(self.mrl_weights)} weights for {len(self.mrl_dims)} mrl_dims; give one per dimension",
                 )
-        if self.gradient_cache_chunk_size is not None and not self.use_gradient_cache:
+        if self.gradient_cache_chunk_size is not None and self.use_gradient_cache is False:
             raise _KeyError("gradient_cache_chunk_size", "is set but use_gradient_cache is false; set it to true")
         return self
 
@@ -327,8 +331,6 @@ def check_recipe(recipe: Recipe, *, for_training: bool = True) -> None:
 
     adapter_cls = MODELS.get(recipe.model_type)
     LOSSES.get(recipe.loss_type)
-    if recipe.use_gradient_cache:
-        raise RecipeError("use_gradient_cache", "GradCache is not available yet (strategies issue); set it to false")
     if recipe.use_fsdp:
         raise RecipeError("use_fsdp", "FSDP is not available yet (strategies issue); set it to false")
     if for_training and recipe.data.train is None:

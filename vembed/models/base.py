@@ -93,6 +93,31 @@ class EmbeddingAdapter(nn.Module, ABC):
     def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.encode(inputs)
 
+    def num_sides(self, inputs: dict[str, torch.Tensor]) -> int:
+        """How many sides a preprocessed batch holds."""
+        from vembed.models._common import TEXT_INDEX
+
+        return int(inputs[TEXT_INDEX].shape[0])
+
+    def slice_batch(self, inputs: dict[str, torch.Tensor], start: int, stop: int) -> dict[str, torch.Tensor]:
+        """Sides `start:stop` of a preprocessed batch, as `preprocess` would have made them (GradCache chunks).
+        Adapters whose inputs are not one row per side (variable-size images) override it."""
+        from vembed.models._common import slice_batch
+
+        return slice_batch(inputs, start, stop)
+
+    def block_classes(self) -> set[type[nn.Module]]:
+        """The repeated transformer blocks FSDP shards one by one: the classes each tower names in transformers'
+        `_no_split_modules`, found among its modules."""
+        classes: set[type[nn.Module]] = set()
+        for tower in self.towers():
+            names = set(getattr(tower, "_no_split_modules", None) or ())
+            base = getattr(tower, "get_base_model", None)  # PEFT-wrapped towers name them on the base model
+            if base is not None:
+                names |= set(getattr(base(), "_no_split_modules", None) or ())
+            classes |= {type(m) for m in tower.modules() if type(m).__name__ in names}
+        return classes
+
     @abstractmethod
     def towers(self) -> list[nn.Module]:
         """The transformers models inside; checkpointing and LoRA apply to each of them."""

@@ -119,6 +119,10 @@ class Trainer:
             self.objective, optimizer, loader, scheduler
         )
         self.checkpoints = CheckpointManager(acc, self.output_dir, recipe.save_total_limit, recipe.persistent_dir)
+        from vembed.training.strategy import build_train_step, choose_gradient_cache
+
+        self.grad_cache = choose_gradient_cache(recipe, sum(p.numel() for p in self.objective.parameters()))
+        self.train_step = build_train_step(acc, self.model, self.grad_cache)
 
     def _load_eval_split(self, split: str) -> "list[Example]":
         from vembed.data.sources import load_examples
@@ -162,7 +166,7 @@ class Trainer:
 
         trainable = sum(p.numel() for p in self.objective.parameters() if p.requires_grad)
         total = sum(p.numel() for p in self.objective.parameters())
-        acc.print(describe_launch(acc, recipe, trainable, total))
+        acc.print(describe_launch(acc, recipe, trainable, total, self.grad_cache))
         acc.print(f"data                {self.train_report.summary()}")
         if recipe.report_to:
             acc.init_trackers(recipe.run_name or "vembed", config=_flat_config(recipe.to_dict()))
@@ -208,8 +212,7 @@ class Trainer:
                 loader = acc.skip_first_batches(self.loader, state.batches_in_epoch)
             for batch in loader:
                 with acc.accumulate(self.model):
-                    loss = self.model(batch)
-                    acc.backward(loss)
+                    loss = self.train_step(batch)  # forward + backward: plain, or GradCache's chunked passes
                     if acc.sync_gradients:
                         self._check_and_clip(state)
                     self.optimizer.step()

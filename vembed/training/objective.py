@@ -6,13 +6,16 @@ DDP average its gradient like every other parameter.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from vembed.losses.base import EmbeddingLoss
 from vembed.models.base import EmbeddingAdapter
+
+if TYPE_CHECKING:
+    from vembed.training.grad_cache import Chunk
 
 
 class ContrastiveObjective(nn.Module):
@@ -23,16 +26,46 @@ class ContrastiveObjective(nn.Module):
 
     def embed(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Query, positive and (B, k, d) hard-negative embeddings of a collated batch."""
-        query = self.adapter.encode(batch["query"])
-        positive = self.adapter.encode(batch["positive"])
-        negatives = None
-        k = int(batch.get("num_negatives", 0) or 0)
-        if k > 0:
-            negatives = self.adapter.encode(batch["negative"]).view(query.shape[0], k, -1)
-        return query, positive, negatives
+        negatives = self.adapter.encode(batch["negative"]) if batch.get("num_negatives") else None
+        return self.shape_embeddings(
+            self.adapter.encode(batch["query"]), self.adapter.encode(batch["positive"]), negatives,
+            int(batch.get("num_negatives") or 0),
+        )
 
-    def forward(self, batch: dict[str, Any]) -> torch.Tensor:
-        return self.loss(*self.embed(batch))
+    @staticmethod
+    def shape_embeddings(
+        query: torch.Tensor, positive: torch.Tensor, negatives: torch.Tensor | None, num_negatives: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if negatives is None or num_negatives == 0:
+            return query, positive, None
+        return query, positive, negatives.view(query.shape[0], num_negatives, -1)
+
+    def forward(
+        self,
+        batch: dict[str, Any] | None = None,
+        *,
+        replay: "list[Chunk] | None" = None,
+        detached_embeddings: tuple[torch.Tensor | None, ...] | None = None,
+    ) -> torch.Tensor:
+        """The loss of a batch; or, for GradCache (`replay`), the surrogate whose gradient is the cached one.
+
+        Both go through `forward` so that DDP (and any wrapper) sees every pass that builds a graph.
+        """
+        if replay is None:
+            return self.loss(*self.embed(batch))
+        surrogate = sum(self._replayed(chunk) for chunk in replay)
+        if detached_embeddings is not None:
+            # The last pass: the loss on constant embeddings reaches only the loss's own parameters (temperature,
+            # bias), and a zero-weighted touch of every trainable parameter puts all of them in this pass's graph,
+            # so DDP all-reduces each exactly once, including towers that only earlier chunks used.
+            surrogate = surrogate + self.loss(*detached_embeddings)
+            surrogate = surrogate + sum(p.view(-1)[0] for p in self.parameters() if p.requires_grad) * 0.0
+        return surrogate
+
+    def _replayed(self, chunk: "Chunk") -> torch.Tensor:
+        with chunk.rng.replay():
+            embedding = self.adapter.encode(chunk.inputs)
+        return (embedding.float() * chunk.grad.float()).sum()
 
 
 def parameter_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:

@@ -1,15 +1,17 @@
 """Launch strategy: build the Accelerator for this launch and check it is the launch the user asked for.
 
-Everything that differs between single-device and DDP (process-group backend, world-size checks) lives here, so the
-loop reads the same for every launch. GradCache, FSDP and DeepSpeed join this module in the strategies issue.
+Everything that differs between launches (process-group backend, world-size checks, the forward/backward of one
+micro-batch: plain or GradCache) lives here, so the loop reads the same for every launch.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -107,19 +109,84 @@ def build_accelerator(recipe: "Recipe", find_unused_parameters: bool = False) ->
     return accelerator
 
 
-def describe_launch(accelerator: "Accelerator", recipe: "Recipe", trainable: int, total: int) -> str:
+def describe_launch(
+    accelerator: "Accelerator", recipe: "Recipe", trainable: int, total: int,
+    grad_cache: "GradientCacheChoice | None" = None,
+) -> str:
     """The block printed at start: what runs where, and how big the contrastive batch really is."""
     world = accelerator.num_processes
     processes = f"{world} process{'es' if world > 1 else ''}"
     kind = accelerator.distributed_type.value
     strategy = {"NO": "single device", "MULTI_GPU": "DDP (NCCL)", "MULTI_CPU": "DDP (gloo)"}.get(kind, kind)
+    if grad_cache is not None and grad_cache.enabled:
+        strategy += " + GradCache"
     lines = [
         f"strategy            {strategy} ({processes})",
         f"device              {accelerator.device}",
         f"precision           {accelerator.mixed_precision}",
         f"per-device batch    {recipe.batch_size}",
+    ]
+    if grad_cache is not None:
+        chunk = f"{grad_cache.chunk_size} samples per forward" if grad_cache.enabled else "-"
+        lines.append(f"GradCache           {grad_cache.reason}; chunk {chunk}")
+    lines += [
         f"contrastive batch   {recipe.batch_size * world} (negatives gathered across processes)",
         f"effective batch     {recipe.batch_size * world * recipe.gradient_accumulation_steps} per optimizer step",
         f"parameters          {trainable:,} trainable / {total:,} total",
     ]
     return "\n".join(lines)
+
+
+# --- the forward/backward of one micro-batch --------------------------------------------------------------------------
+AUTO_GRADIENT_CACHE_PARAMETERS = 1_000_000_000  # the seeds' rule: checkpointing on a >1B model turns GradCache on
+DEFAULT_GRADIENT_CACHE_CHUNK = 8
+
+
+@dataclass(frozen=True)
+class GradientCacheChoice:
+    enabled: bool
+    chunk_size: int | None  # samples per forward chunk, when enabled
+    reason: str  # why, for the launch block
+
+
+def choose_gradient_cache(recipe: "Recipe", num_parameters: int) -> GradientCacheChoice:
+    """GradCache on or off for this run, and its chunk size (never more than the per-device batch)."""
+    if recipe.use_gradient_cache is None:
+        auto = recipe.gradient_checkpointing and num_parameters > AUTO_GRADIENT_CACHE_PARAMETERS
+        if not auto:
+            return GradientCacheChoice(False, None, "off")
+        reason = (f"on (automatic: gradient_checkpointing with {num_parameters / 1e9:.1f}B parameters; "
+                  "set use_gradient_cache: false to turn it off)")
+    elif not recipe.use_gradient_cache:
+        return GradientCacheChoice(False, None, "off")
+    else:
+        reason = "on (use_gradient_cache)"
+    chunk = min(recipe.gradient_cache_chunk_size or DEFAULT_GRADIENT_CACHE_CHUNK, recipe.batch_size)
+    return GradientCacheChoice(True, chunk, reason)
+
+
+def build_train_step(
+    accelerator: "Accelerator", model: torch.nn.Module, choice: GradientCacheChoice
+) -> Callable[[dict[str, Any]], torch.Tensor]:
+    """`step(batch) -> detached loss`: forward and backward of one micro-batch, through the accelerator."""
+    if not choice.enabled:
+
+        def plain_step(batch: dict[str, Any]) -> torch.Tensor:
+            loss = model(batch)
+            accelerator.backward(loss)
+            return loss.detach()
+
+        return plain_step
+
+    from accelerate.utils import DistributedType
+
+    from vembed.errors import RecipeError
+    from vembed.training.grad_cache import GradCacheStep
+
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        raise RecipeError(
+            "use_gradient_cache",
+            "GradCache needs several backward passes per optimizer step, which DeepSpeed's engine counts as "
+            "separate micro-steps; use DDP + GradCache, or DeepSpeed without it (use_gradient_cache: false)",
+        )
+    return GradCacheStep(accelerator, model, choice.chunk_size)

@@ -1,0 +1,234 @@
+"""GradCache exactness: the cached step's gradients equal those of one step on the whole batch.
+
+With dropout on, a chunked forward and a whole-batch forward draw different masks, so "the whole batch" is built
+the way GradCache sees it: each side encoded chunk by chunk, with a graph, in the same order and from the same seed,
+then ONE loss over all the embeddings and ONE backward. That reference shares nothing with the cached path except
+the model; it proves that caching, RNG replay and the surrogate backward change nothing. With dropout off, the
+reference is the plain one-forward-per-side step used in training.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY_CLIP_CONFIG
+from ranks import run_on_ranks
+
+from vembed.recipe import recipe_from_dict
+
+BATCH = 8
+
+
+def _trainer(raw: dict):
+    from vembed.training.loop import Trainer
+
+    trainer = Trainer(recipe_from_dict(raw))
+    trainer._build()
+    return trainer
+
+
+def _batch(trainer, rows: list[int]) -> dict:
+    from accelerate.utils import send_to_device
+
+    return send_to_device(trainer.loader.collate_fn([trainer.dataset[i] for i in rows]), trainer.accelerator.device)
+
+
+def _grads(trainer) -> dict[str, torch.Tensor]:
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    return {n: p.grad.detach().clone() for n, p in unwrapped.named_parameters() if p.grad is not None}
+
+
+def _cached_step(raw: dict, rows: list[int], seed: int = 7) -> tuple[dict[str, torch.Tensor], float]:
+    trainer = _trainer(raw)
+    assert trainer.grad_cache.enabled
+    batch = _batch(trainer, rows)
+    torch.manual_seed(seed)
+    loss = trainer.train_step(batch)
+    return _grads(trainer), loss.item()
+
+
+def _reference_step(raw: dict, rows: list[int], chunk: int | None, seed: int = 7) -> tuple[dict, float]:
+    """One loss and one backward over the whole batch; sides encoded in chunks of `chunk` rows (None: whole)."""
+    trainer = _trainer(dict(raw, use_gradient_cache=False, gradient_cache_chunk_size=None))
+    objective = trainer.accelerator.unwrap_model(trainer.model)
+    batch = _batch(trainer, rows)
+    torch.manual_seed(seed)
+    embedded = {}
+    for side in ("query", "positive", "negative"):
+        inputs = batch.get(side)
+        if not inputs:
+            continue
+        rows_in_side = objective.adapter.num_sides(inputs)
+        step = chunk or rows_in_side
+        parts = [objective.adapter.encode(objective.adapter.slice_batch(inputs, s, min(s + step, rows_in_side)))
+                 for s in range(0, rows_in_side, step)]
+        embedded[side] = torch.cat(parts)
+    loss = objective.loss(*objective.shape_embeddings(
+        embedded["query"], embedded["positive"], embedded.get("negative"), int(batch.get("num_negatives") or 0)))
+    loss.backward()
+    return _grads(trainer), loss.item()
+
+
+def _assert_close(actual: dict, reference: dict, tolerance: float = 1e-5) -> float:
+    assert actual.keys() == reference.keys()
+    ref = torch.cat([g.flatten() for g in reference.values()])
+    got = torch.cat([actual[n].flatten() for n in reference])
+    relative = ((got - ref).norm() / ref.norm()).item()
+    assert relative <= tolerance, f"relative gradient difference {relative:.2e}"
+    return relative
+
+
+def _no_dropout(raw: dict) -> dict:
+    config = raw["model_config"]
+    towers = {k: {**v, "dropout": 0.0, "attention_dropout": 0.0} for k, v in config.items() if k.endswith("_config")}
+    return dict(raw, model_config={**config, **towers})
+
+
+def _with_attention_dropout(raw: dict) -> dict:
+    # transformers' CLIP ignores `dropout`; attention dropout is its only random op, and the RNG replay is under test.
+    config = raw["model_config"]
+    towers = {k: {**v, "attention_dropout": 0.2} for k, v in config.items() if k.endswith("_config")}
+    return dict(raw, model_config={**config, **towers})
+
+
+@pytest.fixture
+def text_pairs(tmp_path, tiny_tokenizer_dir):
+    """Text-only pairs with two hard negatives each, and a tiny BERT recipe with dropout on."""
+    rows = [{"query": f"question {i} about shape {i % 5}", "positive": f"answer {i}: a shape {i % 5}",
+             "negatives": [f"wrong answer {i}", f"another wrong answer {i + 1}"]} for i in range(16)]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return {
+        "model_type": "text", "pooling": "mean", "tokenizer_name": tiny_tokenizer_dir,
+        "model_config": {"model_type": "bert", "vocab_size": 512, "hidden_size": 32, "intermediate_size": 37,
+                         "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 32,
+                         "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1},
+        "data": {"train": str(path)}, "output_dir": str(tmp_path / "run"), "batch_size": BATCH, "seed": 0,
+        "eval_before_training": False, "learnable_temperature": True,
+    }
+
+
+@pytest.mark.parametrize(
+    "chunk, settings",
+    [
+        (4, {}),  # divides the batch; two hard negatives per pair (16 negative rows)
+        (3, {}),  # does not divide it: chunks of 3, 3, 2
+        (3, {"data_negatives": 0, "learnable_temperature": True}),
+        (5, {"mrl_dims": [16, 8], "loss_type": "infonce"}),
+        (3, {"loss_type": "siglip", "learnable_temperature": True, "temperature": 0.1}),
+    ],
+    ids=["clip-chunk4", "clip-chunk3", "clip-no-negatives", "clip-matryoshka", "clip-siglip"],
+)
+def test_cached_gradients_equal_whole_batch_with_dropout_on(tiny_clip_recipe, chunk, settings):
+    settings = dict(settings)
+    raw = _with_attention_dropout(
+        dict(tiny_clip_recipe, batch_size=BATCH, use_gradient_cache=True, gradient_cache_chunk_size=chunk)
+    )
+    if "data_negatives" in settings:
+        raw["data"] = {**raw["data"], "num_hard_negatives": settings.pop("data_negatives")}
+    raw.update(settings)
+    rows = list(range(BATCH))
+    cached, cached_loss = _cached_step(raw, rows)
+    reference, reference_loss = _reference_step(raw, rows, chunk)
+    assert cached_loss == pytest.approx(reference_loss, rel=1e-6)
+    print(f"relative gradient difference: {_assert_close(cached, reference):.2e}")
+
+
+def test_cached_gradients_equal_whole_batch_for_a_text_adapter(text_pairs):
+    raw = dict(text_pairs, use_gradient_cache=True, gradient_cache_chunk_size=3)
+    rows = list(range(BATCH))
+    cached, _ = _cached_step(raw, rows)
+    reference, _ = _reference_step(raw, rows, chunk=3)
+    _assert_close(cached, reference)
+    assert any(name.startswith("loss.") for name in cached)  # the learnable temperature got its gradient
+
+
+def test_without_dropout_cached_equals_the_plain_training_step(tiny_clip_recipe):
+    raw = _no_dropout(dict(tiny_clip_recipe, batch_size=BATCH, use_gradient_cache=True, gradient_cache_chunk_size=3,
+                           learnable_temperature=True))
+    rows = list(range(BATCH))
+    cached, _ = _cached_step(raw, rows)
+    plain = _trainer(dict(raw, use_gradient_cache=False, gradient_cache_chunk_size=None))
+    plain.train_step(_batch(plain, rows))
+    _assert_close(cached, _grads(plain))
+
+
+def test_replay_consumes_no_randomness(tiny_clip_recipe):
+    """After a cached step the global RNG is where one no-grad pass left it, so later steps (and resume) match."""
+    raw = dict(tiny_clip_recipe, batch_size=BATCH, use_gradient_cache=True, gradient_cache_chunk_size=4)
+    trainer = _trainer(raw)
+    batch = _batch(trainer, list(range(BATCH)))
+    torch.manual_seed(3)
+    trainer.train_step._encode_without_graph(batch)
+    after_forward_only = torch.rand(1)
+    torch.manual_seed(3)
+    trainer.train_step(batch)
+    assert torch.equal(torch.rand(1), after_forward_only)
+
+
+def _ddp_worker(raw_path: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    raw = json.loads(Path(raw_path).read_text())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert world == 2
+    half = BATCH // world
+    rows = list(range(rank * half, (rank + 1) * half))
+    grads, _ = _cached_step(raw, rows)
+    # Gradient sync happens once per step, not once per chunk: count DDP's bucket all-reduces.
+    reductions = {}
+    plain = {"use_gradient_cache": False, "gradient_cache_chunk_size": None}
+    for name, overrides in (("cached", {}), ("plain", plain)):
+        trainer = _trainer(dict(raw, **overrides))
+        reductions[name] = _count_allreduces(trainer, _batch(trainer, rows))
+    if rank == 0:
+        torch.save(grads, Path(out_dir, "ddp.pt"))
+        Path(out_dir, "reductions.json").write_text(json.dumps(reductions))
+
+
+def _count_allreduces(trainer, batch) -> int:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    calls = []
+
+    def counting_hook(state, bucket):
+        calls.append(bucket.index())
+        return allreduce_hook(state, bucket)
+
+    trainer.model.register_comm_hook(state=None, hook=counting_hook)
+    trainer.train_step(batch)
+    return len(calls)
+
+
+def test_ddp_grad_cache_equals_one_process_on_the_concatenated_batch(tiny_clip_recipe, tmp_path):
+    # 2 ranks x 4 samples, chunks of 3 (not dividing), two hard negatives, learnable temperature; dropout off because
+    # two processes draw different masks than one.
+    raw = _no_dropout(dict(tiny_clip_recipe, batch_size=BATCH // 2, use_gradient_cache=True,
+                           gradient_cache_chunk_size=3, learnable_temperature=True))
+    raw_path = tmp_path / "raw.json"
+    raw_path.write_text(json.dumps(raw))
+    run_on_ranks(_ddp_worker, str(raw_path), str(tmp_path), world=2)
+    ddp = torch.load(tmp_path / "ddp.pt", weights_only=True)
+    reductions = json.loads((tmp_path / "reductions.json").read_text())
+    assert reductions["cached"] == reductions["plain"] > 0, reductions  # 3 chunks per side, one sync
+    single, _ = _reference_step(dict(raw, batch_size=BATCH), list(range(BATCH)), chunk=None)
+    print(f"relative gradient difference: {_assert_close(ddp, single):.2e}")
+
+
+def test_auto_rule_and_chunk_clamp():
+    from vembed.training.strategy import choose_gradient_cache
+
+    base = {"model_type": "clip", "model_config": TINY_CLIP_CONFIG, "batch_size": 4}
+    big = 2_000_000_000
+    assert not choose_gradient_cache(recipe_from_dict(base), big).enabled
+    auto = choose_gradient_cache(recipe_from_dict(dict(base, gradient_checkpointing=True)), big)
+    assert auto.enabled and auto.chunk_size == 4 and "automatic" in auto.reason
+    assert not choose_gradient_cache(recipe_from_dict(dict(base, gradient_checkpointing=True)), 10**8).enabled
+    off_recipe = recipe_from_dict(dict(base, gradient_checkpointing=True, use_gradient_cache=False))
+    off = choose_gradient_cache(off_recipe, big)
+    assert not off.enabled
+    on = choose_gradient_cache(recipe_from_dict(dict(base, batch_size=64, use_gradient_cache=True)), 10)
+    assert on.enabled and on.chunk_size == 8

@@ -1,0 +1,121 @@
+"""GradCache (Gao et al., 2021): the gradient of one large contrastive batch with the activation memory of one chunk.
+
+Why our own: the only PyPI package (`gradcache` 0.0.1, 2022) does not import as packaged, uses the deprecated
+`torch.cuda.amp` and calls `backward` itself, which bypasses the accelerator (loss scaling, accumulation, DeepSpeed).
+
+One optimizer micro-step, for a per-device batch split into chunks of `gradient_cache_chunk_size` samples:
+1. every chunk of every side (query, positive, hard negatives) is encoded without a graph; the RNG state (CPU and the
+   accelerator device) is captured before each chunk;
+2. the loss runs on the detached embeddings of the whole batch (gathered across ranks inside the loss, as usual) and
+   its gradient with respect to those embeddings is cached;
+3. each chunk is encoded again under its captured RNG state (same dropout masks) and `(embedding * cached_gradient)`
+   is backpropagated through the accelerator. Every chunk but the last runs under `no_sync`; the last pass re-encodes
+   the final chunk of every side, adds the loss on the detached embeddings (which gives a learnable temperature or
+   bias its gradient) and touches every trainable parameter, so DDP's one all-reduce covers everything exactly once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from vembed.training.objective import ContrastiveObjective
+
+SIDES = ("query", "positive", "negative")  # the collated batch's sides, in the order chunks are encoded
+
+
+class RngState:
+    """The CPU generator and the accelerator device's generator, captured so a forward can be replayed exactly."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cpu = torch.get_rng_state()
+        self.accel = None if device.type == "cpu" else torch.get_device_module(device.type).get_rng_state(device)
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        """Generators start from the captured state inside; the global streams are restored on exit, so a replay
+        consumes no randomness from the run."""
+        devices = [self.device] if self.accel is not None else []
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+            torch.set_rng_state(self.cpu)
+            if self.accel is not None:
+                torch.get_device_module(self.device.type).set_rng_state(self.accel, self.device)
+            yield
+
+
+@dataclass(eq=False)
+class Chunk:
+    """Rows `start:stop` of one side: their inputs, the RNG state of their first forward, and the cached gradient."""
+
+    side: str
+    start: int
+    stop: int
+    inputs: dict[str, torch.Tensor]
+    rng: RngState
+    grad: torch.Tensor | None = None
+
+
+def chunk_bounds(num_rows: int, chunk_size: int) -> list[tuple[int, int]]:
+    """`[(0, c), (c, 2c), ...]` covering `num_rows`; the last chunk may be shorter."""
+    return [(start, min(start + chunk_size, num_rows)) for start in range(0, num_rows, chunk_size)]
+
+
+class GradCacheStep:
+    """Forward and backward of one micro-batch under GradCache; returns the detached loss, like a plain step."""
+
+    def __init__(self, accelerator: "Accelerator", model: torch.nn.Module, chunk_size: int):
+        self.accelerator = accelerator
+        self.model = model  # the prepared (possibly DDP-wrapped) objective: every pass with a graph goes through it
+        self.chunk_size = chunk_size
+
+    @property
+    def objective(self) -> "ContrastiveObjective":
+        return self.accelerator.unwrap_model(self.model)
+
+    def __call__(self, batch: dict[str, Any]) -> torch.Tensor:
+        acc = self.accelerator
+        chunks, embeddings = self._encode_without_graph(batch)
+
+        # 2. the loss on the whole batch's detached embeddings; cache d(loss)/d(embeddings)
+        leaves = {side: torch.cat(parts).detach().requires_grad_() for side, parts in embeddings.items()}
+        query, positive, negatives = self.objective.shape_embeddings(
+            leaves["query"], leaves["positive"], leaves.get("negative"), int(batch.get("num_negatives") or 0)
+        )
+        with acc.autocast():
+            loss = self.objective.loss(query, positive, negatives)
+        grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+        for chunk in chunks:
+            chunk.grad = grads[chunk.side][chunk.start : chunk.stop]
+
+        # 3. replay every chunk under its RNG state and backpropagate its cached gradient
+        final = list({chunk.side: chunk for chunk in chunks}.values())  # the last chunk of each side
+        for chunk in chunks:
+            if chunk not in final:
+                with acc.no_sync(self.model):
+                    acc.backward(self.model(replay=[chunk]))
+        detached = tuple(None if t is None else t.detach() for t in (query, positive, negatives))
+        acc.backward(self.model(replay=final, detached_embeddings=detached))
+        return loss.detach()
+
+    @torch.no_grad()
+    def _encode_without_graph(self, batch: dict[str, Any]) -> tuple[list[Chunk], dict[str, list[torch.Tensor]]]:
+        acc, adapter = self.accelerator, self.objective.adapter
+        chunks: list[Chunk] = []
+        embeddings: dict[str, list[torch.Tensor]] = {}
+        for side in SIDES:
+            inputs = batch.get(side)
+            if not inputs:
+                continue
+            for start, stop in chunk_bounds(adapter.num_sides(inputs), self.chunk_size):
+                part = adapter.slice_batch(inputs, start, stop)
+                chunks.append(Chunk(side, start, stop, part, RngState(acc.device)))
+                with acc.autocast():
+                    embeddings.setdefault(side, []).append(adapter.encode(part))
+        return chunks, embeddings
