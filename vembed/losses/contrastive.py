@@ -70,10 +70,11 @@ def _positive_columns(batch_size: int, device: torch.device) -> torch.Tensor:
 
 def _log_scale_parameter(temperature: float, learnable: bool) -> nn.Parameter:
     # Stored as log(1 / temperature): the optimiser then moves the scale multiplicatively and it stays positive. A
-    # fixed temperature is a frozen parameter so that both cases save and load the same state dict.
+    # fixed temperature is a frozen parameter so that both cases save and load the same state dict. Shape (1,), not a
+    # scalar: DeepSpeed cannot broadcast 0-dim parameters.
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
-    return nn.Parameter(torch.tensor(math.log(1.0 / temperature)), requires_grad=learnable)
+    return nn.Parameter(torch.tensor([math.log(1.0 / temperature)]), requires_grad=learnable)
 
 
 @LOSSES.register("infonce")
@@ -222,7 +223,7 @@ class SigLIPLoss(EmbeddingLoss):
         self.learnable_temperature = learnable_temperature
         self.bias_init = bias_init
         self.log_scale = _log_scale_parameter(temperature, learnable_temperature)
-        self.bias = nn.Parameter(torch.tensor(float(bias_init)))
+        self.bias = nn.Parameter(torch.tensor([float(bias_init)]))
 
     @classmethod
     def from_recipe(cls, recipe: "Recipe") -> "SigLIPLoss":

@@ -118,6 +118,13 @@ class EmbeddingAdapter(nn.Module, ABC):
             classes |= {type(m) for m in tower.modules() if type(m).__name__ in names}
         return classes
 
+    def zero3_unpartitioned_parameters(self) -> list[nn.Parameter]:
+        """Parameters DeepSpeed ZeRO-3 must keep whole on every rank. transformers' CLIP-family text embeddings
+        compare the sequence length with `position_embedding.weight.shape` in a forward where ZeRO-3 has not gathered
+        that weight yet; the default names those."""
+        return [m.position_embedding.weight for m in self.modules()
+                if type(m).__name__.endswith("TextEmbeddings") and hasattr(m, "position_embedding")]
+
     @abstractmethod
     def towers(self) -> list[nn.Module]:
         """The transformers models inside; checkpointing and LoRA apply to each of them."""

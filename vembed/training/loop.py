@@ -70,10 +70,12 @@ class Trainer:
         from vembed.losses import build_loss
         from vembed.models import MODELS
         from vembed.training.objective import ContrastiveObjective, parameter_groups
+        from vembed.training.strategy import configure_deepspeed, unsharded_construction
 
         recipe, acc = self.recipe, self.accelerator
         set_seed(recipe.seed)
-        adapter = MODELS.get(recipe.model_type).from_recipe(recipe)
+        with unsharded_construction(acc, unless_zero3_init=True):
+            adapter = MODELS.get(recipe.model_type).from_recipe(recipe)
         if recipe.gradient_checkpointing:
             adapter.enable_gradient_checkpointing()
         if recipe.use_lora:
@@ -115,13 +117,14 @@ class Trainer:
             num_warmup_steps=int(recipe.warmup_ratio * self.total_steps),
             num_training_steps=self.total_steps,
         )
+        configure_deepspeed(acc, recipe, self.objective)
         self.model, self.optimizer, self.loader, self.scheduler = acc.prepare(
             self.objective, optimizer, loader, scheduler
         )
         self.checkpoints = CheckpointManager(acc, self.output_dir, recipe.save_total_limit, recipe.persistent_dir)
-        from vembed.training.strategy import build_train_step, choose_gradient_cache
+        from vembed.training.strategy import build_train_step, choose_gradient_cache, count_parameters
 
-        self.grad_cache = choose_gradient_cache(recipe, sum(p.numel() for p in self.objective.parameters()))
+        self.grad_cache = choose_gradient_cache(recipe, count_parameters(self.objective)[1])
         self.train_step = build_train_step(acc, self.model, self.grad_cache)
 
     def _load_eval_split(self, split: str) -> "list[Example]":
@@ -162,10 +165,9 @@ class Trainer:
         if acc.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             recipe.save(self.output_dir / "recipe.yaml")
-        from vembed.training.strategy import describe_launch
+        from vembed.training.strategy import count_parameters, describe_launch
 
-        trainable = sum(p.numel() for p in self.objective.parameters() if p.requires_grad)
-        total = sum(p.numel() for p in self.objective.parameters())
+        trainable, total = count_parameters(self.objective)
         acc.print(describe_launch(acc, recipe, trainable, total, self.grad_cache))
         acc.print(f"data                {self.train_report.summary()}")
         if recipe.report_to:
@@ -305,12 +307,21 @@ class Trainer:
         acc, recipe = self.accelerator, self.recipe
         final_dir = self.output_dir / "final"
         acc.wait_for_everyone()
+        from vembed.training.strategy import gather_full_state_dict, is_sharded, unsharded_construction
+
+        # Sharded weights (ZeRO-3, FSDP) are gathered by every rank together; rank 0 alone would wait forever.
+        full_state = gather_full_state_dict(acc, self.model) if is_sharded(acc, self.model) else None
         if acc.is_main_process:
             import shutil
 
             tmp = self.output_dir / ".tmp-final"
             shutil.rmtree(tmp, ignore_errors=True)
-            self.adapter.save(tmp)
+            if full_state is None:
+                adapter = self.adapter
+            else:
+                with unsharded_construction(acc):
+                    adapter = _adapter_with_weights(recipe, full_state)
+            adapter.save(tmp)
             shutil.rmtree(final_dir, ignore_errors=True)
             tmp.rename(final_dir)
         acc.wait_for_everyone()
@@ -378,6 +389,26 @@ class _Meter:
 
     def samples_per_second(self) -> float:
         return self.samples / max(time.perf_counter() - self.started, 1e-9)
+
+
+def _adapter_with_weights(recipe: "Recipe", objective_state: dict[str, torch.Tensor]):
+    """A single-device copy of the trained adapter, from the gathered state dict of a sharded objective."""
+    from vembed.models import MODELS
+
+    adapter = MODELS.get(recipe.model_type).from_recipe(recipe)
+    if recipe.use_lora:
+        adapter.apply_lora(recipe)
+    prefix = "adapter."
+    weights = {k[len(prefix):]: v for k, v in objective_state.items() if k.startswith(prefix)}
+    missing, unexpected = adapter.load_state_dict(weights, strict=False)
+    # Non-persistent buffers are not in any state dict; everything else must be.
+    buffers = {name for name, _ in adapter.named_buffers()}
+    missing = [k for k in missing if k not in buffers]
+    if missing or unexpected:
+        raise TrainingError(
+            f"the gathered weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    return adapter
 
 
 def _headline(result: dict[str, float]) -> str:

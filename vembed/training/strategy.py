@@ -6,9 +6,10 @@ micro-batch: plain or GradCache) lives here, so the loop reads the same for ever
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -75,6 +76,10 @@ def every_step_uses_every_tower(modalities: frozenset[str], examples: "list[Exam
     return True
 
 
+def launched_with_deepspeed() -> bool:
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true")
+
+
 def build_accelerator(recipe: "Recipe", find_unused_parameters: bool = False) -> "Accelerator":
     """The Accelerator for this launch: device, precision, accumulation, trackers, and gloo on CPU.
 
@@ -85,6 +90,7 @@ def build_accelerator(recipe: "Recipe", find_unused_parameters: bool = False) ->
 
     on_cpu = not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    deepspeed = launched_with_deepspeed()
     handlers = [DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters)]
     if on_cpu and distributed:
         handlers.append(InitProcessGroupKwargs(backend="gloo"))  # NCCL needs GPUs
@@ -93,7 +99,8 @@ def build_accelerator(recipe: "Recipe", find_unused_parameters: bool = False) ->
 
         raise RecipeError("mixed_precision", "fp16 needs a GPU; use bf16 or no on CPU")
     accelerator = Accelerator(
-        cpu=on_cpu,
+        # Accelerator(cpu=True) quietly turns a DeepSpeed launch into DDP; DeepSpeed finds the CPU by itself.
+        cpu=on_cpu and not deepspeed,
         mixed_precision=recipe.mixed_precision,
         gradient_accumulation_steps=recipe.gradient_accumulation_steps,
         log_with=list(recipe.report_to) or None,
@@ -107,6 +114,108 @@ def build_accelerator(recipe: "Recipe", find_unused_parameters: bool = False) ->
     )
     check_world_size(accelerator)
     return accelerator
+
+
+def configure_deepspeed(accelerator: "Accelerator", recipe: "Recipe", model: torch.nn.Module) -> None:
+    """Fill the DeepSpeed config's "auto" values accelerate cannot: clipping from the recipe, and the bucket sizes
+    it would read from `model.config` (our objective wraps several models, so it has none)."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return
+    config = plugin.deepspeed_config
+    if config.get("gradient_clipping", "auto") == "auto":
+        config["gradient_clipping"] = recipe.max_grad_norm or 0.0
+    hidden = max((getattr(getattr(m, "config", None), "hidden_size", 0) or 0 for m in model.modules()), default=0)
+    if hidden:
+        # The values transformers' Trainer uses for the same keys.
+        zero = config.setdefault("zero_optimization", {})
+        for key, value in (("reduce_bucket_size", hidden * hidden),
+                           ("stage3_prefetch_bucket_size", int(0.9 * hidden * hidden)),
+                           ("stage3_param_persistence_threshold", 10 * hidden)):
+            if zero.get(key) == "auto":
+                zero[key] = value
+    if config.get("zero_optimization", {}).get("stage") == 3:
+        # Some transformers modules read a child's weight shape before ZeRO-3 has gathered it (CLIP's text embeddings
+        # check the sequence length against position_embedding.weight.shape); adapters name those parameters and
+        # they stay whole on every rank (below the persistence threshold, ZeRO-3 does not partition).
+        whole = [p.numel() for p in _zero3_unpartitioned(model)]
+        zero = config.setdefault("zero_optimization", {})
+        if whole and int(zero.get("stage3_param_persistence_threshold") or 0) < max(whole):
+            zero["stage3_param_persistence_threshold"] = max(whole)
+
+
+def is_sharded(accelerator: "Accelerator", model: torch.nn.Module) -> bool:
+    """True when no single process holds the full weights (ZeRO-3, FSDP): saving the model is then collective."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        return True
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return plugin is not None and plugin.zero_stage == 3
+
+
+def gather_full_state_dict(accelerator: "Accelerator", model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """Collective (every rank must call it when `is_sharded`): the unwrapped objective's full state dict, on CPU, on
+    the main process; None on the others."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        plugin = accelerator.state.deepspeed_plugin
+        zero = plugin.deepspeed_config.get("zero_optimization", {})
+        if not zero.get("stage3_gather_16bit_weights_on_model_save", False):
+            from vembed.errors import LaunchError
+
+            raise LaunchError(
+                "ZeRO-3 can only export the final model with \"stage3_gather_16bit_weights_on_model_save\": true in "
+                "the DeepSpeed config (accelerate_configs/deepspeed/zero3.json sets it)"
+            )
+        state = accelerator.get_state_dict(model)
+    return {k: v.detach().cpu() for k, v in state.items()} if accelerator.is_main_process else None
+
+
+@contextlib.contextmanager
+def unsharded_construction(accelerator: "Accelerator", *, unless_zero3_init: bool = False) -> Iterator[None]:
+    """Models built inside are ordinary single-process models, even under ZeRO-3, whose hook in transformers would
+    otherwise partition them at construction (a collective that one rank alone never finishes).
+
+    `unless_zero3_init`: keep partitioned construction when the accelerate config asks for it (`zero3_init_flag:
+    true`: for models too big to build whole on each rank). accelerate installs the hook whatever the flag says; a
+    model built whole is initialised exactly as on one process (same seed, same weights).
+    """
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None or plugin.zero_stage != 3 or (unless_zero3_init and plugin.zero3_init_flag):
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total), counting ZeRO-3-partitioned parameters at their full size."""
+    trainable = total = 0
+    for param in model.parameters():
+        size = int(getattr(param, "ds_numel", 0) or param.numel())
+        total += size
+        trainable += size if param.requires_grad else 0
+    return trainable, total
+
+
+def _zero3_unpartitioned(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    found = []
+    for module in model.modules():
+        declared = getattr(module, "zero3_unpartitioned_parameters", None)
+        if callable(declared):
+            found.extend(declared())
+    return found
 
 
 def describe_launch(
