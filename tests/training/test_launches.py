@@ -80,34 +80,61 @@ def _max_relative_difference(actual: dict, reference: dict) -> float:
     return worst
 
 
-@pytest.fixture
-def reference(tiny_clip_recipe, tmp_path):
-    """Final weights of one process on batches of 2 x PER_DEVICE."""
-    out = tmp_path / "single"
-    _launch(None, _recipe(tiny_clip_recipe, out, batch_size=2 * PER_DEVICE))
-    return _weights(out)
+@pytest.fixture(scope="module")
+def base(dummy_data_dir, tmp_path_factory):
+    from conftest import TINY_CLIP_CONFIG
+
+    return {"model_type": "clip", "model_config": TINY_CLIP_CONFIG, "tokenizer_name": str(dummy_data_dir / "tokenizer"),
+            "data": {"train": str(dummy_data_dir / "train.jsonl")}, "seed": 0,
+            "output_dir": str(tmp_path_factory.mktemp("launches"))}
+
+
+@pytest.fixture(scope="module")
+def references(base, tmp_path_factory):
+    """Final weights of one process on batches of 2 x PER_DEVICE, with and without LoRA (computed once)."""
+    cache: dict[bool, dict[str, torch.Tensor]] = {}
+
+    def get(lora: bool) -> dict[str, torch.Tensor]:
+        if lora not in cache:
+            out = tmp_path_factory.mktemp("single") / "run"
+            _launch(None, _recipe(base, out, batch_size=2 * PER_DEVICE, **_lora(lora)))
+            cache[lora] = _weights(out)
+        return cache[lora]
+
+    return get
+
+
+def _lora(on: bool) -> dict:
+    return {"use_lora": True, "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0} if on else {}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["ddp_cpu.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml"])
-def test_launch_trains_the_same_weights_as_one_process_and_resumes_exactly(tiny_clip_recipe, tmp_path, reference,
-                                                                           config):
+@pytest.mark.parametrize(
+    "config, lora, strategy",
+    [
+        ("deepspeed_zero2.yaml", False, "DEEPSPEED"),
+        ("deepspeed_zero3.yaml", False, "DEEPSPEED"),
+        ("fsdp.yaml", False, "FSDP2 FULL_SHARD (gloo)"),
+        ("fsdp.yaml", True, "FSDP2 FULL_SHARD (gloo)"),
+    ],
+    ids=["zero2", "zero3", "fsdp", "fsdp-lora"],
+)
+def test_launch_trains_the_same_weights_as_one_process_and_resumes_exactly(base, references, tmp_path, config, lora,
+                                                                           strategy):
     out = tmp_path / "launched"
-    result = _launch(config, _recipe(tiny_clip_recipe, out, batch_size=PER_DEVICE))
-    expected_strategy = "DEEPSPEED" if "deepspeed" in config else "DDP (gloo)"
-    assert f"strategy            {expected_strategy} (2 processes)" in result.stdout + result.stderr
-    launched = _weights(out)
-    difference = _max_relative_difference(launched, reference)
-    print(f"{config}: max relative parameter difference after 3 steps {difference:.2e}")
-    assert difference <= 1e-4
+    result = _launch(config, _recipe(base, out, batch_size=PER_DEVICE, **_lora(lora)))
+    assert f"strategy            {strategy} (2 processes)" in result.stdout + result.stderr
+    launched = _weights(out)  # the exported final model: full weights (LoRA merged), gathered by every rank
+    difference = _max_relative_difference(launched, references(lora))
+    print(f"{config}{' + LoRA' if lora else ''}: max relative parameter difference after 3 steps {difference:.2e}")
+    assert difference <= (1e-5 if lora else 1e-4)
 
     resumed_out = tmp_path / "resumed"
-    _launch(config, _recipe(tiny_clip_recipe, resumed_out, batch_size=PER_DEVICE,
-                            resume_from=str(out / "checkpoint-2")))
-    resumed = _weights(resumed_out)
-    assert _max_relative_difference(resumed, launched) <= 1e-6
+    _launch(config, _recipe(base, resumed_out, batch_size=PER_DEVICE, resume_from=str(out / "checkpoint-2"),
+                            **_lora(lora)))
+    assert _max_relative_difference(_weights(resumed_out), launched) <= 1e-6
 
     import vembed
 
-    model = vembed.load(str(out / "final"))  # the exported model loads on one device
+    model = vembed.load(str(out / "final"))  # loads on one device, no process group
     assert model.encode(texts=["a small yellow star"]).shape == (1, 16)

@@ -68,6 +68,11 @@ def _positive_columns(batch_size: int, device: torch.device) -> torch.Tensor:
     return rank * batch_size + torch.arange(batch_size, device=device)
 
 
+def _value(param: torch.Tensor) -> float:
+    """A one-element parameter as a float; a sharded (FSDP DTensor) one is gathered first (a collective)."""
+    return float((param.full_tensor() if hasattr(param, "full_tensor") else param).item())
+
+
 def _log_scale_parameter(temperature: float, learnable: bool) -> nn.Parameter:
     # Stored as log(1 / temperature): the optimiser then moves the scale multiplicatively and it stays positive. A
     # fixed temperature is a frozen parameter so that both cases save and load the same state dict. Shape (1,), not a
@@ -177,7 +182,7 @@ class InfoNCELoss(EmbeddingLoss):
             "symmetric": self.symmetric,
         }
         if self.learnable_temperature:
-            config["learned_temperature"] = math.exp(-min(self.log_scale.item(), math.log(MAX_LOGIT_SCALE)))
+            config["learned_temperature"] = math.exp(-min(_value(self.log_scale), math.log(MAX_LOGIT_SCALE)))
         return config
 
 
@@ -255,10 +260,10 @@ class SigLIPLoss(EmbeddingLoss):
             "temperature": self.temperature,
             "learnable_temperature": self.learnable_temperature,
             "bias_init": self.bias_init,
-            "learned_bias": self.bias.item(),
+            "learned_bias": _value(self.bias),
         }
         if self.learnable_temperature:
-            config["learned_temperature"] = math.exp(-self.log_scale.item())
+            config["learned_temperature"] = math.exp(-_value(self.log_scale))
         return config
 
 

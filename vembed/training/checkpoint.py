@@ -1,7 +1,8 @@
 """Checkpoints: atomic save (temporary name, then rename), rotation that keeps the best, resume, persistent mirror.
 
 Model, optimizer, scheduler and RNG states go through `accelerator.save_state` (safetensors for weights; accelerate
-loads the rest with `weights_only=True`); our own state is JSON. Every rank takes part in saving and loading.
+loads the rest with `weights_only=True`), or, for FSDP, through torch.distributed.checkpoint (vembed/training/fsdp.py);
+our own state is JSON. Every rank takes part in saving and loading: a rank-0-only save of sharded weights hangs.
 """
 
 from __future__ import annotations
@@ -77,8 +78,12 @@ def _atomic_copytree(src: Path, dst: Path) -> None:
 class CheckpointManager:
     """Saves `checkpoint-<step>` folders under `output_dir`, keeps the last `keep` plus the best one."""
 
-    def __init__(self, accelerator: "Accelerator", output_dir: str | Path, keep: int, persistent_dir: str | None):
+    def __init__(self, accelerator: "Accelerator", output_dir: str | Path, keep: int, persistent_dir: str | None,
+                 sharded: tuple[Any, Any, Any] | None = None):
+        """`sharded`: (model, optimizer, scheduler) of an FSDP run, saved with torch.distributed.checkpoint by
+        every rank (accelerate does not know the model: vembed shards it)."""
         self.accelerator = accelerator
+        self.sharded = sharded
         self.output_dir = Path(output_dir)
         self.keep = keep
         self.persistent_dir = Path(persistent_dir) if persistent_dir else None
@@ -91,7 +96,15 @@ class CheckpointManager:
         if acc.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
         acc.wait_for_everyone()
-        acc.save_state(str(tmp), safe_serialization=True)
+        if self.sharded is not None:
+            from vembed.training.fsdp import save_sharded
+
+            if acc.is_main_process:
+                tmp.mkdir(parents=True)
+            acc.wait_for_everyone()
+            save_sharded(tmp, acc, *self.sharded)
+        else:
+            acc.save_state(str(tmp), safe_serialization=True)
         acc.wait_for_everyone()
         if acc.is_main_process:
             (tmp / STATE_FILE).write_text(state.to_json())  # written last: its presence marks the checkpoint complete
@@ -114,7 +127,12 @@ class CheckpointManager:
 
     def load(self, path: Path) -> TrainerState:
         """Collective: restores model, optimizer, scheduler and RNG states; returns our trainer state."""
-        self.accelerator.load_state(str(path))
+        if self.sharded is not None:
+            from vembed.training.fsdp import load_sharded
+
+            load_sharded(path, self.accelerator, *self.sharded)
+        else:
+            self.accelerator.load_state(str(path))
         return TrainerState.from_file(path / STATE_FILE)
 
 

@@ -117,5 +117,5 @@ class GradCacheStep:
                 part = adapter.slice_batch(inputs, start, stop)
                 chunks.append(Chunk(side, start, stop, part, RngState(acc.device)))
                 with acc.autocast():
-                    embeddings.setdefault(side, []).append(adapter.encode(part))
+                    embeddings.setdefault(side, []).append(adapter(part))
         return chunks, embeddings

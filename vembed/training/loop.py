@@ -47,6 +47,7 @@ class Trainer:
     def __init__(self, recipe: "Recipe", accelerator: "Accelerator | None" = None):
         from vembed.data.sources import load_examples
         from vembed.models import MODELS
+        from vembed.training.fsdp import launched_with_fsdp, settings_from_launch
         from vembed.training.strategy import build_accelerator, every_step_uses_every_tower
 
         self.recipe = recipe
@@ -56,6 +57,8 @@ class Trainer:
             recipe.data, "train", num_hard_negatives=recipe.data.num_hard_negatives
         )
         all_towers = every_step_uses_every_tower(MODELS.get(recipe.model_type).modalities, self.train_examples)
+        # FSDP settings are read from the launch before the accelerator is built (which turns accelerate's own off).
+        self.fsdp = settings_from_launch() if launched_with_fsdp() else None
         self.accelerator = accelerator or build_accelerator(recipe, find_unused_parameters=not all_towers)
 
     # --- building --------------------------------------------------------------------------------------------------
@@ -81,6 +84,10 @@ class Trainer:
         if recipe.use_lora:
             adapter.apply_lora(recipe)
         self.objective = ContrastiveObjective(adapter, build_loss(recipe))
+        if self.fsdp is not None:
+            from vembed.training.fsdp import shard_objective
+
+            shard_objective(self.objective, recipe, acc, self.fsdp)  # before the optimizer: it sees the shards
 
         self.num_negatives = min((len(e.negatives) for e in self.train_examples), default=0)
         self.eval_examples = self._load_eval_split("validation")
@@ -118,10 +125,16 @@ class Trainer:
             num_training_steps=self.total_steps,
         )
         configure_deepspeed(acc, recipe, self.objective)
-        self.model, self.optimizer, self.loader, self.scheduler = acc.prepare(
-            self.objective, optimizer, loader, scheduler
-        )
-        self.checkpoints = CheckpointManager(acc, self.output_dir, recipe.save_total_limit, recipe.persistent_dir)
+        if self.fsdp is None:
+            self.model, self.optimizer, self.loader, self.scheduler = acc.prepare(
+                self.objective, optimizer, loader, scheduler
+            )
+        else:  # already sharded: accelerate prepares the rest and must not wrap the model again
+            self.optimizer, self.loader, self.scheduler = acc.prepare(optimizer, loader, scheduler)
+            self.model = self.objective
+        sharded = (self.model, self.optimizer, self.scheduler) if self.fsdp is not None else None
+        self.checkpoints = CheckpointManager(acc, self.output_dir, recipe.save_total_limit, recipe.persistent_dir,
+                                             sharded=sharded)
         from vembed.training.strategy import build_train_step, choose_gradient_cache, count_parameters
 
         self.grad_cache = choose_gradient_cache(recipe, count_parameters(self.objective)[1])
@@ -168,7 +181,7 @@ class Trainer:
         from vembed.training.strategy import count_parameters, describe_launch
 
         trainable, total = count_parameters(self.objective)
-        acc.print(describe_launch(acc, recipe, trainable, total, self.grad_cache))
+        acc.print(describe_launch(acc, recipe, trainable, total, self.grad_cache, self.fsdp))
         acc.print(f"data                {self.train_report.summary()}")
         if recipe.report_to:
             acc.init_trackers(recipe.run_name or "vembed", config=_flat_config(recipe.to_dict()))
@@ -257,6 +270,8 @@ class Trainer:
         # a NaN on one rank never leaves the others waiting in a collective.
         max_norm = self.recipe.max_grad_norm if self.recipe.max_grad_norm is not None else float("inf")
         norm = self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
+        if hasattr(norm, "full_tensor"):  # FSDP: a DTensor holding each rank's partial norm
+            norm = norm.full_tensor()
         if norm is not None and not torch.isfinite(torch.as_tensor(norm)).item():
             found = list_checkpoints(self.output_dir)
             last = str(found[-1]) if found else "none saved yet"

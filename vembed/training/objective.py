@@ -25,10 +25,13 @@ class ContrastiveObjective(nn.Module):
         self.loss = loss
 
     def embed(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Query, positive and (B, k, d) hard-negative embeddings of a collated batch."""
-        negatives = self.adapter.encode(batch["negative"]) if batch.get("num_negatives") else None
+        """Query, positive and (B, k, d) hard-negative embeddings of a collated batch.
+
+        The adapter is called (its `forward` is `encode`), never `.encode` directly: wrappers that hook the call,
+        such as an FSDP unit gathering its weights, must see it."""
+        negatives = self.adapter(batch["negative"]) if batch.get("num_negatives") else None
         return self.shape_embeddings(
-            self.adapter.encode(batch["query"]), self.adapter.encode(batch["positive"]), negatives,
+            self.adapter(batch["query"]), self.adapter(batch["positive"]), negatives,
             int(batch.get("num_negatives") or 0),
         )
 
@@ -64,7 +67,7 @@ class ContrastiveObjective(nn.Module):
 
     def _replayed(self, chunk: "Chunk") -> torch.Tensor:
         with chunk.rng.replay():
-            embedding = self.adapter.encode(chunk.inputs)
+            embedding = self.adapter(chunk.inputs)
         return (embedding.float() * chunk.grad.float()).sum()
 
 

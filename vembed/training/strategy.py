@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
     from vembed.data.records import Example
     from vembed.recipe import Recipe
+    from vembed.training.fsdp import FsdpSettings
 
 EXPECTED_WORLD_SIZE_ENV = "VEMBED_EXPECTED_WORLD_SIZE"  # set by run.py / tests: the process count the launch promised
 
@@ -88,9 +89,22 @@ def build_accelerator(recipe: "Recipe", find_unused_parameters: bool = False) ->
     from accelerate import Accelerator, DataLoaderConfiguration
     from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, ProjectConfiguration
 
+    from vembed.training.fsdp import FSDP_ENV, VEMBED_FSDP_ENV, launched_with_fsdp
+
     on_cpu = not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     deepspeed = launched_with_deepspeed()
+    fsdp = launched_with_fsdp()
+    if fsdp:
+        # We shard ourselves (vembed/training/fsdp.py); an accelerator that also believed in FSDP would wrap the
+        # model a second time on GPUs. The launch's FSDP_* settings stay in the environment for `settings_from_launch`.
+        os.environ[FSDP_ENV] = "false"
+        os.environ[VEMBED_FSDP_ENV] = "true"
+    if recipe.use_fsdp and not fsdp:
+        from vembed.errors import RecipeError
+
+        raise RecipeError("use_fsdp", "is true but this launch is not FSDP; launch with python run.py RECIPE or "
+                          "accelerate launch --config_file accelerate_configs/fsdp.yaml")
     handlers = [DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters)]
     if on_cpu and distributed:
         handlers.append(InitProcessGroupKwargs(backend="gloo"))  # NCCL needs GPUs
@@ -220,13 +234,16 @@ def _zero3_unpartitioned(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 def describe_launch(
     accelerator: "Accelerator", recipe: "Recipe", trainable: int, total: int,
-    grad_cache: "GradientCacheChoice | None" = None,
+    grad_cache: "GradientCacheChoice | None" = None, fsdp: "FsdpSettings | None" = None,
 ) -> str:
     """The block printed at start: what runs where, and how big the contrastive batch really is."""
     world = accelerator.num_processes
     processes = f"{world} process{'es' if world > 1 else ''}"
     kind = accelerator.distributed_type.value
     strategy = {"NO": "single device", "MULTI_GPU": "DDP (NCCL)", "MULTI_CPU": "DDP (gloo)"}.get(kind, kind)
+    if fsdp is not None:
+        backend = "NCCL" if accelerator.device.type == "cuda" else "gloo"
+        strategy = f"FSDP2 {fsdp.strategy_name} ({backend})"
     if grad_cache is not None and grad_cache.enabled:
         strategy += " + GradCache"
     lines = [
@@ -288,10 +305,17 @@ def build_train_step(
         return plain_step
 
     from accelerate.utils import DistributedType
+    from torch.distributed.fsdp import FSDPModule
 
     from vembed.errors import RecipeError
     from vembed.training.grad_cache import GradCacheStep
 
+    if isinstance(model, FSDPModule):
+        raise RecipeError(
+            "use_gradient_cache",
+            "GradCache is not available under FSDP: its cached loss runs outside the sharded forward, where the "
+            "loss's own parameters stay sharded; use DDP + GradCache (with LoRA for big models) or FSDP without it",
+        )
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         raise RecipeError(
             "use_gradient_cache",

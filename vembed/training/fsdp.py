@@ -1,0 +1,160 @@
+"""FSDP2: shard the objective with torch's `fully_shard`, and save/load sharded checkpoints with every rank.
+
+Why we shard instead of letting accelerate do it: accelerate ignores FSDP on CPU, so its path could never be tested
+where our CI runs. We read the settings from the accelerate FSDP config (its public plugin), build the accelerator
+without FSDP, and apply the same `fully_shard` calls on GPUs and on a CPU (gloo) mesh alike: the path users run is
+the path the tests run.
+
+Units: every transformer block the adapter names (`block_classes()`), then the adapter (embeddings, norms, heads),
+then the objective (the loss's temperature/bias). The adapter being a unit of its own lets evaluation call it
+directly, outside the objective's forward.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vembed.errors import LaunchError
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from vembed.recipe import Recipe
+    from vembed.training.objective import ContrastiveObjective
+
+FSDP_ENV = "ACCELERATE_USE_FSDP"  # set by `accelerate launch` for a config with distributed_type: FSDP
+VEMBED_FSDP_ENV = "VEMBED_FSDP"  # ours: the launch asked for FSDP (accelerate's flag is turned off once read)
+
+
+def launched_with_fsdp() -> bool:
+    return any(os.environ.get(name, "").lower() in ("1", "true") for name in (FSDP_ENV, VEMBED_FSDP_ENV))
+
+
+@dataclass(frozen=True)
+class FsdpSettings:
+    reshard_after_forward: bool  # True: FULL_SHARD; False: SHARD_GRAD_OP
+    offload: bool  # parameters, gradients and optimizer state in CPU RAM
+
+    @property
+    def strategy_name(self) -> str:
+        name = "FULL_SHARD" if self.reshard_after_forward else "SHARD_GRAD_OP"
+        return name + (" + CPU offload" if self.offload else "")
+
+
+def settings_from_launch() -> FsdpSettings:
+    """The FSDP settings of this launch's accelerate config, read through accelerate's own plugin."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    strategy = os.environ.get("FSDP_SHARDING_STRATEGY", "").upper()
+    if strategy == "NO_SHARD":
+        raise LaunchError("FSDP NO_SHARD replicates everything, which is DDP: launch with accelerate_configs/ddp.yaml")
+    try:
+        plugin = FullyShardedDataParallelPlugin()
+    except ValueError as error:
+        raise LaunchError(f"the accelerate FSDP config is not valid for FSDP2: {error}") from None
+    if plugin.fsdp_version != 2:
+        raise LaunchError("vembed runs FSDP2: set fsdp_version: 2 in the accelerate config (see fsdp.yaml)")
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    offload = isinstance(plugin.cpu_offload, CPUOffloadPolicy)
+    return FsdpSettings(reshard_after_forward=bool(plugin.reshard_after_forward), offload=offload)
+
+
+def shard_objective(objective: "ContrastiveObjective", recipe: "Recipe", accelerator: "Accelerator",
+                    settings: FsdpSettings) -> "ContrastiveObjective":
+    """Shard in place (blocks, adapter, objective) over all processes; returns the same module."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    blocks = objective.adapter.block_classes()
+    if not blocks:
+        from vembed.errors import RecipeError
+
+        raise RecipeError(
+            "model_type",
+            f"the {recipe.model_type} adapter names no transformer block class to shard with FSDP; use DDP "
+            "(accelerate_configs/ddp.yaml) or DeepSpeed ZeRO-3",
+        )
+    precision = accelerator.mixed_precision
+    param_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    options: dict[str, Any] = {
+        "mesh": init_device_mesh(accelerator.device.type, (accelerator.num_processes,)),
+        "reshard_after_forward": settings.reshard_after_forward,
+        # Gradients are reduced in fp32 whatever the compute dtype: summing bf16 across ranks loses digits.
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
+        "offload_policy": CPUOffloadPolicy() if settings.offload else OffloadPolicy(),
+    }
+    # fully_shard refuses 0-dim parameters (CLIP's logit_scale, which vembed does not use: the loss has its own
+    # temperature). They stay whole on every rank and are frozen, since nothing would average their gradients.
+    scalars = {name: p for name, p in objective.named_parameters() if p.ndim == 0}
+    for param in scalars.values():
+        param.requires_grad_(False)
+    if scalars:
+        options["ignored_params"] = set(scalars.values())
+        accelerator.print(f"FSDP: 0-dim parameters kept whole and frozen: {', '.join(sorted(scalars))}")
+    objective.to(accelerator.device if not settings.offload else torch.device("cpu"))
+    for module in list(objective.modules()):
+        if type(module) in blocks:
+            fully_shard(module, **options)
+    fully_shard(objective.adapter, **options)
+    fully_shard(objective, **options)
+    return objective
+
+
+# --- sharded checkpoints ----------------------------------------------------------------------------------------------
+SHARDS_DIR = "fsdp_shards"  # torch.distributed.checkpoint files: model and optimizer, one shard per rank
+SCHEDULER_FILE = "scheduler.pt"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng_state_{rank}.pt"
+
+
+def save_sharded(directory: Path, accelerator: "Accelerator", model, optimizer, scheduler) -> None:
+    """Collective: every rank writes its shard of model and optimizer state, and its own RNG state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, _inner(optimizer))
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(directory / SHARDS_DIR))
+    if accelerator.is_main_process:
+        torch.save(scheduler.state_dict(), directory / SCHEDULER_FILE)
+    torch.save(_rng_state(accelerator.device), directory / rng_file(accelerator.process_index))
+
+
+def load_sharded(directory: Path, accelerator: "Accelerator", model, optimizer, scheduler) -> None:
+    """Collective: the inverse of `save_sharded`, on the same number of processes."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, _inner(optimizer))
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=str(directory / SHARDS_DIR))
+    set_state_dict(model, _inner(optimizer), model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    scheduler.load_state_dict(torch.load(directory / SCHEDULER_FILE, weights_only=True))
+    rng = directory / rng_file(accelerator.process_index)
+    if not rng.is_file():
+        raise LaunchError(f"{directory} was saved by fewer processes; resume with the same number of processes")
+    _set_rng_state(torch.load(rng, weights_only=True), accelerator.device)
+
+
+def _inner(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type != "cpu":
+        state["device"] = torch.get_device_module(device.type).get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "device" in state:
+        torch.get_device_module(device.type).set_rng_state(state["device"], device)
