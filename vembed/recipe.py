@@ -124,6 +124,8 @@ class Recipe(_Strict):
     # Samples (per device) encoded per forward chunk under GradCache; smaller saves memory, larger runs faster.
     # Unset: 8, or the per-device batch if that is smaller.
     gradient_cache_chunk_size: int | None = Field(default=None, gt=0)
+    # FSDP2 (sharded weights, gradients, optimizer state): run.py / `vembed train` launch accelerate_configs/fsdp.yaml;
+    # with `accelerate launch`, pass an FSDP config yourself (the run refuses a launch that is not FSDP).
     use_fsdp: bool = False
 
     # --- checkpoints, evaluation, logging --------------------------------------------------------------------------
@@ -143,6 +145,12 @@ class Recipe(_Strict):
         if value is None or value == "none":
             return []
         return [value] if isinstance(value, str) else value
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no(cls, value: Any) -> Any:
+        # YAML reads a bare `no` as false: `mixed_precision: no` means "no".
+        return "no" if value is False else value
 
     @field_validator("lora_target_modules", mode="before")
     @classmethod
@@ -331,8 +339,6 @@ def check_recipe(recipe: Recipe, *, for_training: bool = True) -> None:
 
     adapter_cls = MODELS.get(recipe.model_type)
     LOSSES.get(recipe.loss_type)
-    if recipe.use_fsdp:
-        raise RecipeError("use_fsdp", "FSDP is not available yet (strategies issue); set it to false")
     if for_training and recipe.data.train is None:
         raise RecipeError("data.train", "is required for training; point it at a JSONL/CSV/Parquet file or directory")
     _check_data_paths(recipe, ("train", "validation", "test"))

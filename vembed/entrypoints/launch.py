@@ -44,10 +44,13 @@ def _config_num_processes(path: Path) -> int:
     return int(data.get("num_processes") or 1)
 
 
-def choose_config(explicit: str | None) -> tuple[Path, int | None]:
-    """The accelerate config to use and, when we pick it, the process count to force."""
+def choose_config(explicit: str | None, use_fsdp: bool = False) -> tuple[Path, int | None]:
+    """The accelerate config to use and, when it is one of ours, the process count to force (one per GPU)."""
+    import torch
+
     from vembed.errors import LaunchError
 
+    gpus = torch.cuda.device_count()
     if explicit:
         path = Path(explicit)
         if not path.is_file():
@@ -56,27 +59,58 @@ def choose_config(explicit: str | None) -> tuple[Path, int | None]:
         if not path.is_file():
             choices = ", ".join(sorted(p.stem for p in CONFIGS.glob("*.yaml")))
             raise LaunchError(f"accelerate config {explicit!r} not found; pass a file or one of: {choices}")
-        return path, None
+        # Our multi-GPU configs say 2 processes as a placeholder; on a GPU machine, use every GPU.
+        ours = path.resolve().parent == CONFIGS.resolve() and not _uses_cpu(path)
+        return path, (gpus if ours and gpus > 1 and _config_num_processes(path) > 1 else None)
+    if use_fsdp:
+        if gpus < 2:
+            raise LaunchError("use_fsdp needs several processes: on this machine (fewer than 2 GPUs) pass "
+                              "--accelerate_config with --num_processes, or set use_fsdp: false")
+        return CONFIGS / "fsdp.yaml", gpus
     saved = _saved_accelerate_config()
     if saved is not None:
         return saved, None
-    import torch
-
-    gpus = torch.cuda.device_count()
     if gpus > 1:
         return CONFIGS / "ddp.yaml", gpus
     return CONFIGS / "single.yaml", 1
+
+
+def _uses_cpu(path: Path) -> bool:
+    import yaml
+
+    return bool((yaml.safe_load(path.read_text()) or {}).get("use_cpu"))
+
+
+def _with_absolute_deepspeed_file(path: Path) -> Path:
+    """Our DeepSpeed configs name their JSON relative to the repository; a copy with the absolute path lets the
+    launch start from any directory. (accelerate's --deepspeed_config_file flag cannot do it: it makes the launcher
+    export settings that then conflict with the file.)"""
+    import tempfile
+
+    import yaml
+
+    data = yaml.safe_load(path.read_text()) or {}
+    named = (data.get("deepspeed_config") or {}).get("deepspeed_config_file")
+    if not named or Path(named).is_absolute() or not (ROOT / named).is_file():
+        return path
+    data["deepspeed_config"]["deepspeed_config_file"] = str(ROOT / named)
+    with tempfile.NamedTemporaryFile("w", suffix=f"-{path.name}", delete=False) as handle:
+        yaml.safe_dump(data, handle)
+    return Path(handle.name)
 
 
 def run(args: argparse.Namespace) -> int:
     def body() -> int:
         from vembed.recipe import check_recipe, load_recipe
 
-        check_recipe(load_recipe(args.recipe, args.config_override))
-        config, forced = choose_config(args.accelerate_config)
+        recipe = load_recipe(args.recipe, args.config_override)
+        check_recipe(recipe)
+        config, forced = choose_config(args.accelerate_config, recipe.use_fsdp)
         num_processes = args.num_processes or forced or _config_num_processes(config)
         command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
                    "--num_processes", str(num_processes)]
+        config = _with_absolute_deepspeed_file(config)
+        command[4] = str(config)
         if num_processes > 1:
             command += ["--main_process_port", str(_free_port())]
         command += [str(TRAIN_SCRIPT), args.recipe]

@@ -86,8 +86,8 @@ def build_accelerator(recipe: "Recipe", find_unused_parameters: bool = False) ->
 
     `find_unused_parameters`: set when some steps may leave a tower without gradients (text-only pairs on CLIP).
     """
-    from accelerate import Accelerator, DataLoaderConfiguration
-    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, ProjectConfiguration
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
     from vembed.training.fsdp import FSDP_ENV, VEMBED_FSDP_ENV, launched_with_fsdp
 
@@ -112,9 +112,21 @@ def build_accelerator(recipe: "Recipe", find_unused_parameters: bool = False) ->
         from vembed.errors import RecipeError
 
         raise RecipeError("mixed_precision", "fp16 needs a GPU; use bf16 or no on CPU")
-    accelerator = Accelerator(
+    try:
         # Accelerator(cpu=True) quietly turns a DeepSpeed launch into DDP; DeepSpeed finds the CPU by itself.
-        cpu=on_cpu and not deepspeed,
+        accelerator = _accelerator(Accelerator, on_cpu and not deepspeed, recipe, handlers)
+    except ValueError as error:  # accelerate's own checks of the launch config: one line, not a traceback
+        raise LaunchError(f"accelerate refused this launch: {error}") from None
+    check_world_size(accelerator)
+    return accelerator
+
+
+def _accelerator(Accelerator, cpu: bool, recipe: "Recipe", handlers: list) -> "Accelerator":
+    from accelerate import DataLoaderConfiguration
+    from accelerate.utils import ProjectConfiguration
+
+    return Accelerator(
+        cpu=cpu,
         mixed_precision=recipe.mixed_precision,
         gradient_accumulation_steps=recipe.gradient_accumulation_steps,
         log_with=list(recipe.report_to) or None,
@@ -126,8 +138,6 @@ def build_accelerator(recipe: "Recipe", find_unused_parameters: bool = False) ->
         step_scheduler_with_optimizer=False,
         dataloader_config=DataLoaderConfiguration(even_batches=True),
     )
-    check_world_size(accelerator)
-    return accelerator
 
 
 def configure_deepspeed(accelerator: "Accelerator", recipe: "Recipe", model: torch.nn.Module) -> None:
