@@ -232,3 +232,15 @@ def test_auto_rule_and_chunk_clamp():
     assert not off.enabled
     on = choose_gradient_cache(recipe_from_dict(dict(base, batch_size=64, use_gradient_cache=True)), 10)
     assert on.enabled and on.chunk_size == 8
+
+
+def test_cached_gradients_with_lora_and_gradient_checkpointing(tiny_clip_recipe):
+    raw = _with_attention_dropout(dict(
+        tiny_clip_recipe, batch_size=BATCH, use_gradient_cache=True, gradient_cache_chunk_size=3, use_lora=True,
+        lora_r=4, lora_alpha=8, lora_dropout=0.1, gradient_checkpointing=True, mrl_dims=[16, 8],
+    ))
+    rows = list(range(BATCH))
+    cached, _ = _cached_step(raw, rows)
+    reference, _ = _reference_step(raw, rows, chunk=3)
+    assert cached and all("lora_" in name or name.startswith("loss.") for name in cached)  # only adapters train
+    _assert_close(cached, reference)
