@@ -34,18 +34,7 @@ def tiny_tokenizer_dir(tmp_path_factory):
     return str(path)
 
 
-TINY_CLIP_CONFIG = {
-    "projection_dim": 16,
-    "text_config": {
-        "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-        "num_attention_heads": 2, "max_position_embeddings": 32, "pad_token_id": 0, "bos_token_id": 2,
-        "eos_token_id": 3, "dropout": 0.1,
-    },
-    "vision_config": {
-        "image_size": 32, "patch_size": 8, "num_channels": 3, "hidden_size": 32, "intermediate_size": 64,
-        "num_hidden_layers": 1, "num_attention_heads": 2, "dropout": 0.1,
-    },
-}
+from tiny_models import TINY_CLIP_CONFIG  # noqa: E402  (importable by tests: conftest names clash)
 
 
 @pytest.fixture(scope="session")

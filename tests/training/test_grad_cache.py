@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_CLIP_CONFIG
 from ranks import run_on_ranks
+from tiny_models import TINY_CLIP_CONFIG
 
 from vembed.recipe import recipe_from_dict
 

@@ -82,7 +82,7 @@ def _max_relative_difference(actual: dict, reference: dict) -> float:
 
 @pytest.fixture(scope="module")
 def base(dummy_data_dir, tmp_path_factory):
-    from conftest import TINY_CLIP_CONFIG
+    from tiny_models import TINY_CLIP_CONFIG
 
     return {"model_type": "clip", "model_config": TINY_CLIP_CONFIG, "tokenizer_name": str(dummy_data_dir / "tokenizer"),
             "data": {"train": str(dummy_data_dir / "train.jsonl")}, "seed": 0,
