@@ -54,6 +54,26 @@ GATHERED_LAYERS = 2  # FSDP/ZeRO-3 hold the layer being computed plus the one be
 
 # --- what the model and the batch look like ---------------------------------------------------------------------------
 @dataclass(frozen=True)
+class Kernels:
+    """What a device's kernels keep for backward beyond the tensors every implementation keeps. CPU figures are
+    measured (saved-tensor hooks on BERT layers, torch 2.13; tests/test_planning.py checks them); CUDA figures follow
+    the kernels' design: flash / memory-efficient SDPA keep no s×s matrix and draw dropout inside the kernel, and
+    dropout masks are bool."""
+
+    name: str
+    dropout_mask_bytes: int | None  # per element of a dropout mask; None: the activation width (CPU keeps float masks)
+    sdpa_dropout_matrices: int  # s×s matrices per head SDPA keeps under attention dropout (CPU: math path, 3)
+    sdpa_mask_copy: bool  # SDPA keeps a per-layer s×s copy of the padding mask at activation width (CPU)
+
+
+KERNELS = {"cuda": Kernels("cuda", 1, 0, False), "cpu": Kernels("cpu", None, 3, True)}
+
+
+def _dropout(config: "PretrainedConfig", names: tuple[str, ...]) -> bool:
+    return any((getattr(config, name, 0) or 0) > 0 for name in names)
+
+
+@dataclass(frozen=True)
 class EncoderShape:
     """The transformer embedding one modality: what activation memory depends on."""
 
@@ -62,6 +82,9 @@ class EncoderShape:
     intermediate: int
     heads: int
     tokens: int  # per sample: max_length for text, patches (+1 class token) for images
+    masked: bool = False  # takes an attention (padding) mask: text
+    hidden_dropout: bool = False
+    attention_dropout: bool = False
 
     @classmethod
     def from_config(cls, config: "PretrainedConfig", modality: str, max_length: int | None) -> "EncoderShape":
@@ -84,22 +107,39 @@ class EncoderShape:
             intermediate=getattr(config, "intermediate_size", None) or 4 * hidden,
             heads=getattr(config, "num_attention_heads", None) or 1,
             tokens=tokens,
+            masked=modality == "text",
+            hidden_dropout=_dropout(config, ("hidden_dropout_prob", "hidden_dropout", "dropout")),
+            attention_dropout=_dropout(config, ("attention_probs_dropout_prob", "attention_dropout")),
         )
 
-    def layer_bytes(self, samples: int, element: int, eager_attention: bool) -> float:
+    def _attention_matrix_bytes(self, element: int, kernels: Kernels, eager: bool) -> int:
+        """Bytes per sample of the s×s attention matrices one layer keeps (none for fused SDPA kernels)."""
+        s, a = self.tokens, self.heads
+        mask = kernels.dropout_mask_bytes or element
+        if eager:  # probabilities, and with dropout their dropped-out copy and mask (Korthikanti's 5as²b at e=2)
+            return a * s * s * (element + (element + mask if self.attention_dropout else 0))
+        kept = a * s * s * element * kernels.sdpa_dropout_matrices if self.attention_dropout else 0
+        if kernels.sdpa_mask_copy and self.masked and not kept:
+            kept = s * s * element
+        return kept
+
+    def layer_bytes(self, samples: int, element: int, kernels: Kernels, eager: bool) -> float:
         """Activations one layer keeps for backward (see the module docstring)."""
         s, h, i = self.tokens, self.hidden, self.intermediate
-        per_sample = s * (h * (8 * element + 2) + 2 * element * i)
-        if eager_attention:
-            per_sample += self.heads * s * s * (2 * element + 1)  # probabilities, dropped-out copy, dropout mask
+        per_sample = s * (8 * element * h + 2 * element * i)
+        if self.hidden_dropout:
+            per_sample += 2 * (kernels.dropout_mask_bytes or element) * s * h  # after attention and after the MLP
+        per_sample += self._attention_matrix_bytes(element, kernels, eager)
         return samples * per_sample
 
-    def activation_bytes(self, samples: int, element: int, eager_attention: bool, checkpointing: bool) -> float:
+    def activation_bytes(
+        self, samples: int, element: int, kernels: Kernels, eager: bool, checkpointing: bool
+    ) -> float:
         if samples == 0:
             return 0.0
-        ends = 2 * element * samples * self.tokens * self.hidden  # embedding output and final hidden state
-        layer = self.layer_bytes(samples, element, eager_attention)
-        if checkpointing:
+        ends = 2 * element * samples * self.tokens * self.hidden  # embedding norm input, final hidden state (pooling)
+        layer = self.layer_bytes(samples, element, kernels, eager)
+        if checkpointing:  # each layer's input, plus one layer's full set while it is recomputed
             inputs = self.layers * element * samples * self.tokens * self.hidden
             return ends + inputs + layer
         return ends + self.layers * layer
@@ -150,13 +190,14 @@ class Workload:
     mixed_precision: bool
     eager_attention: bool
     symmetric_loss: bool
+    kernels: Kernels = KERNELS["cuda"]
 
     @property
     def contrastive_batch(self) -> int:
         return self.batch_size * self.gpus
 
 
-def workload_for(recipe: "Recipe", model: ModelSize, gpus: int) -> Workload:
+def workload_for(recipe: "Recipe", model: ModelSize, gpus: int, device: str = "cuda") -> Workload:
     """Queries go to the text encoder, documents (positive + hard negatives) to the image encoder when there is one:
     the image–text retrieval case. Text-only adapters embed every side as text."""
     negatives = recipe.data.num_hard_negatives or 0
@@ -177,6 +218,7 @@ def workload_for(recipe: "Recipe", model: ModelSize, gpus: int) -> Workload:
         mixed_precision=mixed,
         eager_attention=recipe.attn_implementation == "eager",
         symmetric_loss=recipe.symmetric_loss,
+        kernels=KERNELS[device],
     )
 
 
@@ -234,7 +276,9 @@ class Estimate:
 
 def _activations(model: ModelSize, work: Workload, examples: int, checkpointing: bool) -> float:
     return sum(
-        encoder.activation_bytes(examples * work.sides[modality], work.element, work.eager_attention, checkpointing)
+        encoder.activation_bytes(
+            examples * work.sides[modality], work.element, work.kernels, work.eager_attention, checkpointing
+        )
         for modality, encoder in model.encoders.items()
     )
 
