@@ -169,11 +169,13 @@ def estimated(keys: dict, batch_size: int, checkpointing: bool) -> dict[str, flo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two small cases only")
+    parser.add_argument("--cache", help="JSON file of measurements kept between runs")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         _child(args.child)
         return
+    cache = json.loads(Path(args.cache).read_text()) if args.cache and Path(args.cache).is_file() else {}
     print("| model | batch | ckpt | params est/meas MiB | optimizer est/meas MiB | grads+acts est/meas MiB "
           "| total est/meas MiB | total error |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -181,7 +183,12 @@ def main() -> None:
         for batch_size in batches:
             for checkpointing in (False, True):
                 est = estimated(keys, batch_size, checkpointing)
-                meas = _measure_in_fresh_process(keys, batch_size, checkpointing)
+                key = json.dumps([keys, batch_size, checkpointing], sort_keys=True)
+                if key not in cache:
+                    cache[key] = _measure_in_fresh_process(keys, batch_size, checkpointing)
+                    if args.cache:
+                        Path(args.cache).write_text(json.dumps(cache, indent=1))
+                meas = cache[key]
                 cells = [f"{est[k] / MIB:.0f} / {meas[k] / MIB:.0f}"
                          for k in ("parameters", "optimizer", "grads_acts", "total")]
                 error = (est["total"] - meas["total"]) / meas["total"]
