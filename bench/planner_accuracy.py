@@ -7,7 +7,8 @@ serve every allocation above 64 KiB by mmap (MALLOC_MMAP_THRESHOLD_) so that fre
 once and it follows live tensor memory:
 - parameters  = RSS after building the model − RSS before;
 - optimizer   = RSS after step 1 (activations and gradients freed, AdamW moments created) − RSS after building;
-- grads+acts  = peak RSS during step 2 (VmHWM, reset through /proc/self/clear_refs) − RSS after step 1;
+- grads+acts  = peak RSS during step 2 (VmHWM, reset through /proc/self/clear_refs) − RSS after step 1
+                (estimated as max(activations, gradients), see vembed/planning.py);
 - total       = peak RSS during step 2 − RSS before building.
 The estimate is the planner's "single" row for the same recipe (fp32).
 
@@ -161,9 +162,9 @@ def estimated(keys: dict, batch_size: int, checkpointing: bool) -> dict[str, flo
     recipe = _recipe(keys, batch_size, checkpointing)
     model = measure_model(recipe)
     e = estimate(STRATEGY_BY_NAME["single"], model, workload_for(recipe, model, 1, device="cpu"), lora=False)
-    activations = e.activations_checkpointed if checkpointing else e.activations
-    return {"parameters": e.parameters, "optimizer": e.optimizer, "grads_acts": e.gradients + activations,
-            "total": e.total(checkpointing)}
+    total = e.total(checkpointing)
+    return {"parameters": e.parameters, "optimizer": e.optimizer,
+            "grads_acts": total - e.parameters - e.optimizer, "total": total}
 
 
 def main() -> None:

@@ -225,3 +225,26 @@ def test_plan_command_bad_recipe_is_one_line_and_exit_2(tmp_path, capsys):
     lines = [line for line in captured.err.splitlines() if line.strip()]
     assert len(lines) == 1 and "batch_sise" in lines[0] and "did you mean batch_size" in lines[0]
     assert captured.out == ""
+
+
+def test_estimate_line_for_the_start_block_sums_its_parts():
+    from vembed.planning import estimate_line
+
+    recipe = _recipe(batch_size=4)
+    model = measure_model(recipe)
+    expected = estimate(STRATEGY_BY_NAME["ddp"], model, workload_for(recipe, model, 2), lora=False).total(False)
+    line = estimate_line(recipe, "ddp", 2)
+    assert line.startswith(f"memory estimate     {expected / GIB:.1f} GiB per device (params ")
+    with pytest.raises(ValueError, match="unknown strategy"):
+        estimate_line(recipe, "ddp3", 2)
+
+
+def test_total_is_state_plus_buffers_plus_the_larger_of_activations_and_gradients():
+    from vembed.planning import Estimate
+
+    ddp = STRATEGY_BY_NAME["ddp"]
+    # gradients 8 of which 4 are DDP buckets: the transient part is 4.
+    estimate_ = Estimate(ddp, parameters=10, gradients=8, optimizer=16, activations=30, activations_checkpointed=3,
+                         gradient_buffers=4)
+    assert estimate_.total(False) == 10 + 16 + 4 + 30
+    assert estimate_.total(True) == 10 + 16 + 4 + 4  # gradients outweigh checkpointed activations

@@ -16,18 +16,30 @@ vembed keeps fp32 weights and gets mixed precision from autocast, so single/DDP/
 DeepSpeed keeps the module in 16 bits and the fp32 master in its optimizer. DDP's gradient buckets are a second copy
 of the gradients (`gradient_as_bucket_view` is off by default).
 
-Activations, per transformer layer and sample of s tokens (hidden h, intermediate i, a heads), in bytes with e bytes
-per element (4 fp32, 2 under bf16/fp16): `s·(h·(8e+2) + 2e·i)`, Korthikanti et al. (2022)'s `s·h·(34 + 5·a·s/h)`
-generalised to any i and e (it gives 34·s·h at e=2, i=4h); the `a·s²` attention-probability term is added only for
-`attn_implementation: eager` (SDPA kernels keep no s×s matrix). Plus 2e·s·h per encoder for the embedding output and
-final hidden state. With gradient checkpointing, only each layer's input (e·s·h) is kept, plus one layer's full set
-during its recomputation. GradCache holds the activations of one chunk (`gradient_cache_chunk_size` examples, all
-their sides) plus the embeddings and their gradients for the whole gathered contrastive batch (fp32). The loss adds
-three fp32 (C × C·(1+k)) matrices (logits, softmax, gradient) for a contrastive batch C with k hard negatives.
+Activations, per transformer layer and sample of s tokens (hidden h, intermediate i, a heads), with e bytes per
+element (4 fp32, 2 under bf16/fp16 autocast): `s·(8e·h + m·e·i)`, with m = 2 intermediate-width tensors for a plain
+MLP (3 for quick_gelu, 4 for gated MLPs). This is Korthikanti et al. (2022)'s `s·h·(34 + 5·a·s/h)` (16-bit, i = 4h)
+generalised to any e and i, with the dropout masks and s×s attention matrices counted by what the kernels really
+keep (`Kernels`): on CUDA, fused SDPA keeps no s×s matrix and masks are 1 byte; on CPU (measured) masks are e bytes,
+attention dropout sends SDPA down its math path (3 s×s matrices per head) and a padding mask is kept per layer;
+`attn_implementation: eager` keeps the probabilities everywhere. Plus 2e·s·h per encoder (embedding norm input, final
+hidden state). With gradient checkpointing only each layer's input (e·s·h) is kept, plus one layer's full set during
+its recomputation. GradCache holds the activations of one chunk (`gradient_cache_chunk_size` examples, all their
+sides) plus fp32 embeddings and their gradients for the whole gathered contrastive batch. The loss adds three fp32
+(C × C·(1+k)) matrices (logits, softmax, gradient; twice when symmetric) for a contrastive batch C with k hard
+negatives. Queries are embedded by the text encoder and documents by the image encoder when the adapter has one.
 
-The total is the sum of the four columns: an upper bound, since during backward gradients appear while activations
-are freed. Measured error (bench/planner_accuracy.py, CPU fp32, one process, docs/benchmarks.md): see docs/notes.md;
-on the models measured there the total over-estimates the measured peak by {ERROR_SUMMARY}.
+The total (a steady-state step's peak) is parameters + optimizer state + persistent gradient buffers (DDP buckets,
+DeepSpeed partitions) + max(activations, gradients): gradients are freed by zero_grad(set_to_none=True) and, during
+backward, appear layer by layer as that layer's activations are freed, so the peak is at the start of backward (all
+activations) or its end (all gradients).
+
+Measured error of the total against the peak resident memory of two real training steps (bench/planner_accuracy.py,
+CPU, fp32, one process; table in docs/benchmarks.md): without gradient checkpointing -4% to -1% for 22.7M and 109M
+text encoders; with it -13% to +34% (the live set while a checkpointed layer is recomputed is the least certain term);
+-19% for a 4 MiB tiny CLIP, where ~25 MiB of fixed runtime memory (autograd engine, oneDNN caches) dominates.
+Parameter counts are exact; parameter and optimizer bytes are within 3% (plus that fixed runtime memory). On GPUs the
+CUDA context and allocator slack are covered by the reserve (USABLE_FRACTION, CUDA_CONTEXT_GIB), not measured here.
 """
 
 from __future__ import annotations
@@ -283,10 +295,16 @@ class Estimate:
     activations: float
     activations_checkpointed: float
     chunk_size: int | None = None  # GradCache: examples per forward chunk
+    # The part of `gradients` that lives through the whole step (DDP's buckets, DeepSpeed's partition buffers); the
+    # rest is freed by zero_grad(set_to_none=True) and only exists during backward.
+    gradient_buffers: float = 0.0
 
     def total(self, checkpointing: bool) -> float:
+        """The step's peak: during backward each layer's gradients appear as its activations are freed, so with
+        per-layer sizes alike the peak is at one end, all activations (start) or all gradients (end)."""
         activations = self.activations_checkpointed if checkpointing else self.activations
-        return self.parameters + self.gradients + self.optimizer + activations
+        transient_gradients = self.gradients - self.gradient_buffers
+        return self.parameters + self.optimizer + self.gradient_buffers + max(activations, transient_gradients)
 
 
 def _activations(model: ModelSize, work: Workload, examples: int, checkpointing: bool) -> float:
@@ -320,6 +338,7 @@ def estimate(
         parameter_bytes, master = FP32, 0
         if work.mixed_precision and not strategy.shard_parameters:
             parameter_bytes += 2  # autocast's cached 16-bit copy of each weight, alive for the whole forward
+    buffers = 0.0
     if strategy.offload:
         parameters = gathered
         gradients = optimizer = 0.0
@@ -328,6 +347,10 @@ def estimate(
         if strategy.shard_parameters:
             parameters += gathered
         gradients = FP32 * trainable * state_share * (2 if strategy.ddp_buckets else 1)
+        if strategy.ddp_buckets:
+            buffers = gradients / 2
+        elif strategy.sixteen_bit_module:
+            buffers = gradients  # DeepSpeed keeps its gradient partition in a persistent buffer
         optimizer = (2 * FP32 + master) * trainable * state_share
 
     examples = work.batch_size
@@ -341,6 +364,7 @@ def estimate(
         strategy=strategy,
         parameters=parameters,
         gradients=gradients,
+        gradient_buffers=buffers,
         optimizer=optimizer,
         activations=_activations(model, work, examples, False) + extra,
         activations_checkpointed=_activations(model, work, examples, True) + extra,
@@ -488,3 +512,17 @@ def format_plan(plan: Plan) -> str:
     ]
     return "\n".join(lines)
 
+
+
+def estimate_line(recipe: "Recipe", strategy: str, gpus: int) -> str:
+    """One line for the block a run prints at start: this launch's per-device estimate, e.g.
+    `memory estimate     6.2 GiB per device (params 0.6, grads 0.8, optimizer 0.8, activations 4.0)`."""
+    if strategy not in STRATEGY_BY_NAME:
+        raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGY_BY_NAME)}")
+    model = measure_model(recipe)
+    e = estimate(STRATEGY_BY_NAME[strategy], model, workload_for(recipe, model, gpus), recipe.use_lora,
+                 recipe.gradient_cache_chunk_size)
+    activations = e.activations_checkpointed if recipe.gradient_checkpointing else e.activations
+    parts = ", ".join(f"{name} {value / GIB:.1f}" for name, value in (
+        ("params", e.parameters), ("grads", e.gradients), ("optimizer", e.optimizer), ("activations", activations)))
+    return f"memory estimate     {e.total(recipe.gradient_checkpointing) / GIB:.1f} GiB per device ({parts})"
