@@ -417,9 +417,10 @@ def _gib(value: float) -> str:
 
 
 def _recommend(plan: Plan) -> tuple[str, str]:
-    """The seeds' decision tree (docs: /work/shared/seeds/001): fits on one device → DDP (single on one GPU);
-    the model fits but not the batch → DDP + GradCache with a chunk that fits; the model does not fit → FSDP + LoRA,
-    then ZeRO-3 + LoRA, then with CPU offload. Gradient checkpointing is proposed whenever it is what makes a plan fit.
+    """The decision tree of the distributed-training guide we started from: fits on one device → DDP (single on
+    one GPU); the model fits but not the batch → DDP + GradCache with a chunk that fits; the model does not fit →
+    FSDP + LoRA, then ZeRO-3 + LoRA, then CPU offload. Gradient checkpointing is proposed whenever it is what makes a
+    plan fit.
     """
     by_name = {e.strategy.name: e for e in plan.estimates}
     usable = _gib(plan.usable)
