@@ -88,6 +88,9 @@ class Recipe(_Strict):
     batch_size: int = Field(default=32, gt=0)  # per device; the contrastive batch is batch_size x world size
     eval_batch_size: int | None = Field(default=None, gt=0)  # unset: batch_size
     learning_rate: float = Field(default=5e-5, gt=0)
+    # Linear scaling rule: when true, the optimizer uses learning_rate x number of processes (logged at start), so a
+    # recipe tuned on one device keeps its per-sample step size when the contrastive batch grows with world size.
+    scale_lr_with_world_size: bool = False
     weight_decay: float = Field(default=0.01, ge=0)
     epochs: int = Field(default=1, gt=0)
     max_steps: int | None = Field(default=None, gt=0)  # optimizer steps; when set, it overrides epochs

@@ -18,6 +18,8 @@ from torch import nn
 from vembed.errors import RecipeError
 
 if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
     from vembed.data.records import Side
     from vembed.recipe import Recipe
 
@@ -75,6 +77,19 @@ class EmbeddingAdapter(nn.Module, ABC):
     @abstractmethod
     def from_recipe(cls, recipe: "Recipe") -> "EmbeddingAdapter":
         ...
+
+    # --- sizes for the memory planner (vembed/planning.py) ---------------------------------------------------------
+    @classmethod
+    def on_meta(cls, recipe: "Recipe") -> "EmbeddingAdapter":
+        """This recipe's adapter built from configs on the meta device: every parameter has its real shape and
+        `requires_grad`, but no storage, and no weights or tokenizer are read (tokenizer/processor are None, so it
+        cannot encode). `apply_lora(recipe)` works on it, which gives the exact LoRA parameter count."""
+        raise NotImplementedError(f"model_type {cls.model_type!r} cannot be planned: it does not implement on_meta")
+
+    def encoder_configs(self) -> "dict[str, PretrainedConfig]":
+        """The HF config of the transformer that embeds each modality (`text`, `image`): the planner reads layers,
+        widths, heads and tokens (max_length, or patches) per sample from it to estimate activation memory."""
+        raise NotImplementedError(f"model_type {self.model_type!r} does not implement encoder_configs")
 
     # --- used by the loop ------------------------------------------------------------------------------------------
     @property

@@ -21,6 +21,7 @@ from vembed.models._common import (
     clip_image_processor,
     combine,
     forward_argument_names,
+    hf_kwargs,
     load_image_processor,
     load_model,
     load_tokenizer,
@@ -129,6 +130,21 @@ class ClipAdapter(EmbeddingAdapter):
             trust_remote_code=recipe.trust_remote_code,
             attn_implementation=recipe.attn_implementation,
         )
+
+    @classmethod
+    def on_meta(cls, recipe: "Recipe") -> "ClipAdapter":
+        from transformers import AutoModel
+
+        cls.check_recipe(recipe)
+        config = cls._config(recipe)
+        cls._dim_from_config(config)
+        with torch.device("meta"):
+            model = AutoModel.from_config(config, **hf_kwargs(recipe.trust_remote_code, recipe.attn_implementation))
+        max_length = resolve_max_length(recipe.max_length, None, config.text_config)
+        return cls(model, None, None, normalize=recipe.normalize, max_length=max_length)
+
+    def encoder_configs(self) -> "dict[str, PretrainedConfig]":
+        return {"text": self.model.config.text_config, "image": self.model.config.vision_config}
 
     # --- used by the loop ------------------------------------------------------------------------------------------
     @property

@@ -24,6 +24,7 @@ from vembed.models._common import (
     combine,
     forward_argument_names,
     freeze_unused_pooler,
+    hf_kwargs,
     load_image_processor,
     load_model,
     load_tokenizer,
@@ -158,6 +159,21 @@ class ComposedAdapter(EmbeddingAdapter):
             trust_remote_code=recipe.trust_remote_code,
             attn_implementation=recipe.attn_implementation,
         )
+
+    @classmethod
+    def on_meta(cls, recipe: "Recipe") -> "ComposedAdapter":
+        from transformers import AutoModel
+
+        cls.check_recipe(recipe)
+        configs = [cls._tower_config(recipe, tower) for tower in ("text", "vision")]
+        kwargs = hf_kwargs(recipe.trust_remote_code, recipe.attn_implementation)
+        with torch.device("meta"):  # the projections made in __init__ land on meta too
+            towers = [AutoModel.from_config(config, **kwargs) for config in configs]
+            return cls(*towers, None, None, projection_dim=recipe.projection_dim, pooling=recipe.pooling,
+                       normalize=recipe.normalize, max_length=resolve_max_length(recipe.max_length, None, configs[0]))
+
+    def encoder_configs(self) -> "dict[str, PretrainedConfig]":
+        return {"text": self.text_model.config, "image": self.vision_model.config}
 
     # --- used by the loop ------------------------------------------------------------------------------------------
     @property

@@ -18,6 +18,7 @@ from vembed.models._common import (
     auto_config,
     forward_argument_names,
     freeze_unused_pooler,
+    hf_kwargs,
     load_model,
     load_tokenizer,
     make_batch,
@@ -32,7 +33,7 @@ from vembed.models._common import (
 from vembed.models.base import EmbeddingAdapter
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import PretrainedConfig, PreTrainedModel
 
     from vembed.data.records import Side
     from vembed.recipe import Recipe
@@ -98,6 +99,23 @@ class TextAdapter(EmbeddingAdapter):
             trust_remote_code=recipe.trust_remote_code,
             attn_implementation=recipe.attn_implementation,
         )
+
+    @classmethod
+    def on_meta(cls, recipe: "Recipe") -> "TextAdapter":
+        from transformers import AutoModel
+
+        cls.check_recipe(recipe)
+        key = "model_name" if recipe.model_name else "model_config"
+        config = auto_config(
+            recipe.model_name, recipe.model_config_dict, key=key, trust_remote_code=recipe.trust_remote_code
+        )
+        with torch.device("meta"):
+            model = AutoModel.from_config(config, **hf_kwargs(recipe.trust_remote_code, recipe.attn_implementation))
+        max_length = resolve_max_length(recipe.max_length, None, config)
+        return cls(model, None, pooling=recipe.pooling, normalize=recipe.normalize, max_length=max_length)
+
+    def encoder_configs(self) -> "dict[str, PretrainedConfig]":
+        return {"text": self.model.config}
 
     # --- used by the loop ------------------------------------------------------------------------------------------
     @property

@@ -72,6 +72,7 @@ class Trainer:
         from vembed.data.sampler import EpochShuffleSampler
         from vembed.losses import build_loss
         from vembed.models import MODELS
+        from vembed.training.lr import learning_rate_for
         from vembed.training.objective import ContrastiveObjective, parameter_groups
         from vembed.training.strategy import configure_deepspeed, unsharded_construction
 
@@ -104,7 +105,8 @@ class Trainer:
             num_workers=recipe.data.num_workers,
             pin_memory=torch.cuda.is_available(),
         )
-        optimizer = torch.optim.AdamW(parameter_groups(self.objective, recipe.weight_decay), lr=recipe.learning_rate)
+        lr = learning_rate_for(recipe, acc.num_processes, log=acc.print)  # scale_lr_with_world_size, logged once
+        optimizer = torch.optim.AdamW(parameter_groups(self.objective, recipe.weight_decay), lr=lr)
 
         batches_per_epoch = math.ceil(len(loader) / acc.num_processes)  # what each process sees once sharded
         if batches_per_epoch == 0 or len(self.dataset) < recipe.batch_size * acc.num_processes:

@@ -1,0 +1,250 @@
+"""The memory planner: exact parameter counts, per-strategy arithmetic, the activation formula against the tensors a
+real layer keeps, the decision tree, and the `vembed plan` command."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import yaml
+
+from vembed.planning import (
+    GATHERED_LAYERS,
+    GIB,
+    KERNELS,
+    STRATEGY_BY_NAME,
+    EncoderShape,
+    estimate,
+    make_plan,
+    measure_model,
+    usable_bytes,
+    workload_for,
+)
+from vembed.recipe import recipe_from_dict
+
+# A tiny BERT whose parameter count is easy to write out by hand.
+V, P, H, M, L = 100, 16, 8, 12, 2  # vocab, positions, hidden, intermediate (MLP), layers
+BERT = {"model_type": "bert", "vocab_size": V, "max_position_embeddings": P, "hidden_size": H,
+        "intermediate_size": M, "num_hidden_layers": L, "num_attention_heads": 2, "type_vocab_size": 2}
+EMBEDDINGS = V * H + P * H + 2 * H + 2 * H  # word, position, token type, LayerNorm
+LAYER = 4 * (H * H + H) + 2 * H + (H * M + M) + (M * H + H) + 2 * H  # q,k,v,o; LN; MLP up, down; LN
+POOLER = H * H + H  # frozen by the text adapter: we pool ourselves
+R = 4
+LORA = L * 2 * R * (H + H)  # query and value, A (r×in) + B (out×r)
+
+
+def _recipe(tokenizer: str = "unused", **keys):
+    raw = {"model_type": "text", "model_config": BERT, "tokenizer_name": tokenizer, "max_length": 16,
+           "batch_size": 4, "mixed_precision": "no", "lora_r": R, "lora_target_modules": ["query", "value"]}
+    return recipe_from_dict({**raw, **keys})
+
+
+def test_parameter_counts_are_exact_by_hand_and_lora_matches_peft_on_the_real_model(tiny_tokenizer_dir):
+    from vembed.models import MODELS
+
+    recipe = _recipe(tiny_tokenizer_dir)
+    size = measure_model(recipe)
+    assert size.total == EMBEDDINGS + L * LAYER + POOLER
+    assert size.trainable == EMBEDDINGS + L * LAYER
+    assert size.trainable_lora == LORA
+
+    real = MODELS.get("text").from_recipe(recipe)  # real weights on CPU, LoRA injected by peft as in training
+    assert sum(p.numel() for p in real.parameters()) == size.total
+    real.apply_lora(recipe)
+    assert sum(p.numel() for p in real.parameters() if p.requires_grad) == size.trainable_lora
+
+
+def test_model_state_bytes_per_strategy_by_hand():
+    recipe = _recipe()
+    size = measure_model(recipe)
+    psi, trainable, n = size.total, size.trainable, 4
+    work = workload_for(recipe, size, gpus=n)
+    gathered = GATHERED_LAYERS * (4 * H * H + 2 * H * M) * 4  # fp32: mixed_precision no
+
+    single = estimate(STRATEGY_BY_NAME["single"], size, work, lora=False)
+    assert (single.parameters, single.gradients, single.optimizer) == (4 * psi, 4 * trainable, 8 * trainable)
+    ddp = estimate(STRATEGY_BY_NAME["ddp"], size, work, lora=False)
+    assert ddp.gradients == 8 * trainable  # gradients and DDP's bucket copy
+    fsdp = estimate(STRATEGY_BY_NAME["fsdp"], size, work, lora=False)
+    assert fsdp.parameters == pytest.approx(4 * psi / n + gathered)
+    assert (fsdp.gradients, fsdp.optimizer) == pytest.approx((4 * trainable / n, 8 * trainable / n))
+    fsdp_lora = estimate(STRATEGY_BY_NAME["fsdp+lora"], size, work, lora=False)
+    assert (fsdp_lora.gradients, fsdp_lora.optimizer) == pytest.approx((4 * LORA / n, 8 * LORA / n))
+    zero3 = estimate(STRATEGY_BY_NAME["zero3"], size, work, lora=False)
+    assert zero3.parameters == pytest.approx(4 * psi / n + gathered)
+    offload = estimate(STRATEGY_BY_NAME["fsdp+lora+offload"], size, work, lora=False)
+    assert (offload.parameters, offload.gradients, offload.optimizer) == (gathered, 0, 0)
+    # Activations do not depend on how model state is laid out.
+    assert single.activations == fsdp.activations == zero3.activations
+
+
+def test_deepspeed_under_bf16_keeps_a_16_bit_module_and_an_fp32_master_in_the_optimizer():
+    recipe = _recipe(mixed_precision="bf16")
+    size = measure_model(recipe)
+    n = 8
+    work = workload_for(recipe, size, gpus=n)
+    gathered = GATHERED_LAYERS * (4 * H * H + 2 * H * M) * 2
+    zero2 = estimate(STRATEGY_BY_NAME["zero2"], size, work, lora=False)
+    zero3 = estimate(STRATEGY_BY_NAME["zero3"], size, work, lora=False)
+    assert zero2.parameters == 2 * size.total
+    assert zero3.parameters == pytest.approx(2 * size.total / n + gathered)
+    assert zero3.optimizer == pytest.approx(12 * size.trainable / n)  # two moments + master, all fp32
+    single = estimate(STRATEGY_BY_NAME["single"], size, work, lora=False)
+    assert single.parameters == 6 * size.total  # fp32 weights + autocast's bf16 copies
+
+
+def test_activation_formula_by_hand():
+    shape = EncoderShape(layers=2, hidden=4, intermediate=8, heads=2, tokens=3)  # no mask, no dropout
+    e, samples = 4, 2
+    per_layer = samples * 3 * (8 * e * 4 + 2 * e * 8)  # s·(8e·h + 2e·i) per sample
+    ends = 2 * e * samples * 3 * 4
+    cuda = KERNELS["cuda"]
+    assert shape.activation_bytes(samples, e, cuda, eager=False, checkpointing=False) == ends + 2 * per_layer
+    kept_inputs = 2 * e * samples * 3 * 4
+    assert shape.activation_bytes(samples, e, cuda, eager=False, checkpointing=True) == ends + kept_inputs + per_layer
+    # Eager attention adds the probabilities of every head: a·s²·e per sample and layer.
+    eager = shape.activation_bytes(samples, e, cuda, eager=True, checkpointing=False)
+    assert eager - (ends + 2 * per_layer) == 2 * samples * 2 * 3 * 3 * e
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("padded", [False, True])
+def test_cpu_activation_formula_matches_the_tensors_a_real_bert_keeps(dropout, padded):
+    """Independent reference: the bytes autograd saves for backward (saved-tensor hooks, storages counted once)."""
+    from transformers import AutoConfig, AutoModel
+
+    config = AutoConfig.for_model("bert", hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                  intermediate_size=256, vocab_size=200, hidden_dropout_prob=dropout,
+                                  attention_probs_dropout_prob=dropout)
+    torch.manual_seed(0)
+    model = AutoModel.from_config(config).train()
+    samples, tokens = 4, 48
+    storages: dict[int, int] = {}
+
+    def keep(tensor):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    ids = torch.randint(0, 200, (samples, tokens))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, -5:] = 0
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        model(input_ids=ids, attention_mask=mask)
+    saved = sum(storages.values()) - sum(p.numel() * 4 for p in model.parameters())  # weights are saved too
+    # transformers drops an all-ones mask, so only a padded batch hands SDPA a mask (which it then keeps).
+    shape = dataclasses.replace(EncoderShape.from_config(config, "text", max_length=tokens), masked=padded)
+    estimated = shape.activation_bytes(samples, 4, KERNELS["cpu"], eager=False, checkpointing=False)
+    assert estimated == pytest.approx(saved, rel=0.1)
+
+
+def _memory_for(total_bytes: float) -> float:
+    """The --gpu-memory (GiB) whose usable part is exactly `total_bytes`."""
+    gib = (total_bytes / GIB + 0.5) / 0.9
+    assert usable_bytes(gib) == pytest.approx(total_bytes)
+    return gib
+
+
+# A model whose state dwarfs its activations at batch 1 (big vocabulary) but whose activations dominate at batch 64.
+BIG_VOCAB = {**BERT, "vocab_size": 20000}
+
+
+def test_fits_on_one_device_recommends_ddp_or_single():
+    recipe = _recipe(batch_size=8)
+    assert make_plan(recipe, gpus=2, gpu_memory_gib=80).recommendation == "DDP"
+    assert make_plan(recipe, gpus=1, gpu_memory_gib=80).recommendation == "single device"
+
+
+def test_model_fits_but_batch_does_not_recommends_gradcache_with_the_largest_chunk_that_fits():
+    recipe = _recipe(batch_size=64, max_length=16)
+    first = make_plan(recipe, gpus=2, gpu_memory_gib=80)
+    ddp = next(e for e in first.estimates if e.strategy.name == "ddp")
+    memory = _memory_for(ddp.total(False) * 0.6)  # the full batch no longer fits, ...
+    plan = make_plan(recipe, gpus=2, gpu_memory_gib=memory)
+    assert plan.recommendation.startswith("DDP + GradCache (use_gradient_cache: true, gradient_cache_chunk_size: ")
+    chunk = int(plan.recommendation.split("gradient_cache_chunk_size: ")[1].rstrip(")"))
+    gradcache, work = STRATEGY_BY_NAME["ddp+gradcache"], plan.work
+    assert estimate(gradcache, plan.model, work, False, chunk).total(False) <= plan.usable  # ... this chunk fits
+    assert estimate(gradcache, plan.model, work, False, 2 * chunk).total(False) > plan.usable  # ... twice it not
+
+
+def test_checkpointing_is_proposed_when_it_is_what_makes_ddp_fit():
+    recipe = _recipe(batch_size=64)
+    ddp = next(e for e in make_plan(recipe, gpus=2, gpu_memory_gib=80).estimates if e.strategy.name == "ddp")
+    plan = make_plan(recipe, gpus=2, gpu_memory_gib=_memory_for((ddp.total(True) + ddp.total(False)) / 2))
+    assert plan.recommendation == "DDP with gradient_checkpointing: true"
+
+
+def test_model_that_does_not_fit_recommends_fsdp_with_lora():
+    recipe = _recipe(model_config=BIG_VOCAB, batch_size=1, max_length=4)
+    probe = make_plan(recipe, gpus=8, gpu_memory_gib=80)
+    by_name = {e.strategy.name: e for e in probe.estimates}
+    # Between FSDP + LoRA and the model state under DDP, even at a chunk of one example.
+    smallest_ddp = estimate(STRATEGY_BY_NAME["ddp+gradcache"], probe.model, probe.work, False, 1).total(True)
+    fsdp_lora = by_name["fsdp+lora"].total(True)
+    assert fsdp_lora < smallest_ddp
+    plan = make_plan(recipe, gpus=8, gpu_memory_gib=_memory_for((fsdp_lora + smallest_ddp) / 2))
+    assert plan.recommendation.startswith("FSDP + LoRA")
+    assert "does not fit on one device" in plan.reason
+
+
+def test_nothing_fits_says_so():
+    recipe = _recipe(batch_size=64)
+    probe = make_plan(recipe, gpus=1, gpu_memory_gib=80)
+    one_chunk = estimate(STRATEGY_BY_NAME["ddp+gradcache"], probe.model, probe.work, False, 1)
+    smallest = min(e.total(True) for e in [*probe.estimates, one_chunk])
+    plan = make_plan(recipe, gpus=1, gpu_memory_gib=_memory_for(smallest / 2))
+    assert plan.recommendation == "none fits" and "lower batch_size" in plan.reason
+
+
+# --- the command ----------------------------------------------------------------------------------------------------
+def test_plan_command_prints_the_table_and_a_recommendation(tmp_path, capsys):
+    from vembed.cli import main
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"model_type": "text", "model_config": BERT, "tokenizer_name": "unused"}))
+    code = main(["plan", str(path), "--gpus", "2", "--gpu-memory", "80", "--config_override", "batch_size=16"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "16 per device × 2 = 32 contrastive" in out
+    for name in STRATEGY_BY_NAME:
+        assert f"\n{name}" in out
+    assert "recommendation: DDP — " in out
+
+
+def test_plan_command_bad_recipe_is_one_line_and_exit_2(tmp_path, capsys):
+    from vembed.cli import main
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({"model_type": "text", "model_config": BERT, "batch_sise": 8}))
+    code = main(["plan", str(path), "--gpu-memory", "80"])
+    captured = capsys.readouterr()
+    assert code == 2
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "batch_sise" in lines[0] and "did you mean batch_size" in lines[0]
+    assert captured.out == ""
+
+
+def test_estimate_line_for_the_start_block_sums_its_parts():
+    from vembed.planning import estimate_line
+
+    recipe = _recipe(batch_size=4)
+    model = measure_model(recipe)
+    expected = estimate(STRATEGY_BY_NAME["ddp"], model, workload_for(recipe, model, 2), lora=False).total(False)
+    line = estimate_line(recipe, "ddp", 2)
+    assert line.startswith(f"memory estimate     {expected / GIB:.1f} GiB per device (params ")
+    with pytest.raises(ValueError, match="unknown strategy"):
+        estimate_line(recipe, "ddp3", 2)
+
+
+def test_total_is_state_plus_buffers_plus_the_larger_of_activations_and_gradients():
+    from vembed.planning import Estimate
+
+    ddp = STRATEGY_BY_NAME["ddp"]
+    # gradients 8 of which 4 are DDP buckets: the transient part is 4.
+    estimate_ = Estimate(ddp, parameters=10, gradients=8, optimizer=16, activations=30, activations_checkpointed=3,
+                         gradient_buffers=4)
+    assert estimate_.total(False) == 10 + 16 + 4 + 30
+    assert estimate_.total(True) == 10 + 16 + 4 + 4  # gradients outweigh checkpointed activations

@@ -1,0 +1,529 @@
+"""The memory planner behind `vembed plan`: per-device memory of a recipe under each launch strategy, and a choice.
+
+Everything is estimated from configs: the adapter is built on the meta device (`EmbeddingAdapter.on_meta`, no
+weights read), so parameter counts are exact, and LoRA counts are exact too because the same `apply_lora` that
+training uses runs on the meta model. Bytes per device, for Ψ parameters of which Ψt are trainable, N devices:
+
+| strategy        | parameters                        | gradients              | optimizer (AdamW)                  |
+| single          | 4Ψ (+2Ψ autocast copies under mp) | 4Ψt                    | 8Ψt (two fp32 moments)             |
+| DDP (+GradCache)| as single                         | 8Ψt (grads + buckets)  | 8Ψt                                |
+| FSDP FULL_SHARD | 4Ψ/N + 2 gathered layers          | 4Ψt/N                  | 8Ψt/N                              |
+| ... CPU offload | 2 gathered layers                 | 0 (on CPU)             | 0 (on CPU)                         |
+| ZeRO-2          | 2Ψ under mp (4Ψ without)          | 4Ψt/N                  | 8Ψt/N (+4Ψt/N fp32 master under mp)|
+| ZeRO-3          | 2Ψ/N (4Ψ/N) + 2 gathered layers   | 4Ψt/N                  | as ZeRO-2                          |
+
+vembed keeps fp32 weights and gets mixed precision from autocast, so single/DDP/FSDP need no separate master copy;
+DeepSpeed keeps the module in 16 bits and the fp32 master in its optimizer. DDP's gradient buckets are a second copy
+of the gradients (`gradient_as_bucket_view` is off by default).
+
+Activations, per transformer layer and sample of s tokens (hidden h, intermediate i, a heads), with e bytes per
+element (4 fp32, 2 under bf16/fp16 autocast): `s·(8e·h + m·e·i)`, with m = 2 intermediate-width tensors for a plain
+MLP (3 for quick_gelu, 4 for gated MLPs). This is Korthikanti et al. (2022)'s `s·h·(34 + 5·a·s/h)` (16-bit, i = 4h)
+generalised to any e and i, with the dropout masks and s×s attention matrices counted by what the kernels really
+keep (`Kernels`): on CUDA, fused SDPA keeps no s×s matrix and masks are 1 byte; on CPU (measured) masks are e bytes,
+attention dropout sends SDPA down its math path (3 s×s matrices per head) and a padding mask is kept per layer;
+`attn_implementation: eager` keeps the probabilities everywhere. Plus 2e·s·h per encoder (embedding norm input, final
+hidden state). With gradient checkpointing only each layer's input (e·s·h) is kept, plus one layer's full set during
+its recomputation. GradCache holds the activations of one chunk (`gradient_cache_chunk_size` examples, all their
+sides) plus fp32 embeddings and their gradients for the whole gathered contrastive batch. The loss adds three fp32
+(C × C·(1+k)) matrices (logits, softmax, gradient; twice when symmetric) for a contrastive batch C with k hard
+negatives. Queries are embedded by the text encoder and documents by the image encoder when the adapter has one.
+
+The total (a steady-state step's peak) is parameters + optimizer state + persistent gradient buffers (DDP buckets,
+DeepSpeed partitions) + max(activations, gradients): gradients are freed by zero_grad(set_to_none=True) and, during
+backward, appear layer by layer as that layer's activations are freed, so the peak is at the start of backward (all
+activations) or its end (all gradients).
+
+Measured error of the total against the peak resident memory of two real training steps (bench/planner_accuracy.py,
+CPU, fp32, one process; table in docs/benchmarks.md): without gradient checkpointing -4% to -1% for 22.7M and 109M
+text encoders; with it -13% to +34% (the live set while a checkpointed layer is recomputed is the least certain term);
+-19% for a 4 MiB tiny CLIP, where ~25 MiB of fixed runtime memory (autograd engine, oneDNN caches) dominates.
+Parameter counts are exact; parameter and optimizer bytes are within 3% (plus that fixed runtime memory). On GPUs the
+CUDA context and allocator slack are covered by the reserve (USABLE_FRACTION, CUDA_CONTEXT_GIB), not measured here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from vembed.errors import RecipeError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from vembed.models.base import EmbeddingAdapter
+    from vembed.recipe import Recipe
+
+GIB = 1024**3
+FP32 = 4
+# Not every byte of a GPU is usable: the CUDA context and cuBLAS workspaces take ~0.5 GiB, and the caching allocator
+# fragments. A plan "fits" when its total is at most this share of the memory, less the context.
+USABLE_FRACTION = 0.9
+CUDA_CONTEXT_GIB = 0.5
+GATHERED_LAYERS = 2  # FSDP/ZeRO-3 hold the layer being computed plus the one being prefetched, unsharded
+
+
+# --- what the model and the batch look like ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Kernels:
+    """What a device's kernels keep for backward beyond the tensors every implementation keeps. CPU figures are
+    measured (saved-tensor hooks on BERT layers, torch 2.13; tests/test_planning.py checks them); CUDA figures follow
+    the kernels' design: flash / memory-efficient SDPA keep no s×s matrix and draw dropout inside the kernel, and
+    dropout masks are bool."""
+
+    name: str
+    dropout_mask_bytes: int | None  # per element of a dropout mask; None: the activation width (CPU keeps float masks)
+    sdpa_dropout_matrices: int  # s×s matrices per head SDPA keeps under attention dropout (CPU: math path, 3)
+    sdpa_mask_copy: bool  # SDPA keeps a per-layer s×s copy of the padding mask at activation width (CPU)
+
+
+KERNELS = {"cuda": Kernels("cuda", 1, 0, False), "cpu": Kernels("cpu", None, 3, True)}
+
+
+# MLPs with a gate (act(gate(x)) * up(x)) keep four intermediate-width tensors for backward instead of two.
+GATED_MLP_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen2_vl", "qwen3_vl", "gemma", "gemma2",
+                                   "gemma3_text", "phi3", "modernbert"})
+
+
+def _mlp_tensors(config: "PretrainedConfig") -> int:
+    """Intermediate-width tensors an MLP keeps: its activation's input and output (a fused GELU/ReLU/SiLU), one more
+    for quick_gelu (x·sigmoid(1.702x) is two ops, measured on CLIP), two more for a gated MLP."""
+    if config.model_type in GATED_MLP_MODEL_TYPES:
+        return 4
+    return 3 if getattr(config, "hidden_act", None) == "quick_gelu" else 2
+
+
+def _dropout(config: "PretrainedConfig", names: tuple[str, ...]) -> bool:
+    return any((getattr(config, name, 0) or 0) > 0 for name in names)
+
+
+@dataclass(frozen=True)
+class EncoderShape:
+    """The transformer embedding one modality: what activation memory depends on."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    tokens: int  # per sample: max_length for text, patches (+1 class token) for images
+    masked: bool = False  # takes an attention (padding) mask: text
+    mlp_tensors: int = 2  # intermediate-width tensors the MLP keeps (see _mlp_tensors)
+    hidden_dropout: bool = False
+    attention_dropout: bool = False
+
+    @classmethod
+    def from_config(cls, config: "PretrainedConfig", modality: str, max_length: int | None) -> "EncoderShape":
+        hidden = getattr(config, "hidden_size", None)
+        layers = getattr(config, "num_hidden_layers", None)
+        if not hidden or not layers:
+            raise RecipeError(
+                "model_config",
+                f"the {modality} encoder ({config.model_type}) is not a plain transformer (no hidden_size / "
+                "num_hidden_layers); the planner cannot estimate its activations",
+            )
+        if modality == "image":
+            patches = (config.image_size // config.patch_size) ** 2
+            tokens = patches + 1  # a class token (CLIP, ViT, DINOv2); SigLIP has none: one token too many, on purpose
+        else:
+            tokens = max_length or getattr(config, "max_position_embeddings", None) or 512
+        return cls(
+            layers=layers,
+            hidden=hidden,
+            intermediate=getattr(config, "intermediate_size", None) or 4 * hidden,
+            heads=getattr(config, "num_attention_heads", None) or 1,
+            tokens=tokens,
+            masked=modality == "text",
+            mlp_tensors=_mlp_tensors(config),
+            hidden_dropout=_dropout(config, ("hidden_dropout_prob", "hidden_dropout", "dropout")),
+            attention_dropout=_dropout(config, ("attention_probs_dropout_prob", "attention_dropout")),
+        )
+
+    def _attention_matrix_bytes(self, element: int, kernels: Kernels, eager: bool) -> int:
+        """Bytes per sample of the s×s attention matrices one layer keeps (none for fused SDPA kernels)."""
+        s, a = self.tokens, self.heads
+        mask = kernels.dropout_mask_bytes or element
+        if eager:  # probabilities, and with dropout their dropped-out copy and mask (Korthikanti's 5as²b at e=2)
+            return a * s * s * (element + (element + mask if self.attention_dropout else 0))
+        kept = a * s * s * element * kernels.sdpa_dropout_matrices if self.attention_dropout else 0
+        if kernels.sdpa_mask_copy and self.masked and not kept:
+            kept = s * s * element
+        return kept
+
+    def layer_bytes(self, samples: int, element: int, kernels: Kernels, eager: bool) -> float:
+        """Activations one layer keeps for backward (see the module docstring)."""
+        s, h, i = self.tokens, self.hidden, self.intermediate
+        per_sample = s * (8 * element * h + self.mlp_tensors * element * i)
+        if self.hidden_dropout:
+            per_sample += 2 * (kernels.dropout_mask_bytes or element) * s * h  # after attention and after the MLP
+        per_sample += self._attention_matrix_bytes(element, kernels, eager)
+        return samples * per_sample
+
+    def activation_bytes(
+        self, samples: int, element: int, kernels: Kernels, eager: bool, checkpointing: bool
+    ) -> float:
+        if samples == 0:
+            return 0.0
+        ends = 2 * element * samples * self.tokens * self.hidden  # embedding norm input, final hidden state (pooling)
+        layer = self.layer_bytes(samples, element, kernels, eager)
+        if checkpointing:  # each layer's input, plus one layer's full set while it is recomputed
+            inputs = self.layers * element * samples * self.tokens * self.hidden
+            return ends + inputs + layer
+        return ends + self.layers * layer
+
+    def layer_parameters(self) -> int:
+        """Weights of one layer (attention 4h² + MLP 2hi), the unit FSDP/ZeRO-3 gather at a time."""
+        return 4 * self.hidden**2 + 2 * self.hidden * self.intermediate
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    total: int  # every parameter
+    trainable: int  # trainable when fully fine-tuned (frozen poolers / loss scalars excluded)
+    trainable_lora: int  # trainable with the recipe's LoRA settings (adapters + whatever stays trainable outside)
+    encoders: dict[str, EncoderShape]
+    embedding_dim: int
+
+
+def measure_model(recipe: "Recipe") -> ModelSize:
+    """Parameter counts of the recipe's adapter (and its loss's own parameters) from the meta device; no weights."""
+    from vembed.losses import build_loss
+    from vembed.models import MODELS
+
+    adapter_cls = MODELS.get(recipe.model_type)
+    loss_parameters = sum(p.numel() for p in build_loss(recipe).parameters() if p.requires_grad)
+    adapter: EmbeddingAdapter = adapter_cls.on_meta(recipe)
+    total = sum(p.numel() for p in adapter.parameters()) + loss_parameters
+    trainable = sum(p.numel() for p in adapter.parameters() if p.requires_grad) + loss_parameters
+    encoders = {
+        modality: EncoderShape.from_config(config, modality, adapter.max_length)
+        for modality, config in adapter.encoder_configs().items()
+    }
+    embedding_dim = adapter.embedding_dim
+    adapter.apply_lora(recipe)
+    lora = sum(p.numel() for p in adapter.parameters() if p.requires_grad) + loss_parameters
+    return ModelSize(total, trainable, lora, encoders, embedding_dim)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one optimizer step pushes through each device."""
+
+    batch_size: int  # examples per device
+    gpus: int
+    sides: dict[str, int]  # sides per example embedded by each modality's encoder
+    negatives: int  # hard negatives per example
+    element: int  # bytes per activation element: 4 (fp32) or 2 (bf16/fp16 autocast)
+    mixed_precision: bool
+    eager_attention: bool
+    symmetric_loss: bool
+    kernels: Kernels = KERNELS["cuda"]
+
+    @property
+    def contrastive_batch(self) -> int:
+        return self.batch_size * self.gpus
+
+
+def workload_for(recipe: "Recipe", model: ModelSize, gpus: int, device: str = "cuda") -> Workload:
+    """Queries go to the text encoder, documents (positive + hard negatives) to the image encoder when there is one:
+    the image–text retrieval case. Text-only adapters embed every side as text."""
+    negatives = recipe.data.num_hard_negatives or 0
+    query = "text" if "text" in model.encoders else "image"
+    documents = "image" if "image" in model.encoders else "text"
+    sides = dict.fromkeys(model.encoders, 0)
+    sides[query] += 1
+    sides[documents] += 1 + negatives
+    # Unset mixed_precision means "what the accelerate config says"; ours (ddp.yaml, fsdp.yaml) say bf16 on GPUs.
+    precision = recipe.mixed_precision or "bf16"
+    mixed = precision != "no"
+    return Workload(
+        batch_size=recipe.batch_size,
+        gpus=gpus,
+        sides=sides,
+        negatives=negatives,
+        element=2 if mixed else FP32,
+        mixed_precision=mixed,
+        eager_attention=recipe.attn_implementation == "eager",
+        symmetric_loss=recipe.symmetric_loss,
+        kernels=KERNELS[device],
+    )
+
+
+# --- strategies -------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Strategy:
+    """How a launch lays out model state; the numbers in the module docstring's table, as data."""
+
+    name: str
+    shard_parameters: bool = False  # FSDP, ZeRO-3
+    shard_state: bool = False  # gradients and optimizer state divided by N (FSDP, ZeRO-2, ZeRO-3)
+    ddp_buckets: bool = False  # DDP keeps a second copy of the gradients for all-reduce
+    sixteen_bit_module: bool = False  # DeepSpeed: 16-bit module under mp, fp32 master in the optimizer
+    offload: bool = False  # parameters, gradients and optimizer state live on the CPU
+    lora: bool = False  # forces LoRA on (the recipe's use_lora applies to every strategy anyway)
+    gradient_cache: bool = False
+    accelerate_config: str = ""  # what to launch it with
+
+
+STRATEGIES: tuple[Strategy, ...] = (
+    Strategy("single", accelerate_config="single.yaml"),
+    Strategy("ddp", ddp_buckets=True, accelerate_config="ddp.yaml"),
+    Strategy("ddp+gradcache", ddp_buckets=True, gradient_cache=True, accelerate_config="ddp.yaml"),
+    Strategy("fsdp", shard_parameters=True, shard_state=True, accelerate_config="fsdp.yaml"),
+    Strategy("fsdp+lora", shard_parameters=True, shard_state=True, lora=True, accelerate_config="fsdp.yaml"),
+    Strategy("fsdp+lora+offload", shard_parameters=True, shard_state=True, lora=True, offload=True,
+             accelerate_config="fsdp.yaml (cpu offload on)"),
+    Strategy("zero2", shard_state=True, sixteen_bit_module=True, accelerate_config="deepspeed_zero2.yaml"),
+    Strategy("zero3", shard_parameters=True, shard_state=True, sixteen_bit_module=True,
+             accelerate_config="deepspeed_zero3.yaml"),
+    Strategy("zero3+lora", shard_parameters=True, shard_state=True, sixteen_bit_module=True, lora=True,
+             accelerate_config="deepspeed_zero3.yaml"),
+    Strategy("zero3+offload", shard_parameters=True, shard_state=True, sixteen_bit_module=True, offload=True,
+             accelerate_config="deepspeed_zero3_offload.yaml"),
+)  # fmt: skip
+STRATEGY_BY_NAME = {strategy.name: strategy for strategy in STRATEGIES}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes per device for one strategy; `activations_checkpointed` is the same with gradient checkpointing."""
+
+    strategy: Strategy
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    activations_checkpointed: float
+    chunk_size: int | None = None  # GradCache: examples per forward chunk
+    # The part of `gradients` that lives through the whole step (DDP's buckets, DeepSpeed's partition buffers); the
+    # rest is freed by zero_grad(set_to_none=True) and only exists during backward.
+    gradient_buffers: float = 0.0
+
+    def total(self, checkpointing: bool) -> float:
+        """The step's peak: during backward each layer's gradients appear as its activations are freed, so with
+        per-layer sizes alike the peak is at one end, all activations (start) or all gradients (end)."""
+        activations = self.activations_checkpointed if checkpointing else self.activations
+        transient_gradients = self.gradients - self.gradient_buffers
+        return self.parameters + self.optimizer + self.gradient_buffers + max(activations, transient_gradients)
+
+
+def _activations(model: ModelSize, work: Workload, examples: int, checkpointing: bool) -> float:
+    return sum(
+        encoder.activation_bytes(
+            examples * work.sides[modality], work.element, work.kernels, work.eager_attention, checkpointing
+        )
+        for modality, encoder in model.encoders.items()
+    )
+
+
+def _loss_bytes(work: Workload) -> float:
+    contrastive = work.contrastive_batch
+    logits = contrastive * contrastive * (1 + work.negatives)
+    return 3 * FP32 * logits * (2 if work.symmetric_loss else 1)
+
+
+def estimate(
+    strategy: Strategy, model: ModelSize, work: Workload, lora: bool, chunk_size: int | None = None
+) -> Estimate:
+    """Per-device bytes of `strategy`; `lora` is the recipe's use_lora (a strategy may force it on)."""
+    n = work.gpus
+    trainable = model.trainable_lora if (lora or strategy.lora) else model.trainable
+    state_share = 1 / n if strategy.shard_state else 1.0
+    # The largest layer of any encoder, unsharded in the compute dtype: what FSDP/ZeRO-3 gather at a time.
+    gathered = GATHERED_LAYERS * max(e.layer_parameters() for e in model.encoders.values()) * work.element
+
+    if strategy.sixteen_bit_module and work.mixed_precision:
+        parameter_bytes, master = 2, FP32  # 16-bit module, fp32 master copy inside the optimizer
+    else:
+        parameter_bytes, master = FP32, 0
+        if work.mixed_precision and not strategy.shard_parameters:
+            parameter_bytes += 2  # autocast's cached 16-bit copy of each weight, alive for the whole forward
+    buffers = 0.0
+    if strategy.offload:
+        parameters = gathered
+        gradients = optimizer = 0.0
+    else:
+        parameters = parameter_bytes * model.total * (1 / n if strategy.shard_parameters else 1.0)
+        if strategy.shard_parameters:
+            parameters += gathered
+        gradients = FP32 * trainable * state_share * (2 if strategy.ddp_buckets else 1)
+        if strategy.ddp_buckets:
+            buffers = gradients / 2
+        elif strategy.sixteen_bit_module:
+            buffers = gradients  # DeepSpeed keeps its gradient partition in a persistent buffer
+        optimizer = (2 * FP32 + master) * trainable * state_share
+
+    examples = work.batch_size
+    cache = 0.0
+    if strategy.gradient_cache:
+        examples = min(chunk_size or work.batch_size, work.batch_size)
+        sides = sum(work.sides.values())
+        cache = 2 * FP32 * work.contrastive_batch * sides * model.embedding_dim  # embeddings and their gradients
+    extra = cache + _loss_bytes(work)
+    return Estimate(
+        strategy=strategy,
+        parameters=parameters,
+        gradients=gradients,
+        gradient_buffers=buffers,
+        optimizer=optimizer,
+        activations=_activations(model, work, examples, False) + extra,
+        activations_checkpointed=_activations(model, work, examples, True) + extra,
+        chunk_size=examples if strategy.gradient_cache else None,
+    )
+
+
+# --- the plan -------------------------------------------------------------------------------------------------------
+def usable_bytes(gpu_memory_gib: float) -> float:
+    return max(gpu_memory_gib * USABLE_FRACTION - CUDA_CONTEXT_GIB, 0.0) * GIB
+
+
+@dataclass
+class Plan:
+    recipe_path: str
+    gpus: int
+    gpu_memory_gib: float
+    model: ModelSize
+    work: Workload
+    lora: bool  # the recipe's use_lora
+    checkpointing: bool  # the recipe's gradient_checkpointing
+    lora_r: int
+    estimates: list[Estimate] = field(default_factory=list)
+    recommendation: str = ""
+    reason: str = ""
+
+    @property
+    def usable(self) -> float:
+        return usable_bytes(self.gpu_memory_gib)
+
+    def fits(self, estimate: Estimate, checkpointing: bool | None = None) -> bool:
+        return estimate.total(self.checkpointing if checkpointing is None else checkpointing) <= self.usable
+
+
+def _largest_fitting_chunk(model: ModelSize, work: Workload, lora: bool, usable: float,
+                           checkpointing: bool) -> int | None:
+    """The largest power-of-two chunk below the per-device batch whose GradCache step fits, or None."""
+    strategy = STRATEGY_BY_NAME["ddp+gradcache"]
+    chunk = 1
+    best = None
+    while chunk < work.batch_size:
+        if estimate(strategy, model, work, lora, chunk).total(checkpointing) > usable:
+            break
+        best, chunk = chunk, chunk * 2
+    return best
+
+
+def _gib(value: float) -> str:
+    return f"{value / GIB:.1f} GiB"
+
+
+def _recommend(plan: Plan) -> tuple[str, str]:
+    """The decision tree of the distributed-training guide we started from: fits on one device → DDP (single on
+    one GPU); the model fits but not the batch → DDP + GradCache with a chunk that fits; the model does not fit →
+    FSDP + LoRA, then ZeRO-3 + LoRA, then CPU offload. Gradient checkpointing is proposed whenever it is what makes a
+    plan fit.
+    """
+    by_name = {e.strategy.name: e for e in plan.estimates}
+    usable = _gib(plan.usable)
+
+    def first_fit(name: str) -> tuple[bool, bool] | None:
+        """(fits, needs checkpointing) for the recipe's setting first, then with checkpointing."""
+        for checkpointing in dict.fromkeys((plan.checkpointing, True)):
+            if plan.fits(by_name[name], checkpointing):
+                return True, checkpointing and not plan.checkpointing
+        return None
+
+    def with_ckpt(text: str, needs: bool) -> str:
+        return text + (" with gradient_checkpointing: true" if needs else "")
+
+    base = "single" if plan.gpus == 1 else "ddp"
+    hit = first_fit(base)
+    if hit:
+        total = by_name[base].total(plan.checkpointing or hit[1])
+        label = "single device" if base == "single" else "DDP"
+        return with_ckpt(label, hit[1]), (
+            f"the model and a batch of {plan.work.batch_size} fit on one device ({_gib(total)} of {usable})")
+
+    for checkpointing in dict.fromkeys((plan.checkpointing, True)):
+        chunk = _largest_fitting_chunk(plan.model, plan.work, plan.lora, plan.usable, checkpointing)
+        if chunk is not None:
+            label = "GradCache" if plan.gpus == 1 else "DDP + GradCache"
+            needs = checkpointing and not plan.checkpointing
+            return with_ckpt(f"{label} (use_gradient_cache: true, gradient_cache_chunk_size: {chunk})", needs), (
+                f"the model fits but a batch of {plan.work.batch_size} does not; chunks of {chunk} keep the "
+                f"contrastive batch of {plan.work.contrastive_batch}")
+
+    for name, label in (("fsdp+lora", "FSDP + LoRA"), ("zero3+lora", "ZeRO-3 + LoRA"),
+                        ("fsdp+lora+offload", "FSDP + LoRA + CPU offload"), ("zero3+offload", "ZeRO-3 + CPU offload")):
+        hit = first_fit(name)
+        if hit:
+            total = by_name[name].total(plan.checkpointing or hit[1])
+            return with_ckpt(label, hit[1]), (
+                f"the full model does not fit on one device; sharded over {plan.gpus} with LoRA it takes "
+                f"{_gib(total)} of {usable}")
+    return "none fits", (
+        f"even FSDP + LoRA + CPU offload with checkpointing needs more than {usable} per device; lower batch_size, "
+        "use more or larger GPUs, or a smaller model")
+
+
+def make_plan(recipe: "Recipe", gpus: int, gpu_memory_gib: float, recipe_path: str = "") -> Plan:
+    """Estimate every strategy for `recipe` on `gpus` devices of `gpu_memory_gib` GiB and pick one."""
+    if gpus < 1:
+        raise RecipeError("--gpus", f"must be at least 1, got {gpus}")
+    if gpu_memory_gib <= 0:
+        raise RecipeError("--gpu-memory", f"must be a positive number of GiB, got {gpu_memory_gib}")
+    model = measure_model(recipe)
+    work = workload_for(recipe, model, gpus)
+    plan = Plan(recipe_path, gpus, gpu_memory_gib, model, work, recipe.use_lora, recipe.gradient_checkpointing,
+                recipe.lora_r)
+    chunk = recipe.gradient_cache_chunk_size
+    if chunk is None:  # no chunk in the recipe: show the one we would recommend (1 when none fits)
+        chunk = _largest_fitting_chunk(model, work, recipe.use_lora, plan.usable, recipe.gradient_checkpointing) or 1
+    plan.estimates = [estimate(strategy, model, work, recipe.use_lora, chunk) for strategy in STRATEGIES]
+    plan.recommendation, plan.reason = _recommend(plan)
+    return plan
+
+
+def format_plan(plan: Plan) -> str:
+    """The table `vembed plan` prints: GiB per device, each strategy, with and without gradient checkpointing."""
+    work, model = plan.work, plan.model
+    precision = "bf16/fp16 autocast" if work.mixed_precision else "fp32"
+    sides = ", ".join(f"{count} {modality}" for modality, count in work.sides.items() if count)
+    shapes = ", ".join(f"{m} {e.tokens} tokens × {e.layers} layers × {e.hidden}" for m, e in model.encoders.items())
+    lines = [
+        f"vembed plan {plan.recipe_path}: {plan.gpus} GPU(s) × {plan.gpu_memory_gib:g} GiB "
+        f"(usable {_gib(plan.usable)}: {USABLE_FRACTION:.0%} less {CUDA_CONTEXT_GIB} GiB CUDA context)",
+        f"parameters   {model.total:,} total, {model.trainable:,} trainable, {model.trainable_lora:,} with LoRA "
+        f"(r={plan.lora_r})",
+        f"batch        {work.batch_size} per device × {plan.gpus} = {work.contrastive_batch} contrastive; sides per "
+        f"example: {sides}; {shapes}; {precision}",
+        "",
+        f"{'GiB per device':<26}{'params':>8}{'grads':>8}{'optim':>8}{'acts':>8}{'ckpt':>8}"
+        f"{'total':>8}{'+ckpt':>8}  fits",
+    ]
+    for e in plan.estimates:
+        name = e.strategy.name + (f" (chunk {e.chunk_size})" if e.chunk_size else "")
+        fits = "yes" if plan.fits(e) else ("ckpt" if plan.fits(e, True) else "no")
+        values = (e.parameters, e.gradients, e.optimizer, e.activations, e.activations_checkpointed,
+                  e.total(False), e.total(True))
+        lines.append(f"{name:<26}" + "".join(f"{v / GIB:>8.2f}" for v in values) + f"  {fits}")
+    lines += [
+        "",
+        "fits: yes; ckpt = only with gradient_checkpointing; no. acts/ckpt: activations without/with checkpointing.",
+        f"recommendation: {plan.recommendation} — {plan.reason}",
+    ]
+    return "\n".join(lines)
+
+
+
+def estimate_line(recipe: "Recipe", strategy: str, gpus: int) -> str:
+    """One line for the block a run prints at start: this launch's per-device estimate, e.g.
+    `memory estimate     6.2 GiB per device (params 0.6, grads 0.8, optimizer 0.8, activations 4.0)`."""
+    if strategy not in STRATEGY_BY_NAME:
+        raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGY_BY_NAME)}")
+    model = measure_model(recipe)
+    e = estimate(STRATEGY_BY_NAME[strategy], model, workload_for(recipe, model, gpus), recipe.use_lora,
+                 recipe.gradient_cache_chunk_size)
+    activations = e.activations_checkpointed if recipe.gradient_checkpointing else e.activations
+    parts = ", ".join(f"{name} {value / GIB:.1f}" for name, value in (
+        ("params", e.parameters), ("grads", e.gradients), ("optimizer", e.optimizer), ("activations", activations)))
+    return f"memory estimate     {e.total(recipe.gradient_checkpointing) / GIB:.1f} GiB per device ({parts})"
