@@ -515,13 +515,13 @@ def format_plan(plan: Plan) -> str:
 
 
 
-def estimate_line(recipe: "Recipe", strategy: str, gpus: int) -> str:
+def estimate_line(recipe: "Recipe", strategy: str, gpus: int, device: str = "cuda") -> str:
     """One line for the block a run prints at start: this launch's per-device estimate, e.g.
     `memory estimate     6.2 GiB per device (params 0.6, grads 0.8, optimizer 0.8, activations 4.0)`."""
     if strategy not in STRATEGY_BY_NAME:
         raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGY_BY_NAME)}")
     model = measure_model(recipe)
-    e = estimate(STRATEGY_BY_NAME[strategy], model, workload_for(recipe, model, gpus), recipe.use_lora,
+    e = estimate(STRATEGY_BY_NAME[strategy], model, workload_for(recipe, model, gpus, device), recipe.use_lora,
                  recipe.gradient_cache_chunk_size)
     activations = e.activations_checkpointed if recipe.gradient_checkpointing else e.activations
     parts = ", ".join(f"{name} {value / GIB:.1f}" for name, value in (

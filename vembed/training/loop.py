@@ -180,10 +180,12 @@ class Trainer:
         if acc.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             recipe.save(self.output_dir / "recipe.yaml")
-        from vembed.training.strategy import count_parameters, describe_launch
+        from vembed.training.strategy import count_parameters, describe_launch, memory_estimate_line
 
         trainable, total = count_parameters(self.objective)
         acc.print(describe_launch(acc, recipe, trainable, total, self.grad_cache, self.fsdp))
+        if acc.is_main_process:
+            acc.print(memory_estimate_line(acc, recipe, self.grad_cache, self.fsdp))
         acc.print(f"data                {self.train_report.summary()}")
         if recipe.report_to:
             acc.init_trackers(recipe.run_name or "vembed", config=_flat_config(recipe.to_dict()))

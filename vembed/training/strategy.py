@@ -242,6 +242,35 @@ def _zero3_unpartitioned(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return found
 
 
+def planner_strategy(accelerator: "Accelerator", recipe: "Recipe", grad_cache: "GradientCacheChoice | None",
+                     fsdp: "FsdpSettings | None") -> str:
+    """This launch under its `vembed plan` name, for the memory estimate printed at start."""
+    if fsdp is not None:
+        return "fsdp+lora+offload" if recipe.use_lora and fsdp.offload else "fsdp+lora" if recipe.use_lora else "fsdp"
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None:
+        if plugin.zero_stage != 3:
+            return "zero2"
+        offload = plugin.deepspeed_config.get("zero_optimization", {}).get("offload_param")
+        return "zero3+offload" if offload else "zero3+lora" if recipe.use_lora else "zero3"
+    if grad_cache is not None and grad_cache.enabled:
+        return "ddp+gradcache"
+    return "ddp" if accelerator.num_processes > 1 else "single"
+
+
+def memory_estimate_line(accelerator: "Accelerator", recipe: "Recipe", grad_cache: "GradientCacheChoice | None",
+                         fsdp: "FsdpSettings | None") -> str | None:
+    """The planner's per-device estimate for this launch; None when the model's shape cannot be read (the run
+    goes on: an estimate is advice, not a requirement)."""
+    from vembed.planning import estimate_line
+
+    try:
+        return estimate_line(recipe, planner_strategy(accelerator, recipe, grad_cache, fsdp),
+                             accelerator.num_processes, device=accelerator.device.type)
+    except Exception as error:  # noqa: BLE001 - any failure here must not stop training
+        return f"memory estimate     unavailable ({type(error).__name__}: {error})"
+
+
 def describe_launch(
     accelerator: "Accelerator", recipe: "Recipe", trainable: int, total: int,
     grad_cache: "GradientCacheChoice | None" = None, fsdp: "FsdpSettings | None" = None,
