@@ -1,4 +1,4 @@
-"""The `vembed` command: train | eval | export | data | demo."""
+"""The `vembed` command: train | eval | export | extract | data | demo."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _data_command(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vembed.entrypoints import demo, evaluate, export, launch
+    from vembed.entrypoints import demo, evaluate, export, extract, launch
 
     parser = argparse.ArgumentParser(prog="vembed", description="Fine-tune embedding models from a YAML recipe.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("export", help="export a saved model (sentence-transformers)")
     export.add_arguments(ex)
     ex.set_defaults(func=export.run)
+
+    xt = sub.add_parser("extract", help="paired teacher embeddings (EVA → CLIP) in shards, for blip3o_dit")
+    extract.add_arguments(xt)
+    xt.set_defaults(func=extract.run)
 
     data = sub.add_parser("data", help="generate offline data sets")
     data.add_argument("kind", choices=["dummy", "digits"], help="dummy: coloured shapes; digits: scikit-learn digits")
