@@ -47,6 +47,7 @@ class DiTConfig:
     eva_dim: int  # width of the conditioning (EVA) tokens
     clip_dim: int  # width of the generated (CLIP) tokens
     num_tokens: int  # CLIP tokens per image (a square number gets 2-D rotary positions)
+    eva_tokens: int | None = None  # EVA tokens per image (unset: num_tokens)
     hidden_size: int = 768
     num_layers: int = 12
     num_heads: int = 12
@@ -74,23 +75,28 @@ def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torc
     return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
 
 
-def _grid_positions(num_tokens: int) -> torch.Tensor:
-    """(N, 2) row/column of each token on a square grid; a non-square count is laid out as one row."""
-    side = math.isqrt(num_tokens)
-    if side * side == num_tokens:
-        idx = torch.arange(num_tokens)
-        return torch.stack([idx // side, idx % side], dim=-1).float()
-    return torch.stack([torch.zeros(num_tokens), torch.arange(num_tokens).float()], dim=-1)
+def _grid_positions(num_tokens: int, side: float | None = None) -> torch.Tensor:
+    """(N, 2) row/column of each token on a square grid, rescaled to a grid of `side` tokens per row (so an EVA
+    grid and a CLIP grid of different resolutions share coordinates); a non-square count is laid out as one row."""
+    own = math.isqrt(num_tokens)
+    if own * own != num_tokens:
+        return torch.stack([torch.zeros(num_tokens), torch.arange(num_tokens).float()], dim=-1)
+    idx = torch.arange(num_tokens)
+    pos = torch.stack([idx // own, idx % own], dim=-1).float()
+    return pos * (side / own) if side else pos
 
 
 class GridRotary(nn.Module):
-    """2-D rotary embedding: half of each head's channels rotate with the row, half with the column."""
+    """2-D rotary embedding: half of each head's channels rotate with the row, half with the column.
 
-    def __init__(self, head_dim: int, num_tokens: int, theta: float):
+    `side`: the row length of the reference grid the positions are expressed in (unset: this grid's own).
+    """
+
+    def __init__(self, head_dim: int, num_tokens: int, theta: float, side: float | None = None):
         super().__init__()
         quarter = head_dim // 4
         freqs = 1.0 / theta ** (torch.arange(quarter).float() / quarter)
-        pos = _grid_positions(num_tokens)
+        pos = _grid_positions(num_tokens, side)
         angles = torch.cat([pos[:, :1] * freqs, pos[:, 1:] * freqs], dim=-1)  # (N, head_dim / 2)
         # Buffers are not persistent: they are rebuilt from the config, so checkpoints hold weights only.
         self.register_buffer("cos", angles.cos(), persistent=False)
@@ -105,9 +111,13 @@ class GridRotary(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention; self-attention when `context` is None, cross-attention otherwise."""
+    """Grouped-query attention; self-attention when `context` is None, cross-attention otherwise.
 
-    def __init__(self, config: DiTConfig, rotary: GridRotary | None):
+    Queries are rotated by their grid positions, keys by theirs (`key_rotary`, defaults to the queries'), so in
+    cross-attention a CLIP token can find the EVA tokens at its own place in the image.
+    """
+
+    def __init__(self, config: DiTConfig, rotary: GridRotary, key_rotary: GridRotary | None = None):
         super().__init__()
         self.heads, self.kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.hidden_size // config.num_heads
@@ -115,14 +125,14 @@ class Attention(nn.Module):
         self.kv = nn.Linear(config.hidden_size, 2 * self.kv_heads * self.head_dim)
         self.out = nn.Linear(self.heads * self.head_dim, config.hidden_size)
         self.rotary = rotary
+        self.key_rotary = key_rotary or rotary
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
         b, n, _ = x.shape
         source = x if context is None else context
         q = self.q(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
         k, v = self.kv(source).view(b, source.shape[1], 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        if self.rotary is not None:
-            q, k = self.rotary(q), self.rotary(k)
+        q, k = self.rotary(q), self.key_rotary(k)
         out = F.scaled_dot_product_attention(q, k, v, enable_gqa=self.kv_heads != self.heads)
         return self.out(out.transpose(1, 2).reshape(b, n, -1))
 
@@ -156,8 +166,11 @@ class DiTBlock(nn.Module):
         super().__init__()
         h, eps = config.hidden_size, config.norm_eps
         # Each block owns its (non-persistent) rotary tables, so FSDP units share no modules.
-        self.self_attn = Attention(config, GridRotary(h // config.num_heads, config.num_tokens, config.rope_theta))
-        self.cross_attn = Attention(config, None)
+        head_dim, theta = h // config.num_heads, config.rope_theta
+        self.self_attn = Attention(config, GridRotary(head_dim, config.num_tokens, theta))
+        side = math.isqrt(config.num_tokens)
+        eva_grid = GridRotary(head_dim, config.eva_tokens or config.num_tokens, theta, side=side)
+        self.cross_attn = Attention(config, GridRotary(head_dim, config.num_tokens, theta), key_rotary=eva_grid)
         self.mlp = SwiGLU(h, _mlp_hidden(config))
         self.pre_norms = nn.ModuleList(nn.RMSNorm(h, eps=eps) for _ in range(self.SUBLAYERS))
         self.post_norms = nn.ModuleList(nn.RMSNorm(h, eps=eps) for _ in range(self.SUBLAYERS))
@@ -304,6 +317,7 @@ def config_from_recipe(recipe: "Recipe", index: dict[str, Any]) -> DiTConfig:
     dit = recipe.dit
     shapes = {"eva_dim": index["eva_shape"][1], "clip_dim": index["clip_shape"][1],
               "num_tokens": index["clip_shape"][0]}
+    eva_tokens = index["eva_shape"][0]
     for key, found in shapes.items():
         stated = getattr(dit, key)
         if stated is not None and stated != found:
@@ -314,6 +328,7 @@ def config_from_recipe(recipe: "Recipe", index: dict[str, Any]) -> DiTConfig:
     hidden, layers, heads, kv_heads = SIZES[dit.size] if dit.size else (None, None, None, None)
     values = {
         **shapes,
+        "eva_tokens": eva_tokens,
         "hidden_size": dit.hidden_size or hidden,
         "num_layers": dit.num_layers or layers,
         "num_heads": dit.num_heads or heads,

@@ -1,0 +1,107 @@
+"""The measured bar, end to end on CPU: `vembed extract` over a fixed teacher pair → the training loop trains a tiny
+DiT → held-out cosine with Heun ≥ 0.90, and Heun solves the sampling ODE more accurately than Euler at equal cost
+(20 and 40 model evaluations; at fewer, Euler is closer, see docs/notes.md)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from teachers import save_teachers, write_images
+
+from vembed.cli import main as vembed
+from vembed.recipe import check_recipe, load_recipe
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "blip3o_dit_tiny.yaml"
+
+
+@pytest.fixture
+def one_thread():
+    # Two shared cores: one thread per process is several times faster than two fighting for them.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("blip3o")
+    eva, clip = save_teachers(root)
+    for split, n, seed in (("train", 512, 0), ("validation", 64, 1)):
+        images = write_images(root / "images" / split, n, seed=seed, start=seed * 100000)
+        code = vembed(["extract", "--teacher-a", eva, "--teacher-b", clip, "--images", str(images),
+                       "--out", str(root / "shards" / split), "--shard-size", "128", "--dtype", "float32"])
+        assert code == 0
+    return root / "shards"
+
+
+def tiny_recipe(shards: Path, output_dir: Path, *overrides: str):
+    return load_recipe(TINY, [f"data.train={shards / 'train'}", f"data.validation={shards / 'validation'}",
+                              f"output_dir={output_dir}", *overrides])
+
+
+def test_tiny_dit_reaches_090_cosine_with_heun_and_heun_beats_euler(shards, tmp_path, one_thread, capsys):
+    from vembed.models.base import load_adapter
+    from vembed.training.loop import Trainer
+
+    recipe = tiny_recipe(shards, tmp_path / "run")
+    check_recipe(recipe)
+    started = time.perf_counter()
+    result = Trainer(recipe).run()
+    seconds = time.perf_counter() - started
+
+    validation = result.metrics["validation"]
+    assert validation["image_cosine"] >= 0.90
+    assert validation["token_cosine"] >= 0.90
+    assert validation["num_samples"] == 64
+    assert (result.output_dir / "similarity_histogram.png").stat().st_size > 0
+    saved = json.loads((result.output_dir / "metrics.json").read_text())
+    assert saved["validation"]["image_cosine"] == pytest.approx(validation["image_cosine"])
+
+    # Solver accuracy: distance to a fine reference solution of the same ODE from the same noise.
+    from vembed.data.embedding_shards import EmbeddingShardDataset
+    from vembed.evaluation.similarity import evaluate_generation
+
+    model = load_adapter(result.final_model_dir).eval()
+    data = EmbeddingShardDataset(str(shards / "validation")).tensors()
+    noise = torch.randn(data["clip"].shape, generator=torch.Generator().manual_seed(0))
+    reference = model.generate(data["eva"], noise=noise, sampler="euler", num_steps=800)
+
+    def error(sampler: str, steps: int) -> float:
+        out = model.generate(data["eva"], noise=noise, sampler=sampler, num_steps=steps)
+        return ((out - reference).norm() / reference.norm()).item()
+
+    figures = {}
+    for nfe in (20, 40):  # Heun: 2 evaluations per step
+        heun, euler = error("heun", nfe // 2), error("euler", nfe)
+        cosines = {name: evaluate_generation(model, data["eva"], data["clip"], sampler=name, num_steps=steps,
+                                             seed=0)[0]["image_cosine"]
+                   for name, steps in (("heun", nfe // 2), ("euler", nfe))}
+        figures[nfe] = {"heun_error": heun, "euler_error": euler, **{f"{k}_cosine": v for k, v in cosines.items()}}
+    with capsys.disabled():
+        print(f"\nblip3o tiny: {seconds:.1f} s training+eval; validation {json.dumps(validation)}; "
+              f"relative distance to an 800-step Euler solution at equal NFE {json.dumps(figures)}")
+    for nfe, figure in figures.items():
+        assert figure["heun_error"] < figure["euler_error"], (nfe, figure)
+
+
+def test_wrong_dims_are_one_recipe_line_naming_key_and_index(shards, tmp_path):
+    from vembed.errors import RecipeError
+
+    with pytest.raises(RecipeError) as info:
+        check_recipe(tiny_recipe(shards, tmp_path / "run", "dit.clip_dim=1024"))
+    message = str(info.value)
+    assert "dit.clip_dim" in message and str(shards / "train" / "index.json") in message
+    assert "32" in message and len(message.splitlines()) == 1
+
+
+def test_a_flow_loss_on_a_contrastive_model_is_refused(shards, tmp_path):
+    from vembed.errors import RecipeError
+
+    with pytest.raises(RecipeError, match="loss_type.*flow_matching"):
+        check_recipe(tiny_recipe(shards, tmp_path / "run", "model_type=clip"))
