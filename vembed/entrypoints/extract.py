@@ -44,7 +44,10 @@ class ImageRef:
             return load_image(self.path)
         with tarfile.open(self.path) as archive:
             data = archive.extractfile(self.member).read()
-        image = Image.open(io.BytesIO(data))
+        try:
+            image = Image.open(io.BytesIO(data))
+        except Exception as err:  # noqa: BLE001 - PIL raises many types for bad data
+            raise DataError(f"cannot decode image: {type(err).__name__}: {err}", file=self.source) from err
         image.filename = self.source
         return load_image(image)
 
@@ -125,11 +128,16 @@ def extract(
 
     Returns this process's counts: `{"written": [...], "skipped_finished": [...], "skipped_images": n}`.
     """
+    import os
+
     from accelerate import PartialState
 
     from vembed.data.embedding_shards import shard_name, write_index
 
-    state = PartialState()
+    # As the training launch does: CPU when there is no GPU or the launcher asked for it (PartialState() alone
+    # misses the CPU process group that `accelerate launch` with use_cpu prepared, and every rank thinks it is 0).
+    on_cpu = not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
+    state = PartialState(cpu=on_cpu)
     out = Path(out)
     refs = list_images(images)
     groups = [refs[i : i + shard_size] for i in range(0, len(refs), shard_size)]
