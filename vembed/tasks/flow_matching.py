@@ -96,10 +96,15 @@ class FlowMatchingTask(Task):
         return True  # every step runs the whole DiT
 
     def build_objective(self) -> nn.Module:
+        from vembed.distributed import rank_and_world
         from vembed.losses import LOSSES
         from vembed.models import MODELS
 
-        model = MODELS.get(self.recipe.model_type).from_recipe(self.recipe)
+        model = MODELS.get(self.recipe.model_type).from_recipe(self.recipe)  # same initial weights on every rank
+        # The loop seeds every rank alike; from here on each rank needs its own times and noise, or all ranks would
+        # draw the same ones for their different samples. (Checkpoints save each rank's RNG, so resume stays exact.)
+        rank, _ = rank_and_world()
+        torch.manual_seed(self.recipe.seed + 1_000_003 * rank)
         return FlowMatchingObjective(model, LOSSES.get(self.recipe.loss_type).from_recipe(self.recipe), self.recipe)
 
     def train_dataset(self, objective: nn.Module):
