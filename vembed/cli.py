@@ -1,4 +1,4 @@
-"""The `vembed` command: train | eval | export | plan | data | demo."""
+"""The `vembed` command: train | eval | export | plan | extract | data | demo."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _data_command(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vembed.entrypoints import demo, evaluate, export, launch, plan
+    from vembed.entrypoints import demo, evaluate, export, extract, launch, plan
 
     parser = argparse.ArgumentParser(prog="vembed", description="Fine-tune embedding models from a YAML recipe.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="estimate per-device memory of each strategy and recommend one (no weights read)")
     plan.add_arguments(pl)
     pl.set_defaults(func=plan.run)
+    xt = sub.add_parser("extract", help="paired teacher embeddings (EVA → CLIP) in shards, for blip3o_dit")
+    extract.add_arguments(xt)
+    xt.set_defaults(func=extract.run)
 
     data = sub.add_parser("data", help="generate offline data sets")
     data.add_argument("kind", choices=["dummy", "digits"], help="dummy: coloured shapes; digits: scikit-learn digits")

@@ -44,8 +44,9 @@ class DataConfig(_Strict):
     train: str | list[str] | None = None
     validation: str | list[str] | None = None
     test: str | list[str] | None = None
-    # auto: from the file extension (.jsonl/.json, .csv, .parquet); hf: any local `datasets.load_dataset` path.
-    format: Literal["auto", "jsonl", "json", "csv", "parquet", "hf"] = "auto"
+    # auto: from the file extension (.jsonl/.json, .csv, .parquet); hf: any local `datasets.load_dataset` path;
+    # shards: a directory written by `vembed extract` (paired teacher embeddings; what blip3o_dit trains on).
+    format: Literal["auto", "jsonl", "json", "csv", "parquet", "hf", "shards"] = "auto"
     columns: ColumnMap = Field(default_factory=ColumnMap)
     # Relative image paths are resolved against this directory; unset: the directory of the data file.
     image_root: str | None = None
@@ -58,11 +59,44 @@ class DataConfig(_Strict):
     eval_max_samples: int | None = Field(default=None, gt=0)
 
 
+class DiTSettings(_Strict):
+    """`dit:` the BLIP3-o diffusion transformer (model_type: blip3o_dit). Token shapes come from the shards; any
+    stated here must match them."""
+
+    size: Literal["tiny", "small", "base", "large"] | None = "base"  # hidden/layers/heads preset; explicit keys win
+    hidden_size: int | None = Field(default=None, gt=0)  # unset: from size (tiny 384, small 512, base 768, large 1024)
+    num_layers: int | None = Field(default=None, gt=0)  # DiT blocks (unset: from size: 6, 8, 12, 20)
+    num_heads: int | None = Field(default=None, gt=0)  # attention heads (unset: from size)
+    num_kv_heads: int | None = Field(default=None, gt=0)  # key/value heads of grouped-query attention (unset: size)
+    mlp_ratio: float = Field(default=4.0, gt=0)  # SwiGLU width = hidden_size * mlp_ratio * 2/3
+    eva_adapter_layers: int = Field(default=6, gt=0)  # blocks taking the EVA dim down to hidden_size
+    layer_scale_init: float = Field(default=0.1, gt=0)  # initial per-channel scale of every residual branch
+    rope_theta: float = Field(default=10000.0, gt=0)  # rotary base of the 2-D token-grid positions
+    eva_dim: int | None = Field(default=None, gt=0)  # checked against the shards (unset: taken from them)
+    clip_dim: int | None = Field(default=None, gt=0)  # checked against the shards (unset: taken from them)
+    num_tokens: int | None = Field(default=None, gt=0)  # CLIP tokens per image; checked against the shards
+
+
+class FlowSettings(_Strict):
+    """`flow:` rectified flow matching (loss_type: flow_matching): t=0 noise, t=1 data, v = data - noise."""
+
+    time_sampling: Literal["uniform", "logit_normal", "beta"] = "uniform"  # training time distribution on [0, 1]
+    logit_normal_mean: float = 0.0  # logit_normal: t = sigmoid(N(mean, std))
+    logit_normal_std: float = Field(default=1.0, gt=0)
+    beta_a: float = Field(default=1.0, gt=0)  # beta: t ~ Beta(a, b)
+    beta_b: float = Field(default=1.0, gt=0)
+    cosine_weight: float = Field(default=0.0, ge=0)  # weight of (1 - cos) between the clean estimate and the data
+    data_scale: float = Field(default=1.0, gt=0)  # fixed multiplier of the CLIP tokens (no data statistics)
+    sampler: Literal["euler", "heun"] = "heun"  # ODE solver used by evaluation
+    num_steps: int = Field(default=50, gt=0)  # solver steps (heun evaluates the model twice per step)
+    eval_seed: int = 0  # seed of the evaluation noise: generation is deterministic given it
+
+
 class Recipe(_Strict):
     """Everything a training run needs. Field comments are the reference documentation of each key."""
 
     # --- model -----------------------------------------------------------------------------------------------------
-    model_type: str = "clip"  # adapter name: clip, siglip, text, composed
+    model_type: str = "clip"  # adapter name: clip, siglip, text, composed, blip3o_dit
     model_name: str | None = None  # hub id or local path of pretrained weights
     # `model_config` in YAML: a config dict to build a randomly initialised model instead. (Renamed in Python only
     # because pydantic reserves `model_config`.)
@@ -105,13 +139,17 @@ class Recipe(_Strict):
     seed: int = 42
 
     # --- loss ------------------------------------------------------------------------------------------------------
-    loss_type: str = "infonce"  # infonce, siglip
+    loss_type: str = "infonce"  # infonce, siglip (contrastive models); flow_matching (blip3o_dit)
     temperature: float = Field(default=0.05, gt=0)  # infonce: logits / temperature; siglip: initial scale 1/temperature
     learnable_temperature: bool = False
     symmetric_loss: bool = True  # infonce: also score documents -> queries
     siglip_bias_init: float = -10.0  # siglip: initial learnable bias
     mrl_dims: list[int] | None = None  # Matryoshka: apply the loss at each truncated dimension
     mrl_weights: list[float] | None = None  # per-dimension weights (unset: all 1)
+
+    # --- BLIP3-o DiT and flow matching (model_type: blip3o_dit, loss_type: flow_matching) --------------------------
+    dit: DiTSettings = Field(default_factory=DiTSettings)
+    flow: FlowSettings = Field(default_factory=FlowSettings)
 
     # --- LoRA ------------------------------------------------------------------------------------------------------
     use_lora: bool = False
@@ -337,18 +375,10 @@ def _check_trackers(recipe: Recipe) -> None:
 
 def check_recipe(recipe: Recipe, *, for_training: bool = True) -> None:
     """Every check that needs more than the schema, still before any model is built."""
-    from vembed.losses import LOSSES
-    from vembed.models import MODELS
+    from vembed.tasks import task_for
 
-    adapter_cls = MODELS.get(recipe.model_type)
-    LOSSES.get(recipe.loss_type)
+    task = task_for(recipe)  # the model and loss exist and train the same task (contrastive, flow matching)
     if for_training and recipe.data.train is None:
         raise RecipeError("data.train", "is required for training; point it at a JSONL/CSV/Parquet file or directory")
-    _check_data_paths(recipe, ("train", "validation", "test"))
     _check_trackers(recipe)
-    adapter_cls.check_recipe(recipe)
-    dim = adapter_cls.embedding_dim_for(recipe)  # reads the config only: a bad model_name fails here, cheaply
-    if recipe.mrl_dims:
-        too_big = [d for d in recipe.mrl_dims if d > dim]
-        if too_big:
-            raise RecipeError("mrl_dims", f"{too_big} exceed the embedding size {dim} of this model; use dims <= {dim}")
+    task.check_recipe(recipe, for_training=for_training)  # data files, model config, task-specific keys

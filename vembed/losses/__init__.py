@@ -10,7 +10,9 @@ from vembed.registry import Registry
 if TYPE_CHECKING:
     from vembed.recipe import Recipe
 
-LOSSES: Registry[type[EmbeddingLoss]] = Registry("loss_type", modules=("vembed.losses.contrastive",))
+LOSSES: Registry[type[EmbeddingLoss]] = Registry(
+    "loss_type", modules=("vembed.losses.contrastive", "vembed.losses.flow_matching")
+)
 
 
 def build_loss(recipe: "Recipe") -> EmbeddingLoss:

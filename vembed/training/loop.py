@@ -1,6 +1,7 @@
-"""The one training loop: batch → adapter.encode → embeddings → loss → backward through the accelerator.
+"""The one training loop: batch → objective (model + loss) → backward through the accelerator.
 
-It reads the same for every launch; what differs between launches lives in `strategy.py`.
+It reads the same for every launch; what differs between launches lives in `strategy.py`, and what differs between
+kinds of model (contrastive retrieval, flow matching: data, objective, evaluation, plots) in `vembed.tasks`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from vembed.training.checkpoint import (
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from vembed.data.records import Example
     from vembed.recipe import Recipe
 
 logger = logging.getLogger("vembed")
@@ -45,21 +45,19 @@ class Trainer:
     """Holds what the loop needs; `run()` trains, evaluates and exports. One instance per launch."""
 
     def __init__(self, recipe: "Recipe", accelerator: "Accelerator | None" = None):
-        from vembed.data.sources import load_examples
-        from vembed.models import MODELS
+        from vembed.tasks import task_for
         from vembed.training.fsdp import launched_with_fsdp, settings_from_launch
-        from vembed.training.strategy import build_accelerator, every_step_uses_every_tower
+        from vembed.training.strategy import build_accelerator
 
         self.recipe = recipe
         self.output_dir = Path(recipe.output_dir)
-        # Records first: whether every batch reaches every tower decides how DDP is set up.
-        self.train_examples, self.train_report = load_examples(
-            recipe.data, "train", num_hard_negatives=recipe.data.num_hard_negatives
-        )
-        all_towers = every_step_uses_every_tower(MODELS.get(recipe.model_type).modalities, self.train_examples)
+        self.task = task_for(recipe)(recipe)
+        # Data first: whether every batch reaches every parameter decides how DDP is set up.
+        self.train_report = self.task.load_train_data()
+        all_used = self.task.every_step_uses_every_parameter()
         # FSDP settings are read from the launch before the accelerator is built (which turns accelerate's own off).
         self.fsdp = settings_from_launch() if launched_with_fsdp() else None
-        self.accelerator = accelerator or build_accelerator(recipe, find_unused_parameters=not all_towers)
+        self.accelerator = accelerator or build_accelerator(recipe, find_unused_parameters=not all_used)
 
     # --- building --------------------------------------------------------------------------------------------------
     def _build(self) -> None:
@@ -67,40 +65,30 @@ class Trainer:
         from torch.utils.data import DataLoader
         from transformers import get_scheduler
 
-        from vembed.data.collate import PairCollator
-        from vembed.data.dataset import PairDataset
         from vembed.data.sampler import EpochShuffleSampler
-        from vembed.losses import build_loss
-        from vembed.models import MODELS
         from vembed.training.lr import learning_rate_for
-        from vembed.training.objective import ContrastiveObjective, parameter_groups
+        from vembed.training.objective import parameter_groups
         from vembed.training.strategy import configure_deepspeed, unsharded_construction
 
         recipe, acc = self.recipe, self.accelerator
         set_seed(recipe.seed)
         with unsharded_construction(acc, unless_zero3_init=True):
-            adapter = MODELS.get(recipe.model_type).from_recipe(recipe)
-        if recipe.gradient_checkpointing:
-            adapter.enable_gradient_checkpointing()
-        if recipe.use_lora:
-            adapter.apply_lora(recipe)
-        self.objective = ContrastiveObjective(adapter, build_loss(recipe))
+            self.objective = self.task.build_objective()
         if self.fsdp is not None:
             from vembed.training.fsdp import shard_objective
 
             shard_objective(self.objective, recipe, acc, self.fsdp)  # before the optimizer: it sees the shards
 
-        self.num_negatives = min((len(e.negatives) for e in self.train_examples), default=0)
-        self.eval_examples = self._load_eval_split("validation")
-        self.test_examples = self._load_eval_split("test")
+        self.eval_examples = self.task.load_eval_split("validation")
+        self.test_examples = self.task.load_eval_split("test")
 
-        self.dataset = PairDataset(self.train_examples, self.num_negatives)
+        self.dataset, collate = self.task.train_dataset(self.objective)
         self.sampler = EpochShuffleSampler(len(self.dataset), seed=recipe.seed)
         loader = DataLoader(
             self.dataset,
             batch_size=recipe.batch_size,
             sampler=self.sampler,
-            collate_fn=PairCollator(adapter),
+            collate_fn=collate,
             drop_last=True,  # every rank must gather equally many embeddings
             num_workers=recipe.data.num_workers,
             pin_memory=torch.cuda.is_available(),
@@ -142,34 +130,14 @@ class Trainer:
         self.grad_cache = choose_gradient_cache(recipe, count_parameters(self.objective)[1])
         self.train_step = build_train_step(acc, self.model, self.grad_cache)
 
-    def _load_eval_split(self, split: str) -> "list[Example]":
-        from vembed.data.sources import load_examples
-
-        if getattr(self.recipe.data, split) is None:
-            return []
-        examples, _ = load_examples(self.recipe.data, split, num_hard_negatives=0)
-        limit = self.recipe.data.eval_max_samples
-        return examples[:limit] if limit else examples
-
     @property
     def adapter(self):
         return self.accelerator.unwrap_model(self.model).adapter
 
     # --- evaluation ------------------------------------------------------------------------------------------------
-    def evaluate(self, examples: "list[Example]") -> dict[str, float]:
-        from vembed.evaluation.retrieval import evaluate_retrieval
-
-        if not examples:
-            return {}
-        return evaluate_retrieval(
-            self.adapter,
-            examples,
-            batch_size=self.recipe.resolved_eval_batch_size,
-            mrl_dims=self.recipe.mrl_dims,
-            accelerator=self.accelerator,
-            # Small sets encode in a blink; a bar for each would only bury the training bar.
-            show_progress=self.accelerator.is_local_main_process and len(examples) >= 2000,
-        )
+    def evaluate(self, examples: Any) -> dict[str, float]:
+        """The task's metrics of the model on held-out data (validation or test split)."""
+        return self.task.evaluate(self.adapter, examples, self.accelerator)
 
     # --- the loop --------------------------------------------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -212,7 +180,7 @@ class Trainer:
         metrics: dict[str, Any] = {}
         if recipe.eval_before_training and self.eval_examples:
             metrics["before"] = self.evaluate(self.eval_examples)
-            acc.print(f"before training: {_headline(metrics['before'])}")
+            acc.print(f"before training: {self.task.headline(metrics['before'])}")
             if acc.is_main_process:
                 write_json_atomic(self.output_dir / "metrics.json", metrics)  # keeps "before" across a resume
         return TrainerState(), metrics
@@ -373,17 +341,15 @@ class Trainer:
                 acc.print(f"warning: {failures} training record(s) had images that would not decode and were replaced")
             for name in ("before", "validation", "test"):
                 if metrics.get(name):
-                    acc.print(f"{name:<11} {_headline(metrics[name])}")
+                    acc.print(f"{name:<11} {self.task.headline(metrics[name])}")
             acc.print(f"final model: {final_dir}")
         return TrainResult(self.output_dir, final_dir, metrics, state)
 
     def _plots(self, metrics: dict[str, Any]) -> None:
-        from vembed.evaluation.plots import plot_loss_curve, plot_recall_vs_dim
+        from vembed.evaluation.plots import plot_loss_curve
 
         plot_loss_curve(metrics["loss_history"], self.output_dir / "loss_curve.png", metrics["eval_history"])
-        split = metrics.get("test") or metrics.get("validation")
-        if split and self.recipe.mrl_dims:
-            plot_recall_vs_dim(split, self.output_dir / "recall_vs_dim.png")
+        self.task.plots(metrics, self.output_dir)
 
 
 class _Meter:
@@ -428,11 +394,6 @@ def _adapter_with_weights(recipe: "Recipe", objective_state: dict[str, torch.Ten
             f"the gathered weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
     return adapter
-
-
-def _headline(result: dict[str, float]) -> str:
-    keys = ("q2d/recall@1", "q2d/recall@5", "q2d/recall@10", "q2d/mrr", "d2q/recall@1")
-    return "  ".join(f"{k}={result[k]:.3f}" for k in keys if k in result)
 
 
 def _flat_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:

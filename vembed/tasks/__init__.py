@@ -1,0 +1,96 @@
+"""Tasks: what a model is trained to do and how it is measured, chosen by the model's `task` through a registry.
+
+A task gives the one training loop everything that differs between, say, contrastive retrieval and flow matching:
+the recipe checks, the objective module (model + loss in one `nn.Module`, so strategies wrap both), the training
+dataset and its collation, whether every step reaches every parameter (DDP's unused-parameter search), evaluation
+(metrics dict and a one-line headline) and plots. Checkpointing, resuming, logging and launches stay in the loop.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from vembed.errors import RecipeError
+from vembed.registry import Registry
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from accelerate import Accelerator
+    from torch import nn
+    from torch.utils.data import Dataset
+
+    from vembed.recipe import Recipe
+
+TASKS: Registry[type["Task"]] = Registry(
+    "task", modules=("vembed.tasks.contrastive", "vembed.tasks.flow_matching")
+)
+
+
+class Task:
+    """The contract. One instance per training run; the loop calls the methods in the order listed."""
+
+    name: ClassVar[str]
+
+    def __init__(self, recipe: "Recipe"):
+        self.recipe = recipe
+
+    @classmethod
+    def check_recipe(cls, recipe: "Recipe", *, for_training: bool = True) -> None:
+        """Checks that need the file system or the model's config, before anything is built."""
+
+    def load_train_data(self) -> Any:
+        """Read the training data (before the accelerator exists); returns a report with `summary()`,
+        `to_dict()` and `num_skipped`."""
+        raise NotImplementedError
+
+    def every_step_uses_every_parameter(self) -> bool:
+        """False when some batches leave parameters without gradients (DDP must then search for them)."""
+        return True
+
+    def build_objective(self) -> "nn.Module":
+        """Model and loss in one module with `.adapter` (what is saved) and `.loss` (with a `config`)."""
+        raise NotImplementedError
+
+    def train_dataset(self, objective: "nn.Module") -> tuple["Dataset", "Callable"]:
+        """The map-style training dataset (the loop's sampler shuffles and shards it) and its collate function."""
+        raise NotImplementedError
+
+    def load_eval_split(self, split: str) -> Any:
+        """Held-out data for `split` ("validation"/"test"), or something empty when the recipe has none."""
+        raise NotImplementedError
+
+    def evaluate(self, model: "nn.Module", data: Any, accelerator: "Accelerator") -> dict[str, float]:
+        raise NotImplementedError
+
+    def headline(self, metrics: dict[str, float]) -> str:
+        """The few metrics printed on one line."""
+        raise NotImplementedError
+
+    def plots(self, metrics: dict[str, Any], output_dir: Path) -> None:
+        """PNGs of a finished run, from its metrics."""
+
+
+def task_name_for(recipe: "Recipe") -> str:
+    """The model's task, checked against the loss's: a flow loss cannot train a contrastive model or back."""
+    from vembed.losses import LOSSES
+    from vembed.models import MODELS
+
+    model_task = getattr(MODELS.get(recipe.model_type), "task", "contrastive")
+    loss_task = getattr(LOSSES.get(recipe.loss_type), "task", "contrastive")
+    if model_task != loss_task:
+        fitting = [n for n in LOSSES.names() if getattr(LOSSES.get(n), "task", "contrastive") == model_task]
+        raise RecipeError(
+            "loss_type",
+            f"{recipe.loss_type!r} is a {loss_task} loss but model_type {recipe.model_type!r} is trained by "
+            f"{model_task}; use loss_type {' or '.join(fitting)}",
+        )
+    return model_task
+
+
+def task_for(recipe: "Recipe") -> type[Task]:
+    return TASKS.get(task_name_for(recipe))
+
+
+__all__ = ["TASKS", "Task", "task_for", "task_name_for"]

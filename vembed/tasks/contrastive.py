@@ -1,0 +1,108 @@
+"""Contrastive retrieval: embedding adapters trained on (query, positive, negatives) pairs, measured by retrieval."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from vembed.errors import RecipeError
+from vembed.tasks import TASKS, Task
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from torch import nn
+
+    from vembed.data.records import Example
+    from vembed.recipe import Recipe
+
+
+@TASKS.register("contrastive")
+class ContrastiveTask(Task):
+    name = "contrastive"
+
+    @classmethod
+    def check_recipe(cls, recipe: "Recipe", *, for_training: bool = True) -> None:
+        from vembed.models import MODELS
+        from vembed.recipe import _check_data_paths
+
+        if recipe.data.format == "shards":
+            raise RecipeError("data.format", f"shards hold teacher embeddings for blip3o_dit; model_type "
+                                             f"{recipe.model_type!r} trains on JSONL/CSV/Parquet/hf pairs")
+        _check_data_paths(recipe, ("train", "validation", "test"))
+        adapter_cls = MODELS.get(recipe.model_type)
+        adapter_cls.check_recipe(recipe)
+        dim = adapter_cls.embedding_dim_for(recipe)  # reads the config only: a bad model_name fails here, cheaply
+        if recipe.mrl_dims:
+            too_big = [d for d in recipe.mrl_dims if d > dim]
+            if too_big:
+                raise RecipeError("mrl_dims",
+                                  f"{too_big} exceed the embedding size {dim} of this model; use dims <= {dim}")
+
+    def load_train_data(self):
+        from vembed.data.sources import load_examples
+
+        self.train_examples, report = load_examples(
+            self.recipe.data, "train", num_hard_negatives=self.recipe.data.num_hard_negatives
+        )
+        return report
+
+    def every_step_uses_every_parameter(self) -> bool:
+        from vembed.models import MODELS
+        from vembed.training.strategy import every_step_uses_every_tower
+
+        return every_step_uses_every_tower(MODELS.get(self.recipe.model_type).modalities, self.train_examples)
+
+    def build_objective(self) -> "nn.Module":
+        from vembed.losses import build_loss
+        from vembed.models import MODELS
+        from vembed.training.objective import ContrastiveObjective
+
+        recipe = self.recipe
+        adapter = MODELS.get(recipe.model_type).from_recipe(recipe)
+        if recipe.gradient_checkpointing:
+            adapter.enable_gradient_checkpointing()
+        if recipe.use_lora:
+            adapter.apply_lora(recipe)
+        return ContrastiveObjective(adapter, build_loss(recipe))
+
+    def train_dataset(self, objective: "nn.Module"):
+        from vembed.data.collate import PairCollator
+        from vembed.data.dataset import PairDataset
+
+        self.num_negatives = min((len(e.negatives) for e in self.train_examples), default=0)
+        return PairDataset(self.train_examples, self.num_negatives), PairCollator(objective.adapter)
+
+    def load_eval_split(self, split: str) -> "list[Example]":
+        from vembed.data.sources import load_examples
+
+        if getattr(self.recipe.data, split) is None:
+            return []
+        examples, _ = load_examples(self.recipe.data, split, num_hard_negatives=0)
+        limit = self.recipe.data.eval_max_samples
+        return examples[:limit] if limit else examples
+
+    def evaluate(self, model: "nn.Module", data: "list[Example]", accelerator: "Accelerator") -> dict[str, float]:
+        from vembed.evaluation.retrieval import evaluate_retrieval
+
+        if not data:
+            return {}
+        return evaluate_retrieval(
+            model,
+            data,
+            batch_size=self.recipe.resolved_eval_batch_size,
+            mrl_dims=self.recipe.mrl_dims,
+            accelerator=accelerator,
+            # Small sets encode in a blink; a bar for each would only bury the training bar.
+            show_progress=accelerator.is_local_main_process and len(data) >= 2000,
+        )
+
+    def headline(self, metrics: dict[str, float]) -> str:
+        keys = ("q2d/recall@1", "q2d/recall@5", "q2d/recall@10", "q2d/mrr", "d2q/recall@1")
+        return "  ".join(f"{k}={metrics[k]:.3f}" for k in keys if k in metrics)
+
+    def plots(self, metrics: dict[str, Any], output_dir: Path) -> None:
+        from vembed.evaluation.plots import plot_recall_vs_dim
+
+        split = metrics.get("test") or metrics.get("validation")
+        if split and self.recipe.mrl_dims:
+            plot_recall_vs_dim(split, output_dir / "recall_vs_dim.png")
