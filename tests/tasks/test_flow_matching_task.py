@@ -139,11 +139,9 @@ def test_a_resumed_dit_run_ends_with_the_same_weights(shards, tmp_path, one_thre
 def test_shipped_recipes_parse_and_check_against_shards(name, shards, tmp_path):
     recipe = load_recipe(ROOT / "configs" / name)
     assert recipe.model_type == "blip3o_dit" and recipe.loss_type == "flow_matching"
-    # Point them at the test shards (whose dims are not the real teachers'); FSDP is refused until the strategies
-    # work lands, so the FSDP recipe is checked with it off.
+    # Point them at the test shards (whose dims are not the real teachers').
     overrides = [f"data.train={shards / 'train'}", f"data.validation={shards / 'validation'}",
-                 f"output_dir={tmp_path}", "dit.eva_dim=null", "dit.clip_dim=null", "dit.num_tokens=null",
-                 "use_fsdp=false"]
+                 f"output_dir={tmp_path}", "dit.eva_dim=null", "dit.clip_dim=null", "dit.num_tokens=null"]
     check_recipe(load_recipe(ROOT / "configs" / name, overrides))
 
 

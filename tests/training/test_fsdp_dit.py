@@ -1,8 +1,9 @@
 """FSDP on 2 CPU ranks: one training step of the DiT, each DiT block sharded, equals one process on the whole batch,
 and the gathered full state dict loads on a single device.
 
-Uses torch's `fully_shard` on a gloo mesh, wrapping the classes `Blip3oDiT.block_classes()` names. When the shared
-FSDP strategy lands (vembed/training/strategy.py), this test moves onto that code path.
+Sharded by the same code every FSDP launch runs (`vembed.training.fsdp.shard_objective`: the blocks
+`Blip3oDiT.block_classes()` names, then the model, then the objective) and exported through the same collective
+gather as the final model of a sharded run.
 """
 
 from __future__ import annotations
@@ -49,23 +50,25 @@ def _step(objective, batch) -> None:
 
 def _fsdp_worker(out_dir: str) -> None:
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from accelerate import Accelerator
+
+    from vembed.recipe import recipe_from_dict
+    from vembed.training.fsdp import FsdpSettings, shard_objective
+    from vembed.training.strategy import gather_full_state_dict
 
     rank = dist.get_rank()
+    accelerator = Accelerator(cpu=True)
+    assert accelerator.num_processes == 2
     objective = _objective()
-    mesh = init_device_mesh("cpu", (2,))
-    for module in objective.adapter.modules():
-        if isinstance(module, Blip3oDiT.block_classes()):
-            fully_shard(module, mesh=mesh)
-    fully_shard(objective, mesh=mesh)
+    recipe = recipe_from_dict({"model_type": "blip3o_dit", "loss_type": "flow_matching"})
+    shard_objective(objective, recipe, accelerator, FsdpSettings(reshard_after_forward=True, offload=False))
+    assert type(objective).__name__.startswith("FSDP")
     half = BATCH // 2
     _step(objective, {k: v[rank * half : (rank + 1) * half] for k, v in _batch().items()})
-    full = get_model_state_dict(objective.adapter, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = gather_full_state_dict(accelerator, objective)  # every rank takes part
     if rank == 0:
         exported = Blip3oDiT(DiTConfig(**CONFIG))
-        exported.load_state_dict(full)
+        exported.load_state_dict({k.removeprefix("adapter."): v for k, v in full.items() if k.startswith("adapter.")})
         exported.save(Path(out_dir) / "fsdp")
 
 
