@@ -1,4 +1,4 @@
-"""The `vembed` command: train | eval | export | plan | extract | data | demo."""
+"""The `vembed` command: train | eval | export | plan | bench | extract | data | demo."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _data_command(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vembed.entrypoints import demo, evaluate, export, extract, launch, plan
+    from vembed.entrypoints import bench_strategies, demo, evaluate, export, extract, launch, plan
 
     parser = argparse.ArgumentParser(prog="vembed", description="Fine-tune embedding models from a YAML recipe.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -44,6 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="estimate per-device memory of each strategy and recommend one (no weights read)")
     plan.add_arguments(pl)
     pl.set_defaults(func=plan.run)
+
+    bench = sub.add_parser("bench", help="measure: `vembed bench strategies RECIPE` compares every launch")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    strategies = bench_sub.add_parser("strategies", help="the recipe for N steps under every launch available here")
+    bench_strategies.add_arguments(strategies)
+    strategies.set_defaults(func=bench_strategies.run)
+
     xt = sub.add_parser("extract", help="paired teacher embeddings (EVA → CLIP) in shards, for blip3o_dit")
     extract.add_arguments(xt)
     xt.set_defaults(func=extract.run)
