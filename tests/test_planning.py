@@ -234,7 +234,8 @@ def test_estimate_line_for_the_start_block_sums_its_parts():
     model = measure_model(recipe)
     expected = estimate(STRATEGY_BY_NAME["ddp"], model, workload_for(recipe, model, 2), lora=False).total(False)
     line = estimate_line(recipe, "ddp", 2)
-    assert line.startswith(f"memory estimate     {expected / GIB:.1f} GiB per device (params ")
+    unit, scale = ("GiB", GIB) if expected >= GIB else ("MiB", 2**20)
+    assert line.startswith(f"memory estimate     {expected / scale:.1f} {unit} per device (params ")
     with pytest.raises(ValueError, match="unknown strategy"):
         estimate_line(recipe, "ddp3", 2)
 

@@ -524,6 +524,8 @@ def estimate_line(recipe: "Recipe", strategy: str, gpus: int, device: str = "cud
     e = estimate(STRATEGY_BY_NAME[strategy], model, workload_for(recipe, model, gpus, device), recipe.use_lora,
                  recipe.gradient_cache_chunk_size)
     activations = e.activations_checkpointed if recipe.gradient_checkpointing else e.activations
-    parts = ", ".join(f"{name} {value / GIB:.1f}" for name, value in (
+    total = e.total(recipe.gradient_checkpointing)
+    unit, scale = ("GiB", GIB) if total >= GIB else ("MiB", 2**20)  # tiny models would read "0.0 GiB"
+    parts = ", ".join(f"{name} {value / scale:.1f}" for name, value in (
         ("params", e.parameters), ("grads", e.gradients), ("optimizer", e.optimizer), ("activations", activations)))
-    return f"memory estimate     {e.total(recipe.gradient_checkpointing) / GIB:.1f} GiB per device ({parts})"
+    return f"memory estimate     {total / scale:.1f} {unit} per device ({parts}; vembed plan explains)"
