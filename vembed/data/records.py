@@ -17,6 +17,9 @@ class Side:
 
     text: str | None = None
     image: ImageLike | None = None
+    # "query" or "document" (positives and hard negatives); None when unknown (e.g. the Python API). Adapters with
+    # per-side instructions (qwen_vl) read it; others ignore it.
+    role: str | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -5,7 +5,8 @@ from vembed.registry import Registry
 
 MODELS: Registry[type[EmbeddingAdapter]] = Registry(
     "model_type",
-    modules=("vembed.models.clip", "vembed.models.siglip", "vembed.models.text", "vembed.models.composed"),
+    modules=("vembed.models.clip", "vembed.models.siglip", "vembed.models.text", "vembed.models.composed",
+             "vembed.models.qwen_vl"),
 )
 
 __all__ = ["MODELS", "EmbeddingAdapter", "load_adapter"]
