@@ -121,6 +121,12 @@ class Recipe(_Strict):
     learnable_temperature: bool = False
     symmetric_loss: bool = True  # infonce: also score documents -> queries
     siglip_bias_init: float = -10.0  # siglip: initial learnable bias
+    # infonce, as in the Qwen3-(VL-)Embedding recipe: drop in-batch negatives scoring above the positive + margin
+    # (likely unlabelled positives) ...
+    mask_false_negatives: bool = False
+    false_negative_margin: float = Field(default=0.1, ge=0.0)  # ... by this margin of cosine similarity
+    query_query_loss: bool = False  # infonce: other queries of the batch are negatives of each query too
+    document_document_loss: bool = False  # infonce: other positives of the batch are negatives of each positive
     mrl_dims: list[int] | None = None  # Matryoshka: apply the loss at each truncated dimension
     mrl_weights: list[float] | None = None  # per-dimension weights (unset: all 1)
 
