@@ -15,6 +15,7 @@ same way the transformers processor does (tests compare the two when torchvision
 
 from __future__ import annotations
 
+import importlib.util
 import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
@@ -135,6 +136,9 @@ class QwenVLAdapter(EmbeddingAdapter):
         reject_keys(recipe, COMPOSED_ONLY_KEYS, cls.model_type, "composed")
         if recipe.model_config_dict is not None:
             require_tokenizer_name(recipe, "model_config")
+        if recipe.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+            raise RecipeError("attn_implementation", "flash_attention_2 needs the flash-attn package; install it or "
+                              "use sdpa")
 
     @classmethod
     def _config(cls, recipe: "Recipe", tokenizer: Any = None) -> "PretrainedConfig":
