@@ -255,6 +255,37 @@ def test_lora_defaults_target_the_language_model_and_merge_on_save(qwen_build, q
     torch.testing.assert_close(hidden, expected, atol=1e-6, rtol=0)
 
 
+def test_lora_adapter_only_save_loads_back_and_equals_the_merged_model(qwen_build, qwen_recipe, tmp_path):
+    from vembed.models import load_adapter
+
+    base = tmp_path / "base"
+    qwen_build("qwen3_vl").save(base)  # a local "pretrained" checkpoint the LoRA weights apply to
+    recipe = qwen_recipe("qwen3_vl", model_config=None, model_name=str(base), tokenizer_name=None, use_lora=True,
+                         lora_r=4, lora_save="adapter")
+    adapter = MODELS.get("qwen_vl").from_recipe(recipe).eval()
+    adapter.apply_lora(recipe)
+    with torch.no_grad():  # lora_B starts at zero; give it weight so that the saved LoRA changes something
+        for name, p in adapter.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5, generator=torch.Generator().manual_seed(len(name)))
+    sides = _sides_of_mixed_image_sizes()
+    with torch.no_grad():
+        expected = adapter.encode(adapter.preprocess(sides))
+    adapter.save(tmp_path / "lora")
+    saved = {path.name for path in (tmp_path / "lora").iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json", "vembed.json"} <= saved
+    assert "model.safetensors" not in saved  # no base weights
+    adapter.lora_save = "merged"
+    adapter.save(tmp_path / "merged")
+    for folder in ("lora", "merged"):
+        loaded = load_adapter(tmp_path / folder).eval()
+        assert any("lora_A" in name for name, _ in loaded.named_parameters()) == (folder == "lora")
+        with torch.no_grad():
+            torch.testing.assert_close(loaded.encode(loaded.preprocess(sides)), expected, atol=1e-5, rtol=0)
+    with pytest.raises(RecipeError, match="lora_save"):
+        MODELS.get("qwen_vl").check_recipe(qwen_recipe("qwen3_vl", use_lora=True, lora_save="adapter"))
+
+
 def test_gradient_checkpointing_keeps_gradients(qwen_build, checks):
     checks.checkpointing_keeps_gradients(lambda: qwen_build("qwen3_vl", train_vision_tower=True),
                                          _sides_of_mixed_image_sizes()[:4])

@@ -30,8 +30,10 @@ from vembed.errors import RecipeError
 from vembed.models import MODELS
 from vembed.models._common import (
     COMPOSED_ONLY_KEYS,
+    LORA_WEIGHTS,
     auto_config,
     hf_kwargs,
+    load_lora_weights,
     load_model,
     load_tokenizer,
     pool,
@@ -39,6 +41,7 @@ from vembed.models._common import (
     require_tokenizer_name,
     resolve_max_length,
     save_hf_model,
+    save_lora_weights,
     saved_settings,
 )
 from vembed.models.base import EmbeddingAdapter
@@ -101,6 +104,8 @@ class QwenVLAdapter(EmbeddingAdapter):
         query_instruction: str | None = None,
         document_instruction: str = "Represent the user's input.",
         train_vision_tower: bool = False,
+        lora_save: str = "merged",
+        base_model: str | None = None,
         normalize: bool = True,
         max_length: int | None = None,
         trust_remote_code: bool = False,
@@ -116,6 +121,8 @@ class QwenVLAdapter(EmbeddingAdapter):
         self.query_instruction = query_instruction
         self.document_instruction = document_instruction
         self.train_vision_tower = train_vision_tower
+        self.lora_save = lora_save  # "merged" or "adapter" (LoRA weights only, over base_model)
+        self.base_model = base_model  # the pretrained checkpoint LoRA weights apply to
         self.model.visual.requires_grad_(train_vision_tower)
         self._token_ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in VISION_TOKEN_IDS.items()}
         self._check_token_ids(model.config)
@@ -136,6 +143,9 @@ class QwenVLAdapter(EmbeddingAdapter):
         reject_keys(recipe, COMPOSED_ONLY_KEYS, cls.model_type, "composed")
         if recipe.model_config_dict is not None:
             require_tokenizer_name(recipe, "model_config")
+        if recipe.use_lora and recipe.lora_save == "adapter" and recipe.model_name is None:
+            raise RecipeError("lora_save", "adapter saves LoRA weights over a pretrained model_name; a random-init "
+                              "model_config has none to load them onto: use merged")
         if recipe.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
             raise RecipeError("attn_implementation", "flash_attention_2 needs the flash-attn package; install it or "
                               "use sdpa")
@@ -178,6 +188,8 @@ class QwenVLAdapter(EmbeddingAdapter):
             query_instruction=recipe.query_instruction,
             document_instruction=recipe.document_instruction,
             train_vision_tower=recipe.train_vision_tower,
+            lora_save=recipe.lora_save,
+            base_model=recipe.model_name,
             normalize=recipe.normalize,
             max_length=resolve_max_length(recipe.max_length, tokenizer, model.config.text_config),
             trust_remote_code=recipe.trust_remote_code,
@@ -305,10 +317,20 @@ class QwenVLAdapter(EmbeddingAdapter):
             "query_instruction": self.query_instruction,
             "document_instruction": self.document_instruction,
             "train_vision_tower": self.train_vision_tower,
+            "lora_save": self.lora_save,
+            "base_model": self.base_model,
         }
 
+    def _saves_lora_only(self) -> bool:
+        return self.lora_save == "adapter" and any("lora_" in name for name, _ in self.named_parameters())
+
     def save(self, path: str | Path) -> None:
-        save_hf_model(self.model, path)
+        """The merged model (a plain transformers folder), or with `lora_save: adapter` and LoRA applied only the
+        LoRA weights of the language model (PEFT file names), which `load` puts back on `base_model`."""
+        if self._saves_lora_only():
+            save_lora_weights(self.model.language_model, path)
+        else:
+            save_hf_model(self.model, path)
         self.tokenizer.save_pretrained(path)
         self.image_processor.save_pretrained(path)
         self.write_adapter_file(path)
@@ -317,8 +339,11 @@ class QwenVLAdapter(EmbeddingAdapter):
     def load(cls, path: str | Path) -> "QwenVLAdapter":
         settings = saved_settings(path, cls.model_type)
         trust = settings.get("trust_remote_code", False)
-        model = load_model(str(path), None, key="model", trust_remote_code=trust,
-                           attn_implementation=settings.get("attn_implementation"))
+        lora_only = Path(path, LORA_WEIGHTS).is_file()
+        model = load_model(settings["base_model"] if lora_only else str(path), None, key="model",
+                           trust_remote_code=trust, attn_implementation=settings.get("attn_implementation"))
+        if lora_only:
+            load_lora_weights(model.language_model, path)
         processor = new_image_processor(str(path), model.config, trust)
         return cls(model, load_tokenizer(str(path), trust), processor, **settings)
 
