@@ -114,6 +114,7 @@ def _ddp_worker(raw_path: str, out_dir: str) -> None:
         torch.save(grads, Path(out_dir, "ddp.pt"))
 
 
+@pytest.mark.slow  # launches 2 processes
 def test_ddp_gradients_match_single_process_full_batch(digits, tmp_path):
     """Two gloo ranks through the real loop components (collator, DDP, InfoNCE with false-negative masking and the
     qq/dd terms, gathered across ranks) give the gradients of one process on the concatenated batch."""

@@ -210,13 +210,16 @@ class QwenVLAdapter(EmbeddingAdapter):
     def _prompt_parts(self, side: "Side") -> tuple[str, str]:
         images = side_images(side)
         text = side.text if side.text and side.text.strip() else None
-        head = SYSTEM_START + self.instruction_for(side) + USER_START + (VISION_START + IMAGE_PAD + VISION_END) * len(
-            images
-        )
+        vision = (VISION_START + IMAGE_PAD + VISION_END) * len(images)
+        head = SYSTEM_START + self.instruction_for(side) + USER_START + vision
         return head, text if text is not None else ("" if images else EMPTY_INSTANCE)
 
     def _side_ids(self, side: "Side", tokens_per_image: list[int]) -> list[int]:
-        """Token ids of one side with every image pad expanded; only the instance text is truncated to max_length."""
+        """Token ids of one side with every image pad expanded; only the instance text is truncated to max_length.
+
+        The three pieces are tokenised apart so that truncation never cuts the template or an image; this equals
+        tokenising the whole string (tested) because each boundary is a special token or a newline -- except for a
+        text that itself starts with newlines, which Qwen's pre-tokeniser would merge with the one before it."""
         head, body = self._prompt_parts(side)
         encode = lambda text: self.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
         pad_id = self._token_ids["image_token_id"]
