@@ -93,7 +93,7 @@ class Recipe(_Strict):
     max_pixels: int | None = Field(default=None, gt=0)  # ... and at most this many (unset: the checkpoint's values)
     train_vision_tower: bool = False  # false: the vision tower is frozen (with or without LoRA)
     # With use_lora, what the saved model holds: "merged" (LoRA folded in; a plain transformers folder) or "adapter"
-    # (only the LoRA weights, PEFT file names; loading reads model_name again).
+    # (only the LoRA weights, PEFT file names; loading reads model_name again). Read by qwen_vl only so far.
     lora_save: Literal["merged", "adapter"] = "merged"
 
     # --- data and output -------------------------------------------------------------------------------------------
