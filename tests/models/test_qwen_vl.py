@@ -310,3 +310,19 @@ def test_backbone_is_chosen_from_the_config_and_checked(qwen_recipe, qwen_tokeni
         MODELS.get("qwen_vl").from_recipe(
             qwen_recipe("qwen3_vl", model_config={"model_type": "qwen3_vl", **wrong_ids, "image_token_id": 7})
         )
+
+
+@pytest.mark.parametrize("backbone", BACKBONES)
+def test_mm_token_type_ids_are_needed_for_image_positions(qwen_build, backbone):
+    """Why preprocess always returns mm_token_type_ids: without them Qwen2-VL/Qwen3-VL refuse image batches and
+    Qwen2.5-VL silently gives image tokens text positions (a different embedding)."""
+    adapter = qwen_build(backbone)
+    inputs = adapter.preprocess(_sides_of_mixed_image_sizes())
+    without = {key: value for key, value in inputs.items() if key != "mm_token_type_ids"}
+    with torch.no_grad():
+        proper = adapter.encode(inputs)
+        if backbone == "qwen2_5_vl":
+            assert (adapter.encode(without) - proper).abs().max() > 1e-4
+        else:
+            with pytest.raises(ValueError, match="mm_token_type_ids"):
+                adapter.encode(without)
