@@ -95,6 +95,10 @@ class Recipe(_Strict):
     # With use_lora, what the saved model holds: "merged" (LoRA folded in; a plain transformers folder) or "adapter"
     # (only the LoRA weights, PEFT file names; loading reads model_name again). Read by qwen_vl only so far.
     lora_save: Literal["merged", "adapter"] = "merged"
+    # How each sequence ends (the embedding is the state at its last token): "endoftext", the technical report's
+    # "<|im_end|>, newline, <|endoftext|>"; or "generation_prompt", "<|im_end|>, newline, <|im_start|>assistant,
+    # newline", what the released Qwen3-VL-Embedding inference code feeds (to match embeddings it or vLLM makes).
+    prompt_ending: Literal["endoftext", "generation_prompt"] = "endoftext"
 
     # --- data and output -------------------------------------------------------------------------------------------
     data: DataConfig = Field(default_factory=DataConfig)

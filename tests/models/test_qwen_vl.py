@@ -156,6 +156,13 @@ def test_prompt_matches_the_report_template_token_for_token(qwen_build):
         assert inputs["input_ids"][row, :length].tolist() == ids, row
     image_pad = adapter.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     assert torch.equal(inputs["mm_token_type_ids"].bool(), inputs["input_ids"] == image_pad)
+    # The released inference code's ending (chat template with the generation prompt) instead of <|endoftext|>.
+    adapter.prompt_ending = "generation_prompt"
+    official = adapter.preprocess([query])["input_ids"][0].tolist()
+    report_end, official_end = "<|im_end|>\n<|endoftext|>", "<|im_end|>\n<|im_start|>assistant\n"
+    official_text = expected[0].replace(report_end, official_end)
+    assert official_text.endswith("assistant\n")
+    assert official == adapter.tokenizer(official_text, add_special_tokens=False)["input_ids"]
     assert inputs["image_grid_thw"].tolist() == [[1, 4, 8], [1, 6, 6], [1, 6, 6]]
     assert inputs["images_per_side"].tolist() == [2, 0, 1]
 

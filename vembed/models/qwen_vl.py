@@ -6,8 +6,9 @@ Every side becomes one chat-formatted sequence, as in the Qwen3-VL-Embedding tec
 
 (`{images}` is `<|vision_start|><|image_pad|>…<|vision_end|>` per image, the pad repeated once per merged patch;
 a side with neither text nor image says "NULL"). The embedding is the last layer's state at the final
-`<|endoftext|>` -- the last attended token, whatever the padding side -- L2-normalised. Its size is the language
-model's hidden size (2048 for 2B, 4096 for 8B).
+`<|endoftext|>` -- the last attended token, whatever the padding side -- L2-normalised. The released inference
+code ends with `<|im_start|>assistant` and a newline instead (`prompt_ending: generation_prompt`; see ENDINGS).
+The embedding size is the language model's hidden size (2048 for 2B, 4096 for 8B).
 
 Images go through the PIL image processor (no torchvision needed), and the image tokens are expanded here, the
 same way the transformers processor does (tests compare the two when torchvision is installed).
@@ -58,7 +59,10 @@ BACKBONES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 EMPTY_INSTANCE = "NULL"  # what a side with neither text nor image says, as in the official embedder
 SYSTEM_START = "<|im_start|>system\n"
 USER_START = "<|im_end|>\n<|im_start|>user\n"
-END = "<|im_end|>\n<|endoftext|>"
+# How a sequence ends; the embedding is the state at its last token. "endoftext" is the technical report's format;
+# "generation_prompt" is what the released inference code feeds (it applies the chat template with
+# add_generation_prompt=True, so it pools at the newline after "assistant"; QwenLM/Qwen3-VL-Embedding issue #4).
+ENDINGS = {"endoftext": "<|im_end|>\n<|endoftext|>", "generation_prompt": "<|im_end|>\n<|im_start|>assistant\n"}
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
 # Config attributes that must hold the tokenizer's ids of these tokens (a random-init config takes them from it).
 VISION_TOKEN_IDS = {
@@ -106,6 +110,7 @@ class QwenVLAdapter(EmbeddingAdapter):
         train_vision_tower: bool = False,
         lora_save: str = "merged",
         base_model: str | None = None,
+        prompt_ending: str = "endoftext",
         normalize: bool = True,
         max_length: int | None = None,
         trust_remote_code: bool = False,
@@ -123,6 +128,7 @@ class QwenVLAdapter(EmbeddingAdapter):
         self.train_vision_tower = train_vision_tower
         self.lora_save = lora_save  # "merged" or "adapter" (LoRA weights only, over base_model)
         self.base_model = base_model  # the pretrained checkpoint LoRA weights apply to
+        self.prompt_ending = prompt_ending  # a key of ENDINGS
         self.model.visual.requires_grad_(train_vision_tower)
         self._token_ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in VISION_TOKEN_IDS.items()}
         self._check_token_ids(model.config)
@@ -190,6 +196,7 @@ class QwenVLAdapter(EmbeddingAdapter):
             train_vision_tower=recipe.train_vision_tower,
             lora_save=recipe.lora_save,
             base_model=recipe.model_name,
+            prompt_ending=recipe.prompt_ending,
             normalize=recipe.normalize,
             max_length=resolve_max_length(recipe.max_length, tokenizer, model.config.text_config),
             trust_remote_code=recipe.trust_remote_code,
@@ -205,7 +212,7 @@ class QwenVLAdapter(EmbeddingAdapter):
     def prompt(self, side: "Side") -> str:
         """The side's sequence as text, with one `<|image_pad|>` per image (before expansion)."""
         head, body = self._prompt_parts(side)
-        return head + body + END
+        return head + body + ENDINGS[self.prompt_ending]
 
     def _prompt_parts(self, side: "Side") -> tuple[str, str]:
         images = side_images(side)
@@ -227,7 +234,7 @@ class QwenVLAdapter(EmbeddingAdapter):
         counts = iter(tokens_per_image)
         for token in encode(head):
             head_ids.extend([pad_id] * next(counts) if token == pad_id else [token])
-        body_ids, end_ids = encode(body), encode(END)
+        body_ids, end_ids = encode(body), encode(ENDINGS[self.prompt_ending])
         if self.max_length is not None:
             room = self.max_length - len(head_ids) - len(end_ids)
             if room < 0:
@@ -322,6 +329,7 @@ class QwenVLAdapter(EmbeddingAdapter):
             "train_vision_tower": self.train_vision_tower,
             "lora_save": self.lora_save,
             "base_model": self.base_model,
+            "prompt_ending": self.prompt_ending,
         }
 
     def _saves_lora_only(self) -> bool:
