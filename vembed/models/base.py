@@ -124,9 +124,9 @@ class EmbeddingAdapter(nn.Module, ABC):
         return slice_batch(inputs, start, stop)
 
     def block_classes(self) -> set[type[nn.Module]]:
-        """The repeated transformer blocks FSDP wraps one by one: the classes each tower names in transformers'
-        `_no_split_modules`, as found among the tower's modules (so a name listed for a sub-model this tower lacks
-        is skipped)."""
+        """The modules FSDP wraps as units: the classes each tower names in transformers' `_no_split_modules`
+        (transformer blocks, and for some models their embeddings too), as found among the tower's modules (so a
+        name listed for a sub-model this tower lacks is skipped)."""
         classes: set[type[nn.Module]] = set()
         for tower in self.towers():
             names = set(getattr(tower, "_no_split_modules", None) or ())
