@@ -63,6 +63,7 @@ class Embedder:
         batch_size: int = 32,
         show_progress: bool = False,
         normalize: bool = True,
+        role: str | None = None,
     ) -> torch.Tensor:
         """Embed texts, images, or both; returns a CPU float32 tensor `(n, embedding_dim)`.
 
@@ -70,6 +71,9 @@ class Embedder:
         - both, of equal length: item i is ONE side with text i and image i (e.g. a composed query "this shirt, in
           red"), fused as the adapter fuses text+image sides; one row per pair. To embed texts and images
           separately, call `encode` twice.
+
+        `role="query"` embeds the items as queries: adapters with per-side instructions (qwen_vl) then use the
+        query instruction; otherwise the document one.
 
         A single string or image is treated as a list of one. Images are file paths or PIL images. Rows are
         L2-normalised unless `normalize=False` (then they are whatever the model outputs).
@@ -86,8 +90,8 @@ class Embedder:
         if images is not None:
             images = [os.fspath(img) if isinstance(img, os.PathLike) else img for img in images]
         n = len(texts if texts is not None else images)
-        sides = [Side(text=texts[i] if texts is not None else None, image=images[i] if images is not None else None)
-                 for i in range(n)]
+        sides = [Side(text=texts[i] if texts is not None else None, image=images[i] if images is not None else None,
+                      role=role) for i in range(n)]
         embeddings = encode_sides(self.adapter, sides, batch_size=batch_size, show_progress=show_progress)
         if normalize:
             embeddings = F.normalize(embeddings, dim=-1)

@@ -21,6 +21,11 @@ from vembed.errors import RecipeError, did_you_mean
 TRACKERS = ("tensorboard", "wandb", "trackio")
 
 
+# Defaults that differ per adapter, applied when a recipe leaves the key out. qwen_vl: the released
+# Qwen3-VL-Embedding LoRA is r=32, alpha=32.
+ADAPTER_DEFAULTS: dict[str, dict[str, Any]] = {"qwen_vl": {"lora_r": 32, "lora_alpha": 32}}
+
+
 class _Strict(BaseModel):
     # Unknown keys are errors (with a hint), never silently ignored; assignments are validated too.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
@@ -96,7 +101,7 @@ class Recipe(_Strict):
     """Everything a training run needs. Field comments are the reference documentation of each key."""
 
     # --- model -----------------------------------------------------------------------------------------------------
-    model_type: str = "clip"  # adapter name: clip, siglip, text, composed, blip3o_dit
+    model_type: str = "clip"  # adapter name: clip, siglip, text, composed, qwen_vl, blip3o_dit
     model_name: str | None = None  # hub id or local path of pretrained weights
     # `model_config` in YAML: a config dict to build a randomly initialised model instead. (Renamed in Python only
     # because pydantic reserves `model_config`.)
@@ -112,6 +117,22 @@ class Recipe(_Strict):
     max_length: int | None = Field(default=None, gt=0)  # tokens per text (unset: the model's own limit)
     trust_remote_code: bool = False
     attn_implementation: str | None = None  # e.g. sdpa, eager, flash_attention_2 (unset: transformers' choice)
+
+    # --- qwen_vl: instruction-aware VLM embedders (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-Embedding) --------------
+    # The system-turn instruction of query sides; unset: document_instruction.
+    query_instruction: str | None = None
+    # The system-turn instruction of documents (positives, hard negatives) and of sides of unknown role.
+    document_instruction: str = "Represent the user's input."
+    min_pixels: int | None = Field(default=None, gt=0)  # images are resized to hold at least this many pixels ...
+    max_pixels: int | None = Field(default=None, gt=0)  # ... and at most this many (unset: the checkpoint's values)
+    train_vision_tower: bool = False  # false: the vision tower is frozen (with or without LoRA)
+    # With use_lora, what the saved model holds: "merged" (LoRA folded in; a plain transformers folder) or "adapter"
+    # (only the LoRA weights, PEFT file names; loading reads model_name again). Read by qwen_vl only so far.
+    lora_save: Literal["merged", "adapter"] = "merged"
+    # How each sequence ends (the embedding is the state at its last token): "endoftext", the technical report's
+    # "<|im_end|>, newline, <|endoftext|>"; or "generation_prompt", "<|im_end|>, newline, <|im_start|>assistant,
+    # newline", what the released Qwen3-VL-Embedding inference code feeds (to match embeddings it or vLLM makes).
+    prompt_ending: Literal["endoftext", "generation_prompt"] = "endoftext"
 
     # --- data and output -------------------------------------------------------------------------------------------
     data: DataConfig = Field(default_factory=DataConfig)
@@ -144,6 +165,12 @@ class Recipe(_Strict):
     learnable_temperature: bool = False
     symmetric_loss: bool = True  # infonce: also score documents -> queries
     siglip_bias_init: float = -10.0  # siglip: initial learnable bias
+    # infonce, as in the Qwen3-(VL-)Embedding recipe: drop in-batch negatives scoring above the positive + margin
+    # (likely unlabelled positives) ...
+    mask_false_negatives: bool = False
+    false_negative_margin: float = Field(default=0.1, ge=0.0)  # ... by this margin of cosine similarity
+    query_query_loss: bool = False  # infonce: other queries of the batch are negatives of each query too
+    document_document_loss: bool = False  # infonce: other positives of the batch are negatives of each positive
     mrl_dims: list[int] | None = None  # Matryoshka: apply the loss at each truncated dimension
     mrl_weights: list[float] | None = None  # per-dimension weights (unset: all 1)
 
@@ -179,6 +206,13 @@ class Recipe(_Strict):
     report_to: list[Literal["tensorboard", "wandb", "trackio"]] = Field(default_factory=list)
     run_name: str | None = None
     resume_from: str | None = None  # "auto" (latest checkpoint in output_dir) or a checkpoint path
+
+    @model_validator(mode="before")
+    @classmethod
+    def _adapter_defaults(cls, raw: Any) -> Any:
+        if isinstance(raw, dict):
+            raw = {**ADAPTER_DEFAULTS.get(raw.get("model_type"), {}), **raw}  # the recipe's own values win
+        return raw
 
     @field_validator("report_to", mode="before")
     @classmethod

@@ -172,6 +172,9 @@ def test_from_recipe_builds_each_loss_by_name_with_recipe_values():
         "temperature": 0.02,
         "learnable_temperature": True,
         "symmetric": False,
+        "false_negative_margin": None,
+        "query_query": False,
+        "document_document": False,
         "learned_temperature": pytest.approx(0.02),
     }
     siglip = build_loss(Recipe(loss_type="siglip", temperature=0.1, siglip_bias_init=-5.0))
@@ -188,6 +191,11 @@ def test_constructor_defaults_are_the_recipe_defaults(cls):
         "learnable_temperature": "learnable_temperature",
         "symmetric": "symmetric_loss",
         "bias_init": "siglip_bias_init",
+        "query_query": "query_query_loss",
+        "document_document": "document_document_loss",
     }
     for name, param in inspect.signature(cls).parameters.items():
+        if name == "false_negative_margin":  # None (off) unless the recipe sets mask_false_negatives
+            assert param.default is None and recipe.mask_false_negatives is False
+            continue
         assert param.default == getattr(recipe, keys[name]), name

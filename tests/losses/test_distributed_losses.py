@@ -36,7 +36,15 @@ def _matryoshka_infonce() -> EmbeddingLoss:
     return MatryoshkaLoss(_infonce(), dims=[4, OUT], weights=[1.0, 0.5])
 
 
-LOSS_BUILDERS = {"infonce": _infonce, "siglip": _siglip, "matryoshka_infonce": _matryoshka_infonce}
+def _infonce_qwen3_options() -> EmbeddingLoss:
+    # false-negative masking and the query-query / document-document terms: their self columns and labels are
+    # offset by rank; margin 0 so that the random encoder's scores really get masked.
+    return InfoNCELoss(temperature=0.05, learnable_temperature=True, symmetric=True, false_negative_margin=0.0,
+                       query_query=True, document_document=True)
+
+
+LOSS_BUILDERS = {"infonce": _infonce, "siglip": _siglip, "matryoshka_infonce": _matryoshka_infonce,
+                 "infonce_qwen3_options": _infonce_qwen3_options}
 
 
 class EncoderWithLoss(nn.Module):
@@ -118,6 +126,10 @@ def test_matryoshka_infonce_ddp_gradients_match_single_process_full_batch(tmp_pa
     _assert_ddp_matches_single_process("matryoshka_infonce", tmp_path)
 
 
+def test_infonce_false_negative_masking_and_qq_dd_terms_ddp_match_single_process_full_batch(tmp_path):
+    _assert_ddp_matches_single_process("infonce_qwen3_options", tmp_path)
+
+
 def test_loss_parameters_are_compared_in_ddp_checks():
     # Guards the checks above: they compare the loss's own parameters, not only the encoder's.
     names = {
@@ -127,3 +139,4 @@ def test_loss_parameters_are_compared_in_ddp_checks():
     assert names["infonce"] == ["encoder.weight", "encoder.bias", "loss.log_scale"]
     assert names["siglip"] == ["encoder.weight", "encoder.bias", "loss.log_scale", "loss.bias"]
     assert names["matryoshka_infonce"] == ["encoder.weight", "encoder.bias", "loss.loss.log_scale"]
+    assert names["infonce_qwen3_options"] == names["infonce"]

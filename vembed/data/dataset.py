@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -83,4 +84,7 @@ class PairDataset(Dataset):
 
 
 def _decoded_side(side: Side) -> Side:
-    return side if side.image is None else Side(text=side.text, image=load_image(side.image))
+    if side.image is None:
+        return side
+    images = [load_image(image) for image in side.image] if isinstance(side.image, list) else load_image(side.image)
+    return dataclasses.replace(side, image=images)

@@ -16,7 +16,10 @@ class Side:
     """One item to embed: text, an image, or both (the adapter decides how it fuses both)."""
 
     text: str | None = None
-    image: ImageLike | None = None
+    image: ImageLike | list[ImageLike] | None = None  # a list: several images (qwen_vl; other adapters take one)
+    # "query" or "document" (positives and hard negatives); None when unknown (e.g. the Python API). Adapters with
+    # per-side instructions (qwen_vl) read it; others ignore it.
+    role: str | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -317,8 +317,8 @@ class _RowReader:
     def example(self, row: dict[str, Any], number: int, report: DataReport) -> Example | None:
         get = row.get
         try:
-            query = Side(_text(get("query")), self.image(get("query_image")))
-            positive = Side(_text(get("positive")), self.image(get("positive_image")))
+            query = Side(_text(get("query")), self.image(get("query_image")), role="query")
+            positive = Side(_text(get("positive")), self.image(get("positive_image")), role="document")
             if query.is_empty:
                 report.skip(self.file, number, "empty_query", "no query text or image")
                 return None
@@ -327,7 +327,7 @@ class _RowReader:
                 return None
             texts = _as_list(get("negatives"), self.builder)
             images = _as_list(get("negative_images"), self.builder)
-            negatives = [Side(_text(t), self.image(i)) for t, i in zip_longest(texts, images)]
+            negatives = [Side(_text(t), self.image(i), role="document") for t, i in zip_longest(texts, images)]
         except _UnusableImage as bad:
             report.skip(self.file, number, bad.reason, bad.detail)
             return None

@@ -59,3 +59,36 @@ def special_token_ids(tokenizer) -> dict[str, int]:
         "eos_token_id": tokenizer.eos_token_id,
         "vocab_size": len(tokenizer),
     }
+
+
+# The special tokens of Qwen's chat/vision vocabulary, in the order Qwen's tokenizers add them after the BPE
+# vocabulary. Qwen-VL configs name the ids of the vision ones (image_token_id, vision_start_token_id, ...).
+QWEN_SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+    "<|video_pad|>",
+)  # fmt: skip
+
+
+def train_qwen_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: int = 400):
+    """Train a byte-level BPE (as Qwen's, no lower-casing, no BOS/EOS added) with Qwen's special tokens, for
+    random-init Qwen-VL models; `<|endoftext|>` pads, as in Qwen's own tokenizers. Saved to `out_dir`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(QWEN_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(texts), trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", model_max_length=32768
+    )
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    wrapped.save_pretrained(out_dir)
+    return wrapped

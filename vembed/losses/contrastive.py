@@ -116,10 +116,30 @@ class InfoNCELoss(EmbeddingLoss):
     down. A fixed temperature is used as given. Exclude ``log_scale`` from weight decay: decay pulls it towards 0,
     i.e. towards temperature 1.
 
+    Options of the Qwen3-(VL-)Embedding recipe, both composable with everything above:
+
+    - ``false_negative_margin`` (false-negative masking): a negative column of row i whose similarity exceeds the
+      row's positive similarity by more than the margin (``s_ij > s_ii + margin``) is taken for an unlabelled
+      positive and dropped from the softmax. The mask is computed on detached similarities, so it only selects.
+      It applies to every negative column (in-batch, hard, and the query-query / document-document ones), in both
+      directions.
+    - ``query_query`` / ``document_document``: the queries -> documents softmax also holds ``q_i . q_j`` and
+      ``p_i . p_j`` for every gathered j other than i itself (the GTE / Qwen3-Embedding "improved contrastive
+      loss")::
+
+          logits_i = scale * [q_i @ D.T,  q_i @ Q_all.T (j != i),  p_i @ P_all.T (j != i)]
+
+      The reverse (documents -> queries) direction, when symmetric, stays as it is.
+
+    Under DDP the self columns to drop sit at ``rank * B + i`` of the gathered blocks, like the labels.
+
     Args (defaults are the recipe's):
         temperature: divides the cosine similarities (initial value when learned). Must be >= 0.01 when learned.
         learnable_temperature: learn the temperature.
         symmetric: also score documents -> queries and average the two directions.
+        false_negative_margin: mask negatives scoring above the positive + this margin; None: no masking.
+        query_query: add the in-batch query-query similarities as negatives.
+        document_document: add the in-batch positive-positive similarities as negatives.
 
     Example::
 
@@ -130,8 +150,19 @@ class InfoNCELoss(EmbeddingLoss):
         loss = loss_fn(q, p, n)  # scalar, float32
     """
 
-    def __init__(self, temperature: float = 0.05, learnable_temperature: bool = False, symmetric: bool = True):
+    def __init__(
+        self,
+        temperature: float = 0.05,
+        learnable_temperature: bool = False,
+        symmetric: bool = True,
+        false_negative_margin: float | None = None,
+        query_query: bool = False,
+        document_document: bool = False,
+    ):
         super().__init__()
+        self.false_negative_margin = false_negative_margin
+        self.query_query = query_query
+        self.document_document = document_document
         if learnable_temperature and 1.0 / temperature > MAX_LOGIT_SCALE * (1 + 1e-6):
             raise ValueError(
                 f"a learnable temperature starts at {temperature}, below the cap of {1 / MAX_LOGIT_SCALE}; "
@@ -145,7 +176,14 @@ class InfoNCELoss(EmbeddingLoss):
     @classmethod
     def from_recipe(cls, recipe: "Recipe") -> "InfoNCELoss":
         try:
-            return cls(recipe.temperature, recipe.learnable_temperature, recipe.symmetric_loss)
+            return cls(
+                recipe.temperature,
+                recipe.learnable_temperature,
+                recipe.symmetric_loss,
+                false_negative_margin=recipe.false_negative_margin if recipe.mask_false_negatives else None,
+                query_query=recipe.query_query_loss,
+                document_document=recipe.document_document_loss,
+            )
         except ValueError as err:
             raise RecipeError("temperature", str(err)) from None
 
@@ -165,12 +203,37 @@ class InfoNCELoss(EmbeddingLoss):
             negatives = _upcast(negatives) if negatives is not None else None
             scale = self.scale()
             labels = _positive_columns(query.shape[0], query.device)
-            logits = scale * query @ _all_documents(positive, negatives).T
-            loss = F.cross_entropy(logits, labels)
+            all_queries = gather_with_grad(query) if (self.symmetric or self.query_query) else None
+            blocks = [query @ _all_documents(positive, negatives).T]
+            if self.query_query:
+                blocks.append(query @ all_queries.T)
+            if self.document_document:
+                blocks.append(positive @ gather_with_grad(positive).T)
+            scores = torch.cat(blocks, dim=1)
+            # Column offsets of the extra blocks, whose self similarity (at rank * B + i within a block) is dropped.
+            self_blocks = [sum(block.shape[1] for block in blocks[:k]) for k in range(1, len(blocks))]
+            loss = F.cross_entropy(self._logits(scale, scores, labels, self_blocks), labels)
             if self.symmetric:
-                reverse_logits = scale * positive @ gather_with_grad(query).T
-                loss = (loss + F.cross_entropy(reverse_logits, labels)) / 2
+                reverse = self._logits(scale, positive @ all_queries.T, labels, [])
+                loss = (loss + F.cross_entropy(reverse, labels)) / 2
         return loss
+
+    def _logits(
+        self, scale: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor, self_blocks: list[int]
+    ) -> torch.Tensor:
+        """`scale * scores` with dropped columns at -inf: each row's self similarity in the extra blocks, and
+        (masking on) negatives above the row's positive + margin. Filling after scaling keeps the gradient of the
+        scale finite (it would be inf * 0 otherwise); the mask is computed without gradient, it only selects."""
+        rows = torch.arange(scores.shape[0], device=scores.device)
+        with torch.no_grad():
+            dropped = torch.zeros_like(scores, dtype=torch.bool)
+            for offset in self_blocks:
+                dropped[rows, offset + labels] = True
+            if self.false_negative_margin is not None:
+                threshold = scores[rows, labels].unsqueeze(1) + self.false_negative_margin
+                dropped |= scores > threshold
+            dropped[rows, labels] = False
+        return (scale * scores).masked_fill(dropped, float("-inf"))
 
     @property
     def config(self) -> dict[str, Any]:
@@ -180,6 +243,9 @@ class InfoNCELoss(EmbeddingLoss):
             "temperature": self.temperature,
             "learnable_temperature": self.learnable_temperature,
             "symmetric": self.symmetric,
+            "false_negative_margin": self.false_negative_margin,
+            "query_query": self.query_query,
+            "document_document": self.document_document,
         }
         if self.learnable_temperature:
             config["learned_temperature"] = math.exp(-min(_value(self.log_scale), math.log(MAX_LOGIT_SCALE)))

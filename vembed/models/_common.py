@@ -442,3 +442,46 @@ def saved_settings(path: str | Path, model_type: str) -> dict[str, Any]:
     if info.get("model_type") != model_type:
         raise RecipeError("model", f"{str(path)!r} holds a {info.get('model_type')!r} model, not {model_type!r}")
     return dict(info.get("settings", {}))
+
+
+# --- LoRA weights alone ---------------------------------------------------------------------------------------------
+LORA_WEIGHTS, LORA_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # PEFT's file names
+
+
+def save_lora_weights(model: nn.Module, path: str | Path) -> None:
+    """Only `model`'s LoRA weights (safetensors) and a PEFT `adapter_config.json` naming the wrapped layers, with the
+    rank, alpha and dropout they were built with. The base weights are not written: loading needs the base model."""
+    from peft import LoraConfig
+    from peft.tuners.lora import LoraLayer
+    from safetensors.torch import save_file
+
+    layers = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    if not layers:
+        raise ValueError("the model has no LoRA layers to save; save the full model instead")
+    some = next(iter(layers.values()))
+    adapter = some.active_adapters[0]
+    dropout = some.lora_dropout[adapter]
+    config = LoraConfig(
+        r=some.r[adapter], lora_alpha=some.lora_alpha[adapter], target_modules=sorted(layers),
+        lora_dropout=dropout.p if isinstance(dropout, nn.Dropout) else 0.0,
+    )
+    Path(path).mkdir(parents=True, exist_ok=True)
+    weights = {key: value.detach().contiguous() for key, value in model.state_dict().items() if ".lora_" in key}
+    save_file(weights, str(Path(path, LORA_WEIGHTS)))
+    config.save_pretrained(str(path))
+
+
+def load_lora_weights(model: nn.Module, path: str | Path) -> None:
+    """Wrap `model` with the LoRA layers described in `path` and load their weights (inverse of
+    `save_lora_weights`); every saved weight must find its layer."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from safetensors.torch import load_file
+
+    config = LoraConfig.from_pretrained(str(path))
+    inject_adapter_in_model(config, model)
+    weights = load_file(str(Path(path, LORA_WEIGHTS)))
+    result = model.load_state_dict(weights, strict=False)
+    missing_lora = [key for key in result.missing_keys if ".lora_" in key]
+    if result.unexpected_keys or missing_lora:
+        raise RecipeError("model", f"LoRA weights in {str(path)!r} do not match the base model "
+                                   f"(unexpected {result.unexpected_keys[:3]}, missing {missing_lora[:3]})")

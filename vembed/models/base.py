@@ -35,6 +35,8 @@ class EmbeddingAdapter(nn.Module, ABC):
     - `forward(inputs)` / `encode(inputs)` return a `(len(sides), embedding_dim)` float tensor, in the order of the
       sides, L2-normalised when the recipe says `normalize: true`.
     - `save(path)` writes HF files loadable by transformers plus `vembed.json`; `load(path)` reads them back.
+    - `slice_batch(inputs, start, stop)` cuts a preprocessed batch into chunks (GradCache); `block_classes()` names
+      the blocks FSDP wraps.
     """
 
     model_type: ClassVar[str]  # the registry name, set by each adapter
@@ -115,15 +117,16 @@ class EmbeddingAdapter(nn.Module, ABC):
         return int(inputs[TEXT_INDEX].shape[0])
 
     def slice_batch(self, inputs: dict[str, torch.Tensor], start: int, stop: int) -> dict[str, torch.Tensor]:
-        """Sides `start:stop` of a preprocessed batch, as `preprocess` would have made them (GradCache chunks).
-        Adapters whose inputs are not one row per side (variable-size images) override it."""
+        """The preprocessed batch of sides `start:stop` (GradCache chunks), as `preprocess` would have made it for
+        those sides alone. Default: the flat text/image layout of `_common`; adapters with another layout override."""
         from vembed.models._common import slice_batch
 
         return slice_batch(inputs, start, stop)
 
     def block_classes(self) -> set[type[nn.Module]]:
-        """The repeated transformer blocks FSDP shards one by one: the classes each tower names in transformers'
-        `_no_split_modules`, found among its modules."""
+        """The modules FSDP wraps as units: the classes each tower names in transformers' `_no_split_modules`
+        (transformer blocks, and for some models their embeddings too), as found among the tower's modules (so a
+        name listed for a sub-model this tower lacks is skipped)."""
         classes: set[type[nn.Module]] = set()
         for tower in self.towers():
             names = set(getattr(tower, "_no_split_modules", None) or ())

@@ -1,0 +1,390 @@
+"""Qwen-VL as an embedding model: Qwen2-VL, Qwen2.5-VL and Qwen3-VL (Qwen3-VL-Embedding 2B/8B are Qwen3-VL).
+
+Every side becomes one chat-formatted sequence, as in the Qwen3-VL-Embedding technical report::
+
+    <|im_start|>system\\n{instruction}<|im_end|>\\n<|im_start|>user\\n{images}{text}<|im_end|>\\n<|endoftext|>
+
+(`{images}` is `<|vision_start|><|image_pad|>…<|vision_end|>` per image, the pad repeated once per merged patch;
+a side with neither text nor image says "NULL"). The embedding is the last layer's state at the final
+`<|endoftext|>` -- the last attended token, whatever the padding side -- L2-normalised. The released inference
+code ends with `<|im_start|>assistant` and a newline instead (`prompt_ending: generation_prompt`; see ENDINGS).
+The embedding size is the language model's hidden size (2048 for 2B, 4096 for 8B).
+
+Images go through the PIL image processor (no torchvision needed), and the image tokens are expanded here, the
+same way the transformers processor does (tests compare the two when torchvision is installed).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import unicodedata
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vembed.data.images import load_image
+from vembed.errors import RecipeError
+from vembed.models import MODELS
+from vembed.models._common import (
+    COMPOSED_ONLY_KEYS,
+    LORA_WEIGHTS,
+    auto_config,
+    hf_kwargs,
+    load_lora_weights,
+    load_model,
+    load_tokenizer,
+    pool,
+    reject_keys,
+    require_tokenizer_name,
+    resolve_max_length,
+    save_hf_model,
+    save_lora_weights,
+    saved_settings,
+)
+from vembed.models.base import EmbeddingAdapter
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    from vembed.data.records import Side
+    from vembed.recipe import Recipe
+
+# The transformers architectures this adapter drives, by the checkpoint config's model_type (never by name).
+BACKBONES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+EMPTY_INSTANCE = "NULL"  # what a side with neither text nor image says, as in the official embedder
+SYSTEM_START = "<|im_start|>system\n"
+USER_START = "<|im_end|>\n<|im_start|>user\n"
+# How a sequence ends; the embedding is the state at its last token. "endoftext" is the technical report's format;
+# "generation_prompt" is what the released inference code feeds (it applies the chat template with
+# add_generation_prompt=True, so it pools at the newline after "assistant"; QwenLM/Qwen3-VL-Embedding issue #4).
+ENDINGS = {"endoftext": "<|im_end|>\n<|endoftext|>", "generation_prompt": "<|im_end|>\n<|im_start|>assistant\n"}
+VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+# Config attributes that must hold the tokenizer's ids of these tokens (a random-init config takes them from it).
+VISION_TOKEN_IDS = {
+    "image_token_id": IMAGE_PAD, "video_token_id": "<|video_pad|>",
+    "vision_start_token_id": VISION_START, "vision_end_token_id": VISION_END,
+}  # fmt: skip
+
+# Batch keys. One sequence per side; images of all sides stacked in side order.
+SEQUENCE_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids")  # (n, seq): sliced by row
+PIXEL_VALUES, IMAGE_GRID_THW = "pixel_values", "image_grid_thw"  # (patches, C*T*P*P) and (images, 3)
+IMAGES_PER_SIDE = "images_per_side"  # (n,): how many images each side holds; not a model input
+
+
+def normalize_instruction(instruction: str) -> str:
+    """As the official embedder does: stripped, and ended with a full stop unless it ends with punctuation."""
+    instruction = instruction.strip()
+    if instruction and not unicodedata.category(instruction[-1]).startswith("P"):
+        instruction += "."
+    return instruction
+
+
+def side_images(side: "Side") -> list[Any]:
+    """A side's images: none, one, or a list (several images per sample)."""
+    if side.image is None:
+        return []
+    return list(side.image) if isinstance(side.image, (list, tuple)) else [side.image]
+
+
+@MODELS.register("qwen_vl")
+class QwenVLAdapter(EmbeddingAdapter):
+    model_type = "qwen_vl"
+    modalities = frozenset({"text", "image"})
+    # The released Qwen3-VL-Embedding LoRA's targets: attention and MLP projections of the language model. LoRA
+    # goes into the language model only (Qwen2.5-VL's vision MLP reuses these names).
+    default_lora_target_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+    def __init__(
+        self,
+        model: "PreTrainedModel",
+        tokenizer: Any,
+        image_processor: Any,
+        *,
+        query_instruction: str | None = None,
+        document_instruction: str = "Represent the user's input.",
+        train_vision_tower: bool = False,
+        lora_save: str = "merged",
+        base_model: str | None = None,
+        prompt_ending: str = "endoftext",
+        normalize: bool = True,
+        max_length: int | None = None,
+        trust_remote_code: bool = False,
+        attn_implementation: str | None = None,
+    ):
+        super().__init__(normalize=normalize, max_length=max_length, trust_remote_code=trust_remote_code,
+                         attn_implementation=attn_implementation)
+        if model.config.model_type not in BACKBONES:
+            raise RecipeError("model_name", f"is a {model.config.model_type!r} model; qwen_vl drives {BACKBONES}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.query_instruction = query_instruction
+        self.document_instruction = document_instruction
+        self.train_vision_tower = train_vision_tower
+        self.lora_save = lora_save  # "merged" or "adapter" (LoRA weights only, over base_model)
+        self.base_model = base_model  # the pretrained checkpoint LoRA weights apply to
+        self.prompt_ending = prompt_ending  # a key of ENDINGS
+        self.model.visual.requires_grad_(train_vision_tower)
+        self._token_ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in VISION_TOKEN_IDS.items()}
+        self._check_token_ids(model.config)
+
+    def _check_token_ids(self, config: "PretrainedConfig") -> None:
+        for name, token_id in self._token_ids.items():
+            if getattr(config, name) != token_id:
+                raise RecipeError(
+                    "tokenizer_name",
+                    f"gives {VISION_TOKEN_IDS[name]} id {token_id} but the model's {name} is {getattr(config, name)};"
+                    " use the checkpoint's own tokenizer",
+                )
+
+    # --- built from a recipe ---------------------------------------------------------------------------------------
+    @classmethod
+    def check_recipe(cls, recipe: "Recipe") -> None:
+        super().check_recipe(recipe)
+        reject_keys(recipe, COMPOSED_ONLY_KEYS, cls.model_type, "composed")
+        if recipe.model_config_dict is not None:
+            require_tokenizer_name(recipe, "model_config")
+        if recipe.use_lora and recipe.lora_save == "adapter" and recipe.model_name is None:
+            raise RecipeError("lora_save", "adapter saves LoRA weights over a pretrained model_name; a random-init "
+                              "model_config has none to load them onto: use merged")
+        if recipe.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+            raise RecipeError("attn_implementation", "flash_attention_2 needs the flash-attn package; install it or "
+                              "use sdpa")
+
+    @classmethod
+    def _config(cls, recipe: "Recipe", tokenizer: Any = None) -> "PretrainedConfig":
+        key = "model_name" if recipe.model_name else "model_config"
+        raw = recipe.model_config_dict
+        if raw is not None and tokenizer is not None:
+            # A random-init model must agree with its tokenizer on the vision token ids; unless given, take them.
+            ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in VISION_TOKEN_IDS.items()}
+            raw = {**ids, **raw}
+        config = auto_config(recipe.model_name, raw, key=key, trust_remote_code=recipe.trust_remote_code)
+        if config.model_type not in BACKBONES:
+            raise RecipeError(key, f"is a {config.model_type!r} model; model_type qwen_vl takes {', '.join(BACKBONES)}")
+        return config
+
+    @classmethod
+    def embedding_dim_for(cls, recipe: "Recipe") -> int:
+        return cls._config(recipe).text_config.hidden_size
+
+    @classmethod
+    def from_recipe(cls, recipe: "Recipe") -> "QwenVLAdapter":
+        from transformers import AutoModel
+
+        cls.check_recipe(recipe)
+        tokenizer = load_tokenizer(recipe.tokenizer_name or recipe.model_name, recipe.trust_remote_code)
+        config = cls._config(recipe, tokenizer)
+        if recipe.model_name is not None:
+            model = load_model(recipe.model_name, None, key="model_name", trust_remote_code=recipe.trust_remote_code,
+                               attn_implementation=recipe.attn_implementation)
+        else:
+            model = AutoModel.from_config(config, **hf_kwargs(recipe.trust_remote_code, recipe.attn_implementation))
+        image_processor = new_image_processor(recipe.model_name, model.config, recipe.trust_remote_code)
+        set_pixel_budget(image_processor, recipe.min_pixels, recipe.max_pixels)
+        return cls(
+            model,
+            tokenizer,
+            image_processor,
+            query_instruction=recipe.query_instruction,
+            document_instruction=recipe.document_instruction,
+            train_vision_tower=recipe.train_vision_tower,
+            lora_save=recipe.lora_save,
+            base_model=recipe.model_name,
+            prompt_ending=recipe.prompt_ending,
+            normalize=recipe.normalize,
+            max_length=resolve_max_length(recipe.max_length, tokenizer, model.config.text_config),
+            trust_remote_code=recipe.trust_remote_code,
+            attn_implementation=recipe.attn_implementation,
+        )
+
+    # --- the input format ------------------------------------------------------------------------------------------
+    def instruction_for(self, side: "Side") -> str:
+        if side.role == "query" and self.query_instruction is not None:
+            return normalize_instruction(self.query_instruction)
+        return normalize_instruction(self.document_instruction)
+
+    def prompt(self, side: "Side") -> str:
+        """The side's sequence as text, with one `<|image_pad|>` per image (before expansion)."""
+        head, body = self._prompt_parts(side)
+        return head + body + ENDINGS[self.prompt_ending]
+
+    def _prompt_parts(self, side: "Side") -> tuple[str, str]:
+        images = side_images(side)
+        text = side.text if side.text and side.text.strip() else None
+        vision = (VISION_START + IMAGE_PAD + VISION_END) * len(images)
+        head = SYSTEM_START + self.instruction_for(side) + USER_START + vision
+        return head, text if text is not None else ("" if images else EMPTY_INSTANCE)
+
+    def _side_ids(self, side: "Side", tokens_per_image: list[int]) -> list[int]:
+        """Token ids of one side with every image pad expanded; only the instance text is truncated to max_length.
+
+        The three pieces are tokenised apart so that truncation never cuts the template or an image; this equals
+        tokenising the whole string (tested) because each boundary is a special token or a newline -- except for a
+        text that itself starts with newlines, which Qwen's pre-tokeniser would merge with the one before it."""
+        head, body = self._prompt_parts(side)
+        encode = lambda text: self.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        pad_id = self._token_ids["image_token_id"]
+        head_ids: list[int] = []
+        counts = iter(tokens_per_image)
+        for token in encode(head):
+            head_ids.extend([pad_id] * next(counts) if token == pad_id else [token])
+        body_ids, end_ids = encode(body), encode(ENDINGS[self.prompt_ending])
+        if self.max_length is not None:
+            room = self.max_length - len(head_ids) - len(end_ids)
+            if room < 0:
+                raise ValueError(
+                    f"a side's images alone take {len(head_ids)} tokens, over max_length {self.max_length}; raise "
+                    "max_length or lower max_pixels"
+                )
+            body_ids = body_ids[:room]
+        return head_ids + body_ids + end_ids
+
+    def preprocess(self, sides: Sequence["Side"]) -> dict[str, torch.Tensor]:
+        images = [load_image(image) for side in sides for image in side_images(side)]
+        batch: dict[str, torch.Tensor] = {}
+        tokens_per_image: list[int] = []
+        if images:
+            processed = self.image_processor(images=images, return_tensors="pt")
+            batch[PIXEL_VALUES] = processed["pixel_values"]
+            batch[IMAGE_GRID_THW] = processed["image_grid_thw"]
+            merge = self.image_processor.merge_size**2
+            tokens_per_image = [int(grid.prod()) // merge for grid in processed["image_grid_thw"]]
+        counts = [len(side_images(side)) for side in sides]
+        rows, start = [], 0
+        for side, count in zip(sides, counts):
+            rows.append(self._side_ids(side, tokens_per_image[start : start + count]))
+            start += count
+        batch.update(self._pad(rows))
+        batch[IMAGES_PER_SIDE] = torch.tensor(counts, dtype=torch.long)
+        return batch
+
+    def _pad(self, rows: list[list[int]]) -> dict[str, torch.Tensor]:
+        width = max(len(row) for row in rows)
+        pad_id = self.tokenizer.pad_token_id
+        input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        left = self.tokenizer.padding_side == "left"
+        for i, row in enumerate(rows):
+            span = slice(width - len(row), width) if left else slice(0, len(row))
+            input_ids[i, span] = torch.tensor(row)
+            attention_mask[i, span] = 1
+        # Without mm_token_type_ids Qwen2.5-VL silently builds text positions for image tokens, and Qwen2-VL/Qwen3-VL
+        # refuse: 1 marks image tokens (2 would mark video), 0 text.
+        mm_token_type_ids = (input_ids == self._token_ids["image_token_id"]).long() * attention_mask
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "mm_token_type_ids": mm_token_type_ids}
+
+    # --- used by the loop ------------------------------------------------------------------------------------------
+    @property
+    def embedding_dim(self) -> int:
+        return self.model.config.text_config.hidden_size
+
+    def encode(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        model_inputs = {key: inputs[key] for key in (*SEQUENCE_KEYS, IMAGE_GRID_THW) if key in inputs}
+        if PIXEL_VALUES in inputs:
+            model_inputs[PIXEL_VALUES] = inputs[PIXEL_VALUES].to(self.model.visual.dtype)
+        hidden = self.model(**model_inputs, use_cache=False).last_hidden_state
+        embeddings = pool(hidden, inputs["attention_mask"], "last").float()
+        return F.normalize(embeddings, dim=-1) if self.normalize else embeddings
+
+    def num_sides(self, inputs: dict[str, torch.Tensor]) -> int:
+        return int(inputs["attention_mask"].shape[0])  # one sequence row per side (images are inside it)
+
+    def slice_batch(self, inputs: dict[str, torch.Tensor], start: int, stop: int) -> dict[str, torch.Tensor]:
+        """Sides `start:stop`: their sequence rows (with columns that are padding in every kept row dropped), their
+        images' `image_grid_thw` rows, and the `pixel_values` rows of those images (grid t*h*w rows per image)."""
+        mask = inputs["attention_mask"][start:stop]
+        used = mask.any(0).nonzero().flatten()
+        columns = slice(int(used.min()), int(used.max()) + 1)
+        out = {key: inputs[key][start:stop, columns] for key in SEQUENCE_KEYS}
+        counts = inputs[IMAGES_PER_SIDE]
+        out[IMAGES_PER_SIDE] = counts[start:stop]
+        first, last = int(counts[:start].sum()), int(counts[:stop].sum())
+        if last > first:
+            patches = inputs[IMAGE_GRID_THW].prod(-1)
+            out[IMAGE_GRID_THW] = inputs[IMAGE_GRID_THW][first:last]
+            out[PIXEL_VALUES] = inputs[PIXEL_VALUES][int(patches[:first].sum()) : int(patches[:last].sum())]
+        return out
+
+    def towers(self) -> list[nn.Module]:
+        return [self.model]
+
+    def apply_lora(self, recipe: "Recipe") -> None:
+        """LoRA on the language model (the released Qwen3-VL-Embedding LoRA's place); the vision tower stays frozen,
+        or fully trainable with `train_vision_tower`."""
+        from vembed.models._common import inject_lora
+
+        inject_lora([self.model.language_model], recipe, self.lora_target_modules(recipe),
+                    strict=recipe.lora_target_modules is not None, model_type=self.model_type)
+        self.model.visual.requires_grad_(self.train_vision_tower)
+
+    # --- persistence -----------------------------------------------------------------------------------------------
+    def settings(self) -> dict[str, Any]:
+        return {
+            **super().settings(),
+            "query_instruction": self.query_instruction,
+            "document_instruction": self.document_instruction,
+            "train_vision_tower": self.train_vision_tower,
+            "lora_save": self.lora_save,
+            "base_model": self.base_model,
+            "prompt_ending": self.prompt_ending,
+        }
+
+    def _saves_lora_only(self) -> bool:
+        return self.lora_save == "adapter" and any("lora_" in name for name, _ in self.named_parameters())
+
+    def save(self, path: str | Path) -> None:
+        """The merged model (a plain transformers folder), or with `lora_save: adapter` and LoRA applied only the
+        LoRA weights of the language model (PEFT file names), which `load` puts back on `base_model`."""
+        if self._saves_lora_only():
+            save_lora_weights(self.model.language_model, path)
+        else:
+            save_hf_model(self.model, path)
+        self.tokenizer.save_pretrained(path)
+        self.image_processor.save_pretrained(path)
+        self.write_adapter_file(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "QwenVLAdapter":
+        settings = saved_settings(path, cls.model_type)
+        trust = settings.get("trust_remote_code", False)
+        lora_only = Path(path, LORA_WEIGHTS).is_file()
+        model = load_model(settings["base_model"] if lora_only else str(path), None, key="model",
+                           trust_remote_code=trust, attn_implementation=settings.get("attn_implementation"))
+        if lora_only:
+            load_lora_weights(model.language_model, path)
+        processor = new_image_processor(str(path), model.config, trust)
+        return cls(model, load_tokenizer(str(path), trust), processor, **settings)
+
+
+def new_image_processor(name: str | None, config: "PretrainedConfig", trust_remote_code: bool = False) -> Any:
+    """The checkpoint's image processor on the PIL backend, or, for a random-init model, one matching its vision
+    config (patch, temporal patch and merge sizes)."""
+    if name is not None:
+        from vembed.models._common import load_image_processor
+
+        return load_image_processor(name, trust_remote_code)
+    from transformers import Qwen2VLImageProcessorPil
+
+    vision = config.vision_config
+    return Qwen2VLImageProcessorPil(
+        patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+        merge_size=vision.spatial_merge_size,
+    )
+
+
+def set_pixel_budget(image_processor: Any, min_pixels: int | None, max_pixels: int | None) -> None:
+    """Images are resized (aspect kept, sides multiples of patch x merge) to hold between min and max pixels."""
+    size = dict(image_processor.size)
+    if min_pixels is not None:
+        size["shortest_edge"] = min_pixels
+    if max_pixels is not None:
+        size["longest_edge"] = max_pixels
+    if size["shortest_edge"] > size["longest_edge"]:
+        raise RecipeError("min_pixels", f"{size['shortest_edge']} exceeds max_pixels {size['longest_edge']}")
+    image_processor.size = size
