@@ -56,8 +56,7 @@ def test_tiny_qwen3_vl_trains_on_the_demo_digits_and_improves_recall(digits, tmp
 @pytest.mark.parametrize("name", ["qwen3_vl_embedding_2b.yaml", "qwen3_vl_embedding_8b_fsdp.yaml"])
 def test_released_model_recipes_parse_and_pass_the_checks_on_a_local_checkpoint(name, digits, tmp_path):
     """The recipes name hub checkpoints; offline, a tiny Qwen3-VL saved locally stands in for them (same adapter
-    path: config, tokenizer and PIL image processor read from a folder). GradCache and FSDP are switched off here
-    only because the recipe schema refuses them until the strategies work is merged."""
+    path: config, tokenizer and PIL image processor read from a folder)."""
     from vembed.models import MODELS
 
     recipe = load_recipe(CONFIGS / name)
@@ -76,7 +75,7 @@ def test_released_model_recipes_parse_and_pass_the_checks_on_a_local_checkpoint(
     MODELS.get("qwen_vl").from_recipe(tiny).save(local)
     recipe = load_recipe(CONFIGS / name, [
         f"model_name={local}", f"data.train={digits / 'train.jsonl'}", f"data.validation={digits / 'validation.jsonl'}",
-        "data.image_root=null", "use_gradient_cache=false", "gradient_cache_chunk_size=null", "use_fsdp=false",
+        "data.image_root=null",
         "mrl_dims=[32, 16]",  # the stand-in is 32-d
     ])
     check_recipe(recipe)
@@ -132,4 +131,42 @@ def test_ddp_gradients_match_single_process_full_batch(digits, tmp_path):
     actual = torch.cat([ddp[name].flatten() for name in single])
     relative = ((actual - reference).norm() / reference.norm()).item()
     print(f"qwen_vl DDP relative gradient difference: {relative:.2e}")
+    assert relative <= 1e-5
+
+
+def test_grad_cache_with_mixed_image_sizes_equals_the_full_batch(digits, tmp_path):
+    """The loop's GradCache step on Qwen3-VL, images of several sizes (so chunks hold different numbers of patch rows,
+    split by `image_grid_thw`), chunks of 3 out of 8: gradients equal one plain step on the whole batch (fp32)."""
+    from accelerate.utils import send_to_device
+    from PIL import Image
+
+    from vembed.training.loop import Trainer
+
+    rows = []
+    for i, (w, h) in enumerate([(32, 32), (64, 32), (32, 48), (48, 48), (64, 64), (32, 32), (48, 32), (64, 48)]):
+        path = tmp_path / f"{i}.png"
+        Image.fromarray(torch.randint(0, 255, (h, w, 3), generator=torch.Generator().manual_seed(i),
+                                      dtype=torch.uint8).numpy()).save(path)
+        rows.append({"query": f"a handwritten digit {i}", "positive_image": str(path)})
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    overrides = _tiny_overrides(digits, tmp_path / "run") + [
+        f"data.train={data}", "data.validation=null", "min_pixels=256", "max_pixels=4096", "batch_size=8",
+        "learnable_temperature=true"]
+
+    grads = {}
+    for name, extra in (("cached", ["use_gradient_cache=true", "gradient_cache_chunk_size=3"]), ("plain", [])):
+        trainer = Trainer(load_recipe(CONFIGS / "qwen3_vl_tiny.yaml", overrides + extra))
+        trainer._build()
+        batch = send_to_device(trainer.loader.collate_fn([trainer.dataset[i] for i in range(8)]), "cpu")
+        if name == "cached":
+            assert trainer.grad_cache.enabled and len(set(batch["positive"]["image_grid_thw"].prod(-1).tolist())) > 1
+        trainer.train_step(batch)
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        grads[name] = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads["cached"].keys() == grads["plain"].keys() and any(".visual." in n for n in grads["plain"])
+    reference = torch.cat([g.flatten() for g in grads["plain"].values()])
+    actual = torch.cat([grads["cached"][n].flatten() for n in grads["plain"]])
+    relative = ((actual - reference).norm() / reference.norm()).item()
+    print(f"qwen_vl GradCache relative gradient difference: {relative:.2e}")
     assert relative <= 1e-5
