@@ -103,7 +103,20 @@ def shard_objective(objective: "ContrastiveObjective", recipe: "Recipe", acceler
             fully_shard(module, **options)
     fully_shard(objective.adapter, **options)
     fully_shard(objective, **options)
+    _initialise_from_the_root(objective)
     return objective
+
+
+def _initialise_from_the_root(objective: torch.nn.Module) -> None:
+    """FSDP2 takes the first FSDP module called as the root and initialises the tree from it. Evaluation before
+    training calls the adapter alone, which would make the adapter a root and break the objective's own forward
+    later; calling the objective first, with a forward that does nothing, makes it the root for good."""
+    objective.forward = lambda *args, **kwargs: None  # the root's hooks still run: lazy init, gather, reshard
+    try:
+        with torch.no_grad():
+            objective()
+    finally:
+        del objective.forward
 
 
 # --- sharded checkpoints ----------------------------------------------------------------------------------------------
