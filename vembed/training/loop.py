@@ -65,11 +65,11 @@ class Trainer:
     def _build(self) -> None:
         from accelerate.utils import set_seed
         from torch.utils.data import DataLoader
-        from transformers import get_scheduler
 
         from vembed.data.sampler import EpochShuffleSampler
         from vembed.training.lr import learning_rate_for
         from vembed.training.objective import parameter_groups
+        from vembed.training.schedules import get_scheduler
         from vembed.training.strategy import configure_deepspeed, unsharded_construction
 
         recipe, acc = self.recipe, self.accelerator
@@ -134,7 +134,9 @@ class Trainer:
 
     @property
     def adapter(self):
-        return self.accelerator.unwrap_model(self.model).adapter
+        # The objective built in _build is the module every wrapper (DDP, FSDP, DeepSpeed) holds, so no unwrapping:
+        # accelerate's unwrap_model imports deepspeed whenever it is installed, seconds of start-up.
+        return self.objective.adapter
 
     # --- evaluation ------------------------------------------------------------------------------------------------
     def evaluate(self, examples: Any) -> dict[str, float]:
