@@ -3,6 +3,7 @@
     python bench/startup.py                 # both launches, 3 interleaved rounds, median
     python bench/startup.py --profile       # also: where the time goes (cProfile of the one-process launch)
     python bench/startup.py --smoke         # one round of the one-process launch: checks that it runs
+    python bench/startup.py --baseline DIR  # also the one-process launch of another checkout (before/after)
 
 - `python -m vembed.entrypoints.train configs/demo_clip.yaml` (one process, no launcher);
 - `python run.py configs/demo_clip.yaml` (validates, then `accelerate launch`, as `make demo` does).
@@ -62,13 +63,14 @@ def make_data(work: Path) -> list[str]:
             f"data.test={data}/test.jsonl", f"tokenizer_name={data}/tokenizer", f"output_dir={work}/run"]
 
 
-def time_to_first_step(command: list[str], work: Path, profile: Path | None = None, timeout: float = 300) -> float:
-    env = dict(os.environ, VEMBED_BENCH_FIRST_STEP="1", PYTHONPATH=f"{work / 'site'}{os.pathsep}{ROOT}",
+def time_to_first_step(command: list[str], work: Path, profile: Path | None = None, timeout: float = 300,
+                       root: Path = ROOT) -> float:
+    env = dict(os.environ, VEMBED_BENCH_FIRST_STEP="1", PYTHONPATH=f"{work / 'site'}{os.pathsep}{root}",
                HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", ""))  # as a user runs it: offline only if they set it
     if profile is not None:
         env["VEMBED_BENCH_PROFILE"] = str(profile)
     start = time.perf_counter()
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    process = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                text=True, start_new_session=True)
     try:
         for line in process.stdout:  # type: ignore[union-attr]
@@ -87,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="write a cProfile of the one-process launch")
     parser.add_argument("--smoke", action="store_true", help="one round of the one-process launch")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    parser.add_argument("--baseline", help="another vembed checkout (e.g. `git archive` of main) to time alongside")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     work = Path(tempfile.mkdtemp(prefix="vembed-startup-"))
@@ -96,10 +99,15 @@ def main(argv: list[str] | None = None) -> int:
     recipe = str(ROOT / "configs" / "demo_clip.yaml")
     launches = {"one process": LAUNCHES["one process"]} if args.smoke else LAUNCHES
     rounds = 1 if args.smoke else args.rounds
+    roots = {name: ROOT for name in launches}
+    if args.baseline:
+        launches = {**launches, "one process, baseline": LAUNCHES["one process"]}
+        roots["one process, baseline"] = Path(args.baseline).resolve()
     times: dict[str, list[float]] = {name: [] for name in launches}
     for round_index in range(rounds):
         for name, command in launches.items():  # interleaved
-            seconds = time_to_first_step([*command, recipe, "--config_override", *overrides], work)
+            seconds = time_to_first_step([*command, recipe, "--config_override", *overrides], work,
+                                         root=roots[name])
             times[name].append(seconds)
             print(f"[round {round_index + 1}/{rounds}] {name:<28} {seconds:6.2f} s to the first optimizer step",
                   flush=True)

@@ -31,8 +31,7 @@ def test_log_records_carry_samples_tokens_memory_and_mfu(tiny_clip_recipe, fresh
         assert record["samples_per_second"] > 0 and record["tokens_per_second"] > 0
         assert 0 < record["mfu"] <= 1
         assert 100 < record["peak_memory_mb"] <= rss_now_mb  # a torch process holds well over 100 MB
-    # MFU is samples/s × training FLOPs per sample ÷ the ceiling: at most the share one matmul-bound step could reach.
-    assert fresh_cache.is_file()
+    assert fresh_cache.is_file()  # the ceiling MFU divides by was measured and cached
 
 
 def test_cpu_matmul_ceiling_is_measured_once_then_read_from_the_cache(fresh_cache, monkeypatch):
