@@ -7,7 +7,7 @@
 
 Every system trains the same model (same initial weights), the same data, batch, steps and learning rate, with no
 gradient clipping, no weight decay and a constant schedule. Each run is its own process (so peak RSS is its own), and
-runs are interleaved (A B C A B C ...): on a shared machine load drifts, and interleaving spreads the drift evenly,
+runs are interleaved and rotated (A B C, B C A, ...): on a shared machine load drifts, and interleaving spreads it,
 which is what makes the ratios meaningful. A run's throughput is measured between optimizer steps (a global
 optimizer hook, the same for every system) after `--warmup` steps; the figure reported is the median over rounds,
 and the ratio is the median of the per-round ratios.
@@ -326,7 +326,8 @@ def compare(scenario: str, rounds: int, smoke: bool, out_dir: Path) -> dict[str,
     systems = [s for s in spec["systems"] if available(s)]
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
     for round_index in range(rounds):
-        for system in systems:  # interleaved: A B C, A B C, ...
+        # Interleaved, and rotated (A B C, B C A, C A B) so no system always runs right after another's start-up.
+        for system in systems[round_index % len(systems):] + systems[:round_index % len(systems)]:
             result = worker(spec, system) if smoke else run_in_subprocess(spec_path, system)
             runs[system].append(result)
             print(f"[{scenario} round {round_index + 1}/{rounds}] {system:<22} "
