@@ -147,12 +147,15 @@ class StepClock:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         self.times: list[float] = []
+        self.cpu_times: list[float] = []  # process CPU seconds: much less sensitive than wall time to neighbours
         self.peak_rss_mb = 0.0
         self._handle = register_optimizer_step_post_hook(self._tick)
 
     def _tick(self, *_: Any) -> None:
         self.times.append(time.perf_counter())
-        self.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        self.cpu_times.append(usage.ru_utime + usage.ru_stime)
+        self.peak_rss_mb = usage.ru_maxrss / 1024
 
     def result(self, spec: dict[str, Any]) -> dict[str, Any]:
         self._handle.remove()
@@ -160,8 +163,9 @@ class StepClock:
         if len(self.times) < w + s + 1:
             raise RuntimeError(f"only {len(self.times)} optimizer steps ran; expected {w + s + 1}")
         seconds = self.times[w + s] - self.times[w]
+        cpu_seconds = self.cpu_times[w + s] - self.cpu_times[w]
         return {"samples_per_second": spec["batch_size"] * s / seconds, "peak_rss_mb": self.peak_rss_mb,
-                "seconds_per_step": seconds / s}
+                "seconds_per_step": seconds / s, "samples_per_cpu_second": spec["batch_size"] * s / cpu_seconds}
 
 
 def run_vembed(spec: dict[str, Any]) -> None:
@@ -331,8 +335,8 @@ def compare(scenario: str, rounds: int, smoke: bool, out_dir: Path) -> dict[str,
             result = worker(spec, system) if smoke else run_in_subprocess(spec_path, system)
             runs[system].append(result)
             print(f"[{scenario} round {round_index + 1}/{rounds}] {system:<22} "
-                  f"{result['samples_per_second']:8.1f} samples/s  peak RSS {result['peak_rss_mb']:7.0f} MB",
-                  flush=True)
+                  f"{result['samples_per_second']:8.1f} samples/s  {result.get('samples_per_cpu_second', 0):8.1f} "
+                  f"per CPU s  peak RSS {result['peak_rss_mb']:7.0f} MB", flush=True)
     summary = {
         "scenario": scenario, "rounds": rounds, "smoke": smoke,
         "spec": {k: spec[k] for k in ("batch_size", "warmup", "steps", "learning_rate", "max_length")},
@@ -341,6 +345,11 @@ def compare(scenario: str, rounds: int, smoke: bool, out_dir: Path) -> dict[str,
                         "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in rs), "runs": rs}
                     for s, rs in runs.items()},
         "machine": {"cpus": os.cpu_count(), "load_average_after": os.getloadavg()},
+    }
+    summary["vembed_cpu_ratio"] = {  # the same, per CPU second: the steadier figure on a loaded machine
+        peer: statistics.median(v["samples_per_cpu_second"] / p["samples_per_cpu_second"]
+                                for v, p in zip(runs["vembed"], runs[peer]))
+        for peer in systems if peer != "vembed"
     }
     summary["vembed_ratio"] = {
         peer: statistics.median(v["samples_per_second"] / p["samples_per_second"]
@@ -394,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     for scenario in scenarios:
         summary = compare(scenario, 1 if args.smoke else args.rounds, args.smoke, Path(args.out))
         ratios = ", ".join(f"{r:.2f}× {peer}" for peer, r in summary["vembed_ratio"].items())
-        print(f"{scenario}: vembed = {ratios}")
+        cpu_ratios = ", ".join(f"{r:.2f}× {peer}" for peer, r in summary["vembed_cpu_ratio"].items())
+        print(f"{scenario}: vembed = {ratios} (per CPU second: {cpu_ratios})")
     return 0
 
 
