@@ -242,8 +242,8 @@ class Trainer:
         }
         state.loss_history.append(record)
         progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
-                             sps=f"{record['samples_per_second']:.0f}", mfu=f"{record['mfu']:.1%}",
-                             mem=f"{record['peak_memory_mb']:.0f}MB")
+                             sps=f"{record['samples_per_second']:.0f}", mem=f"{record['peak_memory_mb']:.0f}MB",
+                             **({"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}))
         acc.log({f"train/{k}": v for k, v in record.items() if k != "step"}, step=state.global_step)
         meter.reset()
 

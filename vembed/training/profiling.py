@@ -121,7 +121,8 @@ class StepProfiler:
     def _install(self) -> None:
         self._current: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self._first_forward: float | None = None
-        for tower in self.adapter.towers():
+        towers = self.adapter.towers() if hasattr(self.adapter, "towers") else [self.adapter]  # DiT: no towers
+        for tower in towers:
             for child in tower.children():
                 self._handles.append(child.register_forward_pre_hook(_Hook(self._forward_start)))
                 self._handles.append(child.register_forward_hook(_Hook(self._forward_end)))

@@ -176,14 +176,16 @@ class ThroughputMeter:
     def add(self, batch: dict[str, Any]) -> None:
         from vembed.models.flops import text_tokens
 
+        count = getattr(self.adapter, "forward_flops", None)  # models outside the adapter contract (DiT) have none
         for inputs in batch.values():
             if isinstance(inputs, dict):  # the sides: query, positive, negative
                 self.tokens = self.tokens + text_tokens(inputs)
-                self.forward_flops = self.forward_flops + self.adapter.forward_flops(inputs)
+                if count is not None:
+                    self.forward_flops = self.forward_flops + count(inputs)
 
     def record(self, seconds: float) -> dict[str, float]:
-        """tokens_per_second (when the batches had text), peak_memory_mb (the largest of any rank) and mfu, over the
-        `seconds` since the last reset; then resets."""
+        """tokens_per_second (when the batches had text), peak_memory_mb (the largest of any rank) and mfu (when the
+        model counts its FLOPs), over the `seconds` since the last reset; then resets."""
         acc = self.accelerator
         dtype = torch.float32 if acc.device.type == "mps" else torch.float64  # MPS has no float64
         values = (self.tokens, self.forward_flops, float(peak_memory_bytes(acc.device)))
@@ -192,10 +194,9 @@ class ThroughputMeter:
         tokens, flops, peak = every[:, 0].sum().item(), every[:, 1].sum().item(), every[:, 2].max().item()
         seconds = max(seconds, 1e-9)
         training_flops_per_second = TRAINING_FLOPS_PER_FORWARD * flops / seconds
-        out = {
-            "peak_memory_mb": peak / 2**20,
-            "mfu": training_flops_per_second / (self.peak_flops_per_device * acc.num_processes),
-        }
+        out = {"peak_memory_mb": peak / 2**20}
+        if flops:  # MFU only where the model counts its FLOPs
+            out["mfu"] = training_flops_per_second / (self.peak_flops_per_device * acc.num_processes)
         if tokens:
             out["tokens_per_second"] = tokens / seconds
         self.reset()
