@@ -97,6 +97,19 @@ class FlowSettings(_Strict):
     eval_seed: int = 0  # seed of the evaluation noise: generation is deterministic given it
 
 
+class ProfileConfig(_Strict):
+    """`profile:` — torch.profiler over a window of training batches: a Chrome trace per rank (open it in
+    https://ui.perfetto.dev or chrome://tracing) and a printed step-time breakdown (data wait, forward, backward,
+    optimizer, communication). Batches are counted from the start of this launch (micro-batches under accumulation).
+    """
+
+    enabled: bool = False
+    wait: int = Field(default=1, ge=0)  # batches run before profiling starts (skips first-step allocation noise)
+    warmup: int = Field(default=1, ge=0)  # batches profiled but discarded (the profiler's own start-up cost)
+    active: int = Field(default=3, gt=0)  # batches recorded in the trace and the breakdown
+    output_dir: str | None = None  # traces and breakdowns; unset: <output_dir>/profile
+
+
 class Recipe(_Strict):
     """Everything a training run needs. Field comments are the reference documentation of each key."""
 
@@ -203,6 +216,7 @@ class Recipe(_Strict):
     eval_steps: int | None = Field(default=None, gt=0)  # unset: evaluate at the end of each epoch
     eval_before_training: bool = True  # record the untrained model's metrics for comparison
     metric_for_best_model: str = "q2d/recall@1"  # validation metric that picks the best checkpoint (higher is better)
+    # Every log line also records samples/s, tokens/s, peak memory and MFU (vembed/training/throughput.py).
     report_to: list[Literal["tensorboard", "wandb", "trackio"]] = Field(default_factory=list)
     run_name: str | None = None
     resume_from: str | None = None  # "auto" (latest checkpoint in output_dir) or a checkpoint path
@@ -213,6 +227,10 @@ class Recipe(_Strict):
         if isinstance(raw, dict):
             raw = {**ADAPTER_DEFAULTS.get(raw.get("model_type"), {}), **raw}  # the recipe's own values win
         return raw
+
+
+    # --- profiling -------------------------------------------------------------------------------------------------
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
 
     @field_validator("report_to", mode="before")
     @classmethod

@@ -159,6 +159,16 @@ def retrieval_metrics(
 # --- encoding ------------------------------------------------------------------------------------------------------
 
 
+def _unwrapped(adapter: "EmbeddingAdapter", accelerator: "Accelerator | None") -> "EmbeddingAdapter":
+    # accelerate's unwrap_model imports deepspeed whenever it is installed (seconds at start-up); a plain adapter
+    # needs no unwrapping.
+    from vembed.models.base import EmbeddingAdapter
+
+    if accelerator is None or isinstance(adapter, EmbeddingAdapter):
+        return adapter
+    return accelerator.unwrap_model(adapter)
+
+
 def _device_of(module: torch.nn.Module) -> torch.device:
     param = next(module.parameters(), None)
     return param.device if param is not None else torch.device("cpu")
@@ -181,7 +191,7 @@ def encode_sides(
     a repeated side), which sharded models (FSDP) need. `adapter` may be the model `accelerator.prepare` returned:
     batches go through its forward (the adapter's `encode`), preprocessing through the unwrapped adapter.
     """
-    core = accelerator.unwrap_model(adapter) if accelerator is not None else adapter
+    core = _unwrapped(adapter, accelerator)
     n = len(sides)
     if accelerator is not None and accelerator.num_processes > 1:
         per = math.ceil(n / accelerator.num_processes) if n else 0
@@ -269,7 +279,7 @@ def evaluate_retrieval(
     """
     if not examples:
         raise DataError("no examples to evaluate")
-    dim = (accelerator.unwrap_model(adapter) if accelerator is not None else adapter).embedding_dim
+    dim = _unwrapped(adapter, accelerator).embedding_dim
     too_big = [d for d in mrl_dims or () if not 0 < d <= dim]
     if too_big:
         raise ValueError(f"mrl_dims {too_big} are not in 1..{dim}, the embedding size")

@@ -143,6 +143,25 @@ class EmbeddingAdapter(nn.Module, ABC):
         return [m.position_embedding.weight for m in self.modules()
                 if type(m).__name__.endswith("TextEmbeddings") and hasattr(m, "position_embedding")]
 
+    # --- cost accounting (throughput and MFU logging; see vembed/models/flops.py for the rule) ------------------
+    def forward_flops(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor | int:
+        """Model FLOPs of one forward pass of `encode(inputs)`: a 0-d tensor on the batch's device (no host sync),
+        or an int when it depends on shapes only. Training counts 3× this.
+
+        Default, valid for any adapter: 2 × (weights of every tower, embedding tables excluded) × real text tokens
+        (the attention mask's sum). Right for text encoders and for decoders that put image tokens in the sequence
+        (Qwen-VL style); adapters with a separate vision tower override it to count images by their patches."""
+        from vembed.models.flops import FORWARD_FLOPS_PER_WEIGHT_TOKEN, text_tokens
+
+        weights = sum(self.matmul_weights(tower) for tower in self.towers())
+        return text_tokens(inputs) * (FORWARD_FLOPS_PER_WEIGHT_TOKEN * weights)
+
+    def matmul_weights(self, module: nn.Module) -> int:
+        """`vembed.models.flops.matmul_weights(module)`, counted once per module."""
+        from vembed.models.flops import WeightCounts
+
+        return self.__dict__.setdefault("_matmul_weight_counts", WeightCounts())(module)
+
     @abstractmethod
     def towers(self) -> list[nn.Module]:
         """The transformers models inside; checkpointing and LoRA apply to each of them."""

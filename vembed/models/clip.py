@@ -171,6 +171,34 @@ class ClipAdapter(EmbeddingAdapter):
             image = self.model.get_image_features(pixel_values=pixels).pooler_output
         return combine(text, image, inputs, self.normalize)
 
+    def forward_flops(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor | int:
+        """Each tower's weights per token (text) or per patch (images), its projection or pooling head once per
+        row (see `flops_parts` and vembed/models/flops.py)."""
+        from vembed.models.flops import text_flops, vision_flops
+
+        flops: torch.Tensor | int = 0
+        if text_inputs(inputs) is not None:
+            flops = text_flops(inputs, *self._weights("text"))
+        if PIXEL_VALUES in inputs:
+            config = self.model.config.vision_config
+            flops = flops + vision_flops(config, *self._weights("vision"), inputs[PIXEL_VALUES])
+        return flops
+
+    # modality: (the tower, the modules applied once per row after pooling); SigLIP's heads live inside its towers.
+    flops_parts: ClassVar[dict[str, tuple[str, tuple[str, ...]]]] = {
+        "text": ("text_model", ("text_projection",)),
+        "vision": ("vision_model", ("visual_projection",)),
+    }
+
+    def _weights(self, modality: str) -> tuple[int, int]:
+        """(weights applied per token, weights applied per row) of one modality."""
+        tower_name, row_names = self.flops_parts[modality]
+        tower = self.model.get_submodule(tower_name)
+        rows = [self.model.get_submodule(n) for n in row_names if _has_submodule(self.model, n)]
+        per_row = sum(self.matmul_weights(m) for m in rows)
+        inside = sum(self.matmul_weights(m) for m, n in zip(rows, row_names) if n.startswith(tower_name + "."))
+        return self.matmul_weights(tower) - inside, per_row
+
     def towers(self) -> list[nn.Module]:
         return [self.model]
 
@@ -193,3 +221,11 @@ class ClipAdapter(EmbeddingAdapter):
             model_type=cls.model_type,
         )
         return cls(model, load_tokenizer(str(path), trust), load_image_processor(str(path), trust), **settings)
+
+
+def _has_submodule(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True

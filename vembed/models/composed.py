@@ -196,6 +196,20 @@ class ComposedAdapter(EmbeddingAdapter):
             image = self.vision_projection(cls_or_pooler(output))
         return combine(text, image, inputs, self.normalize)
 
+    def forward_flops(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor | int:
+        """Each tower's weights per token (text) or per patch (images), its projection once per row (see
+        vembed/models/flops.py)."""
+        from vembed.models.flops import text_flops, vision_flops
+
+        flops: torch.Tensor | int = 0
+        tokens = text_inputs(inputs)
+        if tokens is not None:
+            flops = text_flops(tokens, self.matmul_weights(self.text_model), self.matmul_weights(self.text_projection))
+        if PIXEL_VALUES in inputs:
+            weights = self.matmul_weights(self.vision_model), self.matmul_weights(self.vision_projection)
+            flops = flops + vision_flops(self.vision_model.config, *weights, inputs[PIXEL_VALUES])
+        return flops
+
     def towers(self) -> list[nn.Module]:
         # Only the towers get LoRA; the projections are new, so they stay fully trainable.
         return [self.text_model, self.vision_model]

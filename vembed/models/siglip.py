@@ -23,6 +23,11 @@ class SiglipAdapter(ClipAdapter):
     # batch's longest text would make a text's embedding depend on its batch-mates.
     text_padding: ClassVar[str] = "max_length"
     unused_parameters: ClassVar[tuple[str, ...]] = ("logit_scale", "logit_bias")  # the vembed loss owns these
+    # The towers' pooling heads (text: a linear on the last token; vision: attention pooling) run once per row.
+    flops_parts: ClassVar[dict[str, tuple[str, tuple[str, ...]]]] = {
+        "text": ("text_model", ("text_model.head",)),
+        "vision": ("vision_model", ("vision_model.head",)),
+    }
 
     @classmethod
     def _dim_from_config(cls, config: "PretrainedConfig") -> int:

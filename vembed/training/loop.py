@@ -24,6 +24,8 @@ from vembed.training.checkpoint import (
     resolve_resume,
     write_json_atomic,
 )
+from vembed.training.profiling import StepProfiler
+from vembed.training.throughput import ThroughputMeter
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -63,11 +65,11 @@ class Trainer:
     def _build(self) -> None:
         from accelerate.utils import set_seed
         from torch.utils.data import DataLoader
-        from transformers import get_scheduler
 
         from vembed.data.sampler import EpochShuffleSampler
         from vembed.training.lr import learning_rate_for
         from vembed.training.objective import parameter_groups
+        from vembed.training.schedules import get_scheduler
         from vembed.training.strategy import configure_deepspeed, unsharded_construction
 
         recipe, acc = self.recipe, self.accelerator
@@ -132,7 +134,9 @@ class Trainer:
 
     @property
     def adapter(self):
-        return self.accelerator.unwrap_model(self.model).adapter
+        # The objective built in _build is the module every wrapper (DDP, FSDP, DeepSpeed) holds, so no unwrapping:
+        # accelerate's unwrap_model imports deepspeed whenever it is installed, seconds of start-up.
+        return self.objective.adapter
 
     # --- evaluation ------------------------------------------------------------------------------------------------
     def evaluate(self, examples: Any) -> dict[str, float]:
@@ -159,12 +163,14 @@ class Trainer:
             acc.init_trackers(recipe.run_name or "vembed", config=_flat_config(recipe.to_dict()))
 
         state, metrics = self._start_or_resume()
+        self._profiler = StepProfiler(recipe.profile, acc, self.adapter, self.optimizer, self.output_dir)
         progress = tqdm(total=self.total_steps, initial=state.global_step, disable=not acc.is_local_main_process,
                         desc="train", dynamic_ncols=True)
         try:
             self._train(state, progress)
         finally:
             progress.close()  # also on errors, so the message is not glued to a half-drawn bar
+            self._profiler.close()
         return self._finish(state, metrics)
 
     def _start_or_resume(self) -> tuple[TrainerState, dict[str, Any]]:
@@ -187,7 +193,8 @@ class Trainer:
 
     def _train(self, state: TrainerState, progress) -> None:
         acc = self.accelerator
-        meter = _Meter(samples_per_batch=self.recipe.batch_size * acc.num_processes)
+        meter = _Meter(samples_per_batch=self.recipe.batch_size * acc.num_processes,
+                       throughput=ThroughputMeter(self.adapter, acc, acc.mixed_precision))
         self.model.train()
         done = state.global_step >= self.total_steps
         while not done and state.epoch < self.num_epochs:
@@ -206,7 +213,8 @@ class Trainer:
                     self.optimizer.zero_grad(set_to_none=True)
                 state.batches_in_epoch += 1
                 state.samples_seen += meter.samples_per_batch
-                meter.add(loss)
+                meter.add(loss, batch)
+                self._profiler.step()
                 if not acc.sync_gradients:
                     continue
                 self.scheduler.step()
@@ -230,10 +238,12 @@ class Trainer:
             "loss": acc.reduce(meter.mean_loss(acc.device), "mean").item(),  # averaged over ranks
             "lr": self.scheduler.get_last_lr()[0],
             "samples_per_second": meter.samples_per_second(),
+            **meter.throughput_record(),  # tokens/s, peak memory, MFU
         }
         state.loss_history.append(record)
         progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
-                             sps=f"{record['samples_per_second']:.0f}")
+                             sps=f"{record['samples_per_second']:.0f}", mem=f"{record['peak_memory_mb']:.0f}MB",
+                             **({"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}))
         acc.log({f"train/{k}": v for k, v in record.items() if k != "step"}, step=state.global_step)
         meter.reset()
 
@@ -356,16 +366,19 @@ class _Meter:
     """Loss and throughput since the last log line; the loss stays on the device until it is logged (no host sync
     per step)."""
 
-    def __init__(self, samples_per_batch: int):
+    def __init__(self, samples_per_batch: int, throughput: "ThroughputMeter"):
         self.samples_per_batch = samples_per_batch
+        self.throughput = throughput
         self.reset()
 
     def reset(self) -> None:
         self.started, self.samples, self.batches = time.perf_counter(), 0, 0
         self.loss_sum: torch.Tensor | float = 0.0
+        self.throughput.reset()
 
-    def add(self, loss: torch.Tensor) -> None:
+    def add(self, loss: torch.Tensor, batch: dict[str, Any]) -> None:
         self.loss_sum = self.loss_sum + loss.detach().float()
+        self.throughput.add(batch)
         self.batches += 1
         self.samples += self.samples_per_batch
 
@@ -374,6 +387,9 @@ class _Meter:
 
     def samples_per_second(self) -> float:
         return self.samples / max(time.perf_counter() - self.started, 1e-9)
+
+    def throughput_record(self) -> dict[str, float]:
+        return self.throughput.record(time.perf_counter() - self.started)
 
 
 def _adapter_with_weights(recipe: "Recipe", objective_state: dict[str, torch.Tensor]):

