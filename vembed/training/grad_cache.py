@@ -77,7 +77,8 @@ class GradCacheStep:
 
     @property
     def objective(self) -> "ContrastiveObjective":
-        return self.accelerator.unwrap_model(self.model)
+        # DDP keeps the module in `.module`; accelerate's unwrap_model would import deepspeed (seconds) to check for it
+        return getattr(self.model, "module", self.model)
 
     def __call__(self, batch: dict[str, Any]) -> torch.Tensor:
         acc = self.accelerator
