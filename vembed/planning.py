@@ -27,7 +27,9 @@ hidden state). With gradient checkpointing only each layer's input (e·s·h) is 
 its recomputation. GradCache holds the activations of one chunk (`gradient_cache_chunk_size` examples, all their
 sides) plus fp32 embeddings and their gradients for the whole gathered contrastive batch. The loss adds three fp32
 (C × C·(1+k)) matrices (logits, softmax, gradient; twice when symmetric) for a contrastive batch C with k hard
-negatives. Queries are embedded by the text encoder and documents by the image encoder when the adapter has one.
+negatives. Queries are embedded by the text encoder and documents by the image encoder when the adapter has one;
+an adapter can route sides otherwise (`EmbeddingAdapter.planning_tokens`): Qwen-VL passes every side through its
+language model and a document's image also through the vision tower, with sequence lengths from max_pixels.
 
 The total (a steady-state step's peak) is parameters + optimizer state + persistent gradient buffers (DDP buckets,
 DeepSpeed partitions) + max(activations, gradients): gradients are freed by zero_grad(set_to_none=True) and, during
