@@ -4,6 +4,7 @@ real layer keeps, the decision tree, and the `vembed plan` command."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -249,3 +250,91 @@ def test_total_is_state_plus_buffers_plus_the_larger_of_activations_and_gradient
                          gradient_buffers=4)
     assert estimate_.total(False) == 10 + 16 + 4 + 30
     assert estimate_.total(True) == 10 + 16 + 4 + 4  # gradients outweigh checkpointed activations
+
+
+# --- Qwen-VL: every side is one language-model sequence, images also pass through the vision tower -----------------
+QWEN_TINY = Path(__file__).resolve().parents[1] / "configs" / "qwen3_vl_tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizer(tmp_path_factory):
+    from vembed.data.tokenizer import train_qwen_tokenizer
+
+    path = tmp_path_factory.mktemp("qwen_tokenizer")
+    train_qwen_tokenizer(["a handwritten digit seven", "the digit three", "number one"] * 8, path)
+    return str(path)
+
+
+def _qwen_recipe(tokenizer: str, *overrides: str):
+    from vembed.recipe import load_recipe
+
+    return load_recipe(QWEN_TINY, [f"tokenizer_name={tokenizer}", *overrides])
+
+
+def test_qwen_plan_command_prints_the_table(qwen_tokenizer, capsys):
+    from vembed.cli import main
+
+    code = main(["plan", str(QWEN_TINY), "--gpus", "2", "--gpu-memory", "24",
+                 "--config_override", f"tokenizer_name={qwen_tokenizer}"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "16 per device × 2 = 32 contrastive" in out and "1 document → text " in out
+    for name in STRATEGY_BY_NAME:
+        assert f"\n{name}" in out
+    assert "recommendation: DDP — " in out
+
+
+def test_qwen_counts_equal_the_real_model_and_peft(qwen_tokenizer):
+    """Parameter counts from the meta model equal the real (random-init) model's; the LoRA count equals what peft
+    leaves trainable on the real model, and LoRA's r·(in + out) per projection by hand (vision tower frozen)."""
+    from vembed.models import MODELS
+
+    recipe = _qwen_recipe(qwen_tokenizer, "train_vision_tower=false", "lora_r=4")
+    size = measure_model(recipe)
+    real = MODELS.get("qwen_vl").from_recipe(recipe)
+    assert size.total == sum(p.numel() for p in real.parameters())
+    assert size.trainable == sum(p.numel() for p in real.parameters() if p.requires_grad)
+    assert size.trainable < size.total  # the vision tower is frozen
+    real.apply_lora(recipe)
+    assert size.trainable_lora == sum(p.numel() for p in real.parameters() if p.requires_grad)
+    text = real.model.config.text_config
+    q = text.num_attention_heads * text.head_dim
+    kv = text.num_key_value_heads * text.head_dim
+    h, i = text.hidden_size, text.intermediate_size
+    per_layer = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)  # q, k, v, o, gate, up, down
+    assert size.trainable_lora == 4 * per_layer * text.num_hidden_layers
+
+    # With the vision tower trained, it stays fully trainable beside LoRA.
+    vision = _qwen_recipe(qwen_tokenizer, "train_vision_tower=true", "lora_r=4")
+    visual = sum(p.numel() for p in real.model.visual.parameters())
+    assert measure_model(vision).trainable_lora == size.trainable_lora + visual
+
+
+def test_qwen_planned_tokens_are_what_preprocessing_makes_of_an_image_at_the_pixel_cap(qwen_tokenizer):
+    """Independent reference: the adapter's own image processor and token expansion on an image of max_pixels."""
+    from PIL import Image
+
+    from vembed.data.records import Side
+    from vembed.models import MODELS
+
+    recipe = _qwen_recipe(qwen_tokenizer)
+    size = measure_model(recipe)
+    real = MODELS.get("qwen_vl").from_recipe(recipe)
+    side = int(recipe.max_pixels**0.5)
+    batch = real.preprocess([Side(image=Image.new("RGB", (side, side)), role="document")])
+    image_tokens = int((batch["input_ids"] == real.model.config.image_token_id).sum())
+    assert size.routes["document"]["image"] == batch["pixel_values"].shape[0]  # patches the vision tower sees
+    assert size.routes["document"]["text"] - size.routes["query"]["text"] == image_tokens  # merged, in the sequence
+    # Both sides pass through the language model, only the document through the vision tower.
+    work = workload_for(recipe, size, gpus=1)
+    assert work.sides == {"text": 2, "image": 1} and work.roles == {"query": 1, "document": 1}
+
+    bounded = measure_model(_qwen_recipe(qwen_tokenizer, "max_length=64"))  # max_length bounds the whole sequence
+    assert bounded.routes["query"]["text"] == bounded.routes["document"]["text"] == 64
+
+
+def test_qwen_plan_without_max_pixels_names_the_key(qwen_tokenizer):
+    from vembed.errors import RecipeError
+
+    with pytest.raises(RecipeError, match="max_pixels"):
+        measure_model(_qwen_recipe(qwen_tokenizer, "min_pixels=null", "max_pixels=null"))

@@ -27,7 +27,9 @@ hidden state). With gradient checkpointing only each layer's input (e·s·h) is 
 its recomputation. GradCache holds the activations of one chunk (`gradient_cache_chunk_size` examples, all their
 sides) plus fp32 embeddings and their gradients for the whole gathered contrastive batch. The loss adds three fp32
 (C × C·(1+k)) matrices (logits, softmax, gradient; twice when symmetric) for a contrastive batch C with k hard
-negatives. Queries are embedded by the text encoder and documents by the image encoder when the adapter has one.
+negatives. Queries are embedded by the text encoder and documents by the image encoder when the adapter has one;
+an adapter can route sides otherwise (`EmbeddingAdapter.planning_tokens`): Qwen-VL passes every side through its
+language model and a document's image also through the vision tower, with sequence lengths from max_pixels.
 
 The total (a steady-state step's peak) is parameters + optimizer state + persistent gradient buffers (DDP buckets,
 DeepSpeed partitions) + max(activations, gradients): gradients are freed by zero_grad(set_to_none=True) and, during
@@ -44,6 +46,7 @@ CUDA context and allocator slack are covered by the reserve (USABLE_FRACTION, CU
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -83,7 +86,20 @@ KERNELS = {"cuda": Kernels("cuda", 1, 0, False), "cpu": Kernels("cpu", None, 3, 
 
 # MLPs with a gate (act(gate(x)) * up(x)) keep four intermediate-width tensors for backward instead of two.
 GATED_MLP_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen2_vl", "qwen3_vl", "gemma", "gemma2",
-                                   "gemma3_text", "phi3", "modernbert"})
+                                   "gemma3_text", "phi3", "modernbert",
+                                   # Qwen-VL language models, and Qwen2.5-VL's vision blocks (Qwen2-VL's and
+                                   # Qwen3-VL's vision MLPs are plain: quick_gelu / gelu_pytorch_tanh)
+                                   "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen2_5_vl_vision"})
+
+# Config attribute names of the same quantity across architectures, first found wins: Qwen-VL vision towers say
+# depth / num_heads, and Qwen2-VL's says embed_dim for its own width (its hidden_size is the language model's).
+LAYERS_NAMES = ("num_hidden_layers", "depth")
+HIDDEN_NAMES = ("embed_dim", "hidden_size")
+HEADS_NAMES = ("num_attention_heads", "num_heads")
+
+
+def _first(config: "PretrainedConfig", names: tuple[str, ...]) -> int | None:
+    return next((value for name in names if (value := getattr(config, name, None))), None)
 
 
 def _mlp_tensors(config: "PretrainedConfig") -> int:
@@ -113,25 +129,35 @@ class EncoderShape:
     attention_dropout: bool = False
 
     @classmethod
-    def from_config(cls, config: "PretrainedConfig", modality: str, max_length: int | None) -> "EncoderShape":
-        hidden = getattr(config, "hidden_size", None)
-        layers = getattr(config, "num_hidden_layers", None)
+    def from_config(
+        cls, config: "PretrainedConfig", modality: str, max_length: int | None, tokens: int | None = None
+    ) -> "EncoderShape":
+        """`tokens` per sample when the adapter knows them (`EmbeddingAdapter.planning_tokens`); otherwise
+        max_length for text and patches (+1 class token) of `image_size` for images."""
+        hidden = _first(config, HIDDEN_NAMES)
+        layers = _first(config, LAYERS_NAMES)
         if not hidden or not layers:
             raise RecipeError(
                 "model_config",
                 f"the {modality} encoder ({config.model_type}) is not a plain transformer (no hidden_size / "
                 "num_hidden_layers); the planner cannot estimate its activations",
             )
-        if modality == "image":
+        if tokens is not None:
+            pass
+        elif modality == "image":
+            if not getattr(config, "image_size", None):
+                raise RecipeError("model_config", f"the image encoder ({config.model_type}) has no fixed image_size; "
+                                  "its adapter must give the planner its tokens (planning_tokens)")
             patches = (config.image_size // config.patch_size) ** 2
             tokens = patches + 1  # a class token (CLIP, ViT, DINOv2); SigLIP has none: one token too many, on purpose
         else:
             tokens = max_length or getattr(config, "max_position_embeddings", None) or 512
+        mlp_ratio = getattr(config, "mlp_ratio", None) or 4
         return cls(
             layers=layers,
             hidden=hidden,
-            intermediate=getattr(config, "intermediate_size", None) or 4 * hidden,
-            heads=getattr(config, "num_attention_heads", None) or 1,
+            intermediate=getattr(config, "intermediate_size", None) or int(mlp_ratio * hidden),
+            heads=_first(config, HEADS_NAMES) or 1,
             tokens=tokens,
             masked=modality == "text",
             mlp_tensors=_mlp_tensors(config),
@@ -183,6 +209,17 @@ class ModelSize:
     trainable_lora: int  # trainable with the recipe's LoRA settings (adapters + whatever stays trainable outside)
     encoders: dict[str, EncoderShape]
     embedding_dim: int
+    # role ("query", "document") -> encoder -> tokens per side: which encoders each side passes through, and how
+    # long its sequence is there (see EmbeddingAdapter.planning_tokens)
+    routes: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+def default_routes(encoders: dict[str, EncoderShape]) -> dict[str, dict[str, int]]:
+    """Queries go to the text encoder, documents (positive + hard negatives) to the image encoder when there is one:
+    the image–text retrieval case of two-tower models. Text-only adapters embed every side as text."""
+    query = "text" if "text" in encoders else "image"
+    documents = "image" if "image" in encoders else "text"
+    return {"query": {query: encoders[query].tokens}, "document": {documents: encoders[documents].tokens}}
 
 
 def measure_model(recipe: "Recipe") -> ModelSize:
@@ -195,14 +232,19 @@ def measure_model(recipe: "Recipe") -> ModelSize:
     adapter: EmbeddingAdapter = adapter_cls.on_meta(recipe)
     total = sum(p.numel() for p in adapter.parameters()) + loss_parameters
     trainable = sum(p.numel() for p in adapter.parameters() if p.requires_grad) + loss_parameters
+    routes = adapter.planning_tokens(recipe)
+    # An encoder's shape carries the longest sequence any side gives it (what the table shows); the activations
+    # use each route's own length.
+    longest = {name: max(tokens[name] for tokens in routes.values() if name in tokens)
+               for name in {name for tokens in routes.values() for name in tokens}} if routes else {}
     encoders = {
-        modality: EncoderShape.from_config(config, modality, adapter.max_length)
+        modality: EncoderShape.from_config(config, modality, adapter.max_length, longest.get(modality))
         for modality, config in adapter.encoder_configs().items()
     }
     embedding_dim = adapter.embedding_dim
     adapter.apply_lora(recipe)
     lora = sum(p.numel() for p in adapter.parameters() if p.requires_grad) + loss_parameters
-    return ModelSize(total, trainable, lora, encoders, embedding_dim)
+    return ModelSize(total, trainable, lora, encoders, embedding_dim, routes or default_routes(encoders))
 
 
 @dataclass(frozen=True)
@@ -211,7 +253,8 @@ class Workload:
 
     batch_size: int  # examples per device
     gpus: int
-    sides: dict[str, int]  # sides per example embedded by each modality's encoder
+    sides: dict[str, int]  # sides per example passing through each encoder (a side may pass through several)
+    roles: dict[str, int]  # sides per example of each role: 1 query, 1 + negatives documents
     negatives: int  # hard negatives per example
     element: int  # bytes per activation element: 4 (fp32) or 2 (bf16/fp16 autocast)
     mixed_precision: bool
@@ -225,14 +268,13 @@ class Workload:
 
 
 def workload_for(recipe: "Recipe", model: ModelSize, gpus: int, device: str = "cuda") -> Workload:
-    """Queries go to the text encoder, documents (positive + hard negatives) to the image encoder when there is one:
-    the image–text retrieval case. Text-only adapters embed every side as text."""
+    """Each example is one query and 1 + hard negatives documents, routed through the encoders by `model.routes`."""
     negatives = recipe.data.num_hard_negatives or 0
-    query = "text" if "text" in model.encoders else "image"
-    documents = "image" if "image" in model.encoders else "text"
+    roles = {"query": 1, "document": 1 + negatives}
     sides = dict.fromkeys(model.encoders, 0)
-    sides[query] += 1
-    sides[documents] += 1 + negatives
+    for role, count in roles.items():
+        for name in model.routes[role]:
+            sides[name] += count
     # Unset mixed_precision means "what the accelerate config says"; ours (ddp.yaml, fsdp.yaml) say bf16 on GPUs.
     precision = recipe.mixed_precision or "bf16"
     mixed = precision != "no"
@@ -240,6 +282,7 @@ def workload_for(recipe: "Recipe", model: ModelSize, gpus: int, device: str = "c
         batch_size=recipe.batch_size,
         gpus=gpus,
         sides=sides,
+        roles=roles,
         negatives=negatives,
         element=2 if mixed else FP32,
         mixed_precision=mixed,
@@ -309,10 +352,11 @@ class Estimate:
 
 def _activations(model: ModelSize, work: Workload, examples: int, checkpointing: bool) -> float:
     return sum(
-        encoder.activation_bytes(
-            examples * work.sides[modality], work.element, work.kernels, work.eager_attention, checkpointing
+        dataclasses.replace(model.encoders[name], tokens=tokens).activation_bytes(
+            examples * count, work.element, work.kernels, work.eager_attention, checkpointing
         )
-        for modality, encoder in model.encoders.items()
+        for role, count in work.roles.items()
+        for name, tokens in model.routes[role].items()
     )
 
 
@@ -357,7 +401,7 @@ def estimate(
     cache = 0.0
     if strategy.gradient_cache:
         examples = min(chunk_size or work.batch_size, work.batch_size)
-        sides = sum(work.sides.values())
+        sides = sum(work.roles.values())
         cache = 2 * FP32 * work.contrastive_batch * sides * model.embedding_dim  # embeddings and their gradients
     extra = cache + _loss_bytes(work)
     return Estimate(
@@ -487,8 +531,10 @@ def format_plan(plan: Plan) -> str:
     """The table `vembed plan` prints: GiB per device, each strategy, with and without gradient checkpointing."""
     work, model = plan.work, plan.model
     precision = "bf16/fp16 autocast" if work.mixed_precision else "fp32"
-    sides = ", ".join(f"{count} {modality}" for modality, count in work.sides.items() if count)
-    shapes = ", ".join(f"{m} {e.tokens} tokens × {e.layers} layers × {e.hidden}" for m, e in model.encoders.items())
+    sides = "; ".join(
+        f"{work.roles[role]} {role} → " + " + ".join(f"{name} {tokens} tokens" for name, tokens in route.items())
+        for role, route in model.routes.items())
+    shapes = ", ".join(f"{m} {e.layers} layers × {e.hidden}" for m, e in model.encoders.items())
     lines = [
         f"vembed plan {plan.recipe_path}: {plan.gpus} GPU(s) × {plan.gpu_memory_gib:g} GiB "
         f"(usable {_gib(plan.usable)}: {USABLE_FRACTION:.0%} less {CUDA_CONTEXT_GIB} GiB CUDA context)",

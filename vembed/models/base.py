@@ -93,6 +93,14 @@ class EmbeddingAdapter(nn.Module, ABC):
         widths, heads and tokens (max_length, or patches) per sample from it to estimate activation memory."""
         raise NotImplementedError(f"model_type {self.model_type!r} does not implement encoder_configs")
 
+    def planning_tokens(self, recipe: "Recipe") -> "dict[str, dict[str, int]] | None":
+        """For the planner: which encoders (keys of `encoder_configs`) a query side and a document side pass
+        through, and their sequence length there, e.g. `{"query": {"text": 512}, "document": {"image": 197}}`.
+        None (the default): queries go to the text encoder at max_length, documents to the image encoder (patches of
+        its image_size), or to the text encoder when there is none. Adapters whose sides pass through several
+        encoders, or whose image sequence depends on the recipe (a pixel budget), say so here."""
+        return None
+
     # --- used by the loop ------------------------------------------------------------------------------------------
     @property
     @abstractmethod

@@ -74,6 +74,9 @@ VISION_TOKEN_IDS = {
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids")  # (n, seq): sliced by row
 PIXEL_VALUES, IMAGE_GRID_THW = "pixel_values", "image_grid_thw"  # (patches, C*T*P*P) and (images, 3)
 IMAGES_PER_SIDE = "images_per_side"  # (n,): how many images each side holds; not a model input
+# The memory planner's text length per side when the recipe sets no max_length (Qwen's own limit, 256K positions,
+# would be meaningless): instruction + template + a long passage. Set max_length to plan for a real bound.
+PLANNED_TEXT_TOKENS = 512
 
 
 def normalize_instruction(instruction: str) -> str:
@@ -130,6 +133,9 @@ class QwenVLAdapter(EmbeddingAdapter):
         self.base_model = base_model  # the pretrained checkpoint LoRA weights apply to
         self.prompt_ending = prompt_ending  # a key of ENDINGS
         self.model.visual.requires_grad_(train_vision_tower)
+        if tokenizer is None:  # on_meta: nothing to tokenise, so nothing to check
+            self._token_ids = {name: getattr(model.config, name) for name in VISION_TOKEN_IDS}
+            return
         self._token_ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in VISION_TOKEN_IDS.items()}
         self._check_token_ids(model.config)
 
@@ -202,6 +208,45 @@ class QwenVLAdapter(EmbeddingAdapter):
             trust_remote_code=recipe.trust_remote_code,
             attn_implementation=recipe.attn_implementation,
         )
+
+    @classmethod
+    def on_meta(cls, recipe: "Recipe") -> "QwenVLAdapter":
+        """The recipe's model on the meta device from its config alone; the vision token ids keep the config's
+        values (a random-init model takes them from its tokenizer, which is not read here; they size nothing)."""
+        from transformers import AutoModel
+
+        cls.check_recipe(recipe)
+        config = cls._config(recipe)
+        with torch.device("meta"):
+            model = AutoModel.from_config(config, **hf_kwargs(recipe.trust_remote_code, recipe.attn_implementation))
+        return cls(
+            model, None, None,
+            train_vision_tower=recipe.train_vision_tower,
+            normalize=recipe.normalize,
+            max_length=resolve_max_length(recipe.max_length, None, config.text_config),
+        )  # fmt: skip
+
+    def encoder_configs(self) -> "dict[str, PretrainedConfig]":
+        return {"text": self.model.config.text_config, "image": self.model.config.vision_config}
+
+    def planning_tokens(self, recipe: "Recipe") -> dict[str, dict[str, int]]:
+        """Every side is one language-model sequence; a document side's image also passes through the vision tower.
+
+        Assumed: one image per document side, at the pixel cap (max_pixels), and none in queries. The vision tower
+        sees its patches, max_pixels / patch²; the language model sees them merged, / merge² more, inside the
+        sequence. Text takes max_length (which bounds the whole sequence, images included) or, unset,
+        PLANNED_TEXT_TOKENS on top of the image."""
+        if recipe.max_pixels is None:
+            raise RecipeError("max_pixels", "is needed by the planner to count image tokens (it plans for images at "
+                              "the cap); set it, e.g. 1843200 as in configs/qwen3_vl_embedding_2b.yaml")
+        vision = self.model.config.vision_config
+        merge = vision.spatial_merge_size**2
+        image_tokens = recipe.max_pixels // (vision.patch_size**2 * merge)  # one per merged patch
+        if recipe.max_length is not None:
+            query, document = recipe.max_length, max(recipe.max_length, image_tokens)
+        else:
+            query, document = PLANNED_TEXT_TOKENS, PLANNED_TEXT_TOKENS + image_tokens
+        return {"query": {"text": query}, "document": {"text": document, "image": image_tokens * merge}}
 
     # --- the input format ------------------------------------------------------------------------------------------
     def instruction_for(self, side: "Side") -> str:
