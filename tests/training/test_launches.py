@@ -38,7 +38,7 @@ def _recipe(base: dict, out: Path, **changes) -> Path:
     return path
 
 
-def _launch(config: str | None, recipe: Path, timeout: int = 400) -> subprocess.CompletedProcess:
+def _launch(config: str | None, recipe: Path, timeout: int = 240) -> subprocess.CompletedProcess:
     if config is None:  # one process, no launcher: the reference
         command = [sys.executable, "-m", "vembed.entrypoints.train", str(recipe)]
     else:

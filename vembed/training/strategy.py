@@ -265,8 +265,10 @@ def memory_estimate_line(accelerator: "Accelerator", recipe: "Recipe", grad_cach
     from vembed.planning import estimate_line
 
     try:
-        return estimate_line(recipe, planner_strategy(accelerator, recipe, grad_cache, fsdp),
-                             accelerator.num_processes, device=accelerator.device.type)
+        # Only the main process asks: the meta-device model must not go through ZeRO-3's (collective) construction.
+        with unsharded_construction(accelerator):
+            return estimate_line(recipe, planner_strategy(accelerator, recipe, grad_cache, fsdp),
+                                 accelerator.num_processes, device=accelerator.device.type)
     except Exception as error:  # noqa: BLE001 - any failure here must not stop training
         return f"memory estimate     unavailable ({type(error).__name__}: {error})"
 
