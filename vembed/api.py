@@ -44,9 +44,9 @@ class Embedder:
 
         `device`: where to run (default: cuda when available, else cpu).
         """
-        from vembed.models.base import load_adapter
+        from vembed.models.base import load_embedding_adapter
 
-        return cls(load_adapter(Path(path)), device=device)
+        return cls(load_embedding_adapter(Path(path)), device=device)
 
     @property
     def embedding_dim(self) -> int:

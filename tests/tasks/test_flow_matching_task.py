@@ -160,3 +160,14 @@ def test_the_task_is_chosen_by_the_model_through_the_registry():
 
     assert task_for(recipe_from_dict({"model_type": "clip"})) is ContrastiveTask
     assert task_for(recipe_from_dict({"model_type": "blip3o_dit", "loss_type": "flow_matching"})) is FlowMatchingTask
+
+
+def test_a_dit_folder_given_to_the_embedding_api_is_one_clear_error(tmp_path):
+    import vembed
+    from vembed.errors import RecipeError
+    from vembed.models.blip3o_dit import Blip3oDiT, DiTConfig
+
+    Blip3oDiT(DiTConfig(eva_dim=12, clip_dim=8, num_tokens=4, hidden_size=16, num_layers=1, num_heads=4,
+                        num_kv_heads=2, eva_adapter_layers=1, mlp_ratio=2.0)).save(tmp_path / "dit")
+    with pytest.raises(RecipeError, match="generates embeddings instead of encoding.*Blip3oDiT.load"):
+        vembed.load(str(tmp_path / "dit"))

@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     def body() -> int:
         from vembed.data.sources import load_examples
         from vembed.errors import RecipeError
-        from vembed.models.base import load_adapter
+        from vembed.models.base import load_embedding_adapter
         from vembed.recipe import ColumnMap, DataConfig
 
         columns = {}
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
 
         _check_data_paths(Recipe(data=data), ("test",))
         quiet_libraries()
-        adapter = load_adapter(args.model_dir)
+        adapter = load_embedding_adapter(args.model_dir)
         examples, report = load_examples(data, "test", num_hard_negatives=0)
         if args.max_samples:
             examples = examples[: args.max_samples]

@@ -224,9 +224,21 @@ def read_adapter_file(path: str | Path) -> dict[str, Any]:
     return json.loads(file.read_text())
 
 
-def load_adapter(path: str | Path) -> EmbeddingAdapter:
-    """Load any saved vembed model, whatever its adapter."""
+def load_adapter(path: str | Path) -> nn.Module:
+    """Load any saved vembed model, whatever its adapter (an embedding adapter, or e.g. a blip3o_dit generator)."""
     from vembed.models import MODELS
 
     info = read_adapter_file(path)
     return MODELS.get(info["model_type"]).load(path)
+
+
+def load_embedding_adapter(path: str | Path) -> EmbeddingAdapter:
+    """A saved model that encodes text/images; anything else is one clear line naming what to use instead."""
+    model = load_adapter(path)
+    if not isinstance(model, EmbeddingAdapter):  # blip3o_dit generates embeddings from other embeddings
+        cls = type(model)
+        raise RecipeError(
+            "model", f"{str(path)!r} holds a {read_adapter_file(path)['model_type']} model, which generates "
+            f"embeddings instead of encoding text or images; load it with {cls.__module__}.{cls.__name__}.load(path)",
+        )
+    return model
