@@ -21,11 +21,13 @@ def test_launches_offered_per_machine(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "deepspeed" else real(name))
     cpu = {launch.name: launch for launch in available_launches(0, batch_size=16, chunk=None)}
-    assert list(cpu) == ["single", "ddp", "ddp+gradcache", "fsdp", "zero2", "zero3"]
+    assert list(cpu) == ["single", "single-batch-x2", "ddp", "ddp+gradcache", "fsdp", "zero2", "zero3"]
+    assert cpu["single-batch-x2"].overrides == ["batch_size=32"] and cpu["single-batch-x2"].processes == 1
     assert cpu["ddp"].config == "ddp_cpu.yaml" and cpu["ddp"].processes == 2
     assert "gradient_cache_chunk_size=4" in cpu["ddp+gradcache"].overrides
     gpus = {launch.name: launch for launch in available_launches(8, batch_size=16, chunk=2)}
     assert gpus["ddp"].config == "ddp.yaml" and gpus["fsdp"].processes == 8
+    assert gpus["single-batch-x8"].overrides == ["batch_size=128"]
     assert [launch.name for launch in available_launches(1, 16, None)] == ["single"]
 
 

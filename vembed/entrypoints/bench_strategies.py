@@ -1,7 +1,9 @@
 """`vembed bench strategies RECIPE --steps N`: the same recipe for N steps under every launch this machine offers.
 
 Single device, DDP, DDP + GradCache, FSDP2, ZeRO-2 and ZeRO-3, each started the way a user starts it (`accelerate
-launch` with the shipped config), each in its own output folder. Reported per launch: steady-state samples/s (the
+launch` with the shipped config), each in its own output folder. Where there are several processes, one more single
+launch runs the same contrastive batch in one process (per-device batch x processes): every row of that group computes
+the same thing, so their final losses agree, which the table makes visible. Reported per launch: steady-state samples/s (the
 median of the logged windows after the first, which holds start-up), peak memory per process as logged by rank 0,
 the final loss, and wall time. Writes strategies.json, strategies.md and strategies.png under `--out`. On CPU the
 multi-process launches use 2 processes over gloo; on GPUs one process per GPU over NCCL.
@@ -43,7 +45,9 @@ def available_launches(gpus: int, batch_size: int, chunk: int | None) -> list[La
     gradcache = ["use_gradient_cache=true", f"gradient_cache_chunk_size={chunk or max(batch_size // 4, 1)}"]
     launches = [Launch("single", "single.yaml", 1)]
     if processes > 1:
-        launches += [Launch("ddp", ddp, processes), Launch("ddp+gradcache", ddp, processes, gradcache),
+        same_batch = f"single-batch-x{processes}"  # the contrastive batch of the multi-process launches, in one
+        launches += [Launch(same_batch, "single.yaml", 1, [f"batch_size={batch_size * processes}"]),
+                     Launch("ddp", ddp, processes), Launch("ddp+gradcache", ddp, processes, gradcache),
                      Launch("fsdp", "fsdp.yaml", processes)]
         if importlib.util.find_spec("deepspeed") is not None:
             launches += [Launch("zero2", "deepspeed_zero2.yaml", processes),
@@ -112,9 +116,11 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for axis, key, title in zip(axes, ("samples_per_second", "peak_memory_mb", "final_loss"),
                                 ("samples/s", "peak memory per process (MiB)", "final loss")):
-        axis.bar([r["name"] for r in ok], [r.get(key) or 0 for r in ok], color="tab:blue")
+        values = [r.get(key) or 0 for r in ok]
+        bars = axis.bar([r["name"] for r in ok], values, color="tab:blue")
+        axis.bar_label(bars, labels=[f"{v:.4g}" for v in values], fontsize=8)
         axis.set_title(title)
-        axis.tick_params(axis="x", rotation=30)
+        plt.setp(axis.get_xticklabels(), rotation=30, ha="right")
         axis.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -124,7 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="recipe YAML to run under every launch")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per launch")
     parser.add_argument("--out", default="runs/bench_strategies", help="folder for the runs, table and plot")
-    parser.add_argument("--only", help="comma-separated subset: single,ddp,ddp+gradcache,fsdp,zero2,zero3")
+    parser.add_argument("--only", help="comma-separated subset: single,single-batch-x2,ddp,ddp+gradcache,fsdp,zero2,zero3")
     parser.add_argument("--config_override", "--config-override", nargs="*", default=[], metavar="KEY=VALUE",
                         help="recipe overrides applied to every launch")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
