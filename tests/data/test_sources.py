@@ -219,10 +219,55 @@ def test_unset_split_and_unparsable_file(tmp_path):
     with pytest.raises(RecipeError, match="data.validation"):
         load_examples(DataConfig(train="x"), "validation")
     bad = tmp_path / "broken.jsonl"
-    bad.write_text('{"query": "a", "positive": "b"}\n{not json\n')
-    with pytest.raises(DataError, match="cannot read as json") as err:
+    bad.write_text('{"query": "a", "positive": "b"}\n\n{not json\n')
+    with pytest.raises(DataError, match="cannot read as json: line 3 is not valid JSON") as err:
         load_examples(DataConfig(train=str(bad)), "train")
-    assert err.value.file == str(bad)
+    assert (err.value.file, err.value.row) == (str(bad), 3)
+
+
+@pytest.mark.parametrize("layout", ["array", "columns", "lines with blanks"])
+def test_json_layouts_read_the_same_examples(tmp_path, layout):
+    path = tmp_path / "pairs.json"
+    if layout == "array":
+        path.write_text(json.dumps(ROWS, indent=2))
+    elif layout == "columns":
+        path.write_text(json.dumps({key: [row[key] for row in ROWS] for key in ROWS[0]}))
+    else:
+        path.write_text("\n" + "\n\n".join(json.dumps(row) for row in ROWS) + "\n\n")
+    examples, report = load_examples(DataConfig(train=str(path)), "train")
+    assert [e.query.text for e in examples] == ["a red square", "a blue circle", "a green triangle"]
+    assert [e.row for e in examples] == [1, 2, 3] and report.num_hard_negatives == 2
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ('[{"query": "a", "positive": "b"},\n {"query": "c"', "cannot read as json: line 2"),
+        ('{"query": ["a", "b"], "positive": ["c"]}', "columns have different lengths"),
+        ('{"query": "a", "positive": "b"}\n["c", "d"]\n', "record 2 is a list, not an object"),
+    ],
+    ids=["broken array", "ragged columns", "not an object"],
+)
+def test_json_that_is_not_records_is_one_line_naming_the_file(tmp_path, text, expected):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(DataError, match=expected) as err:
+        load_examples(DataConfig(train=str(path)), "train")
+    assert err.value.file == str(path)
+
+
+def test_reading_json_lines_does_not_import_datasets(tmp_path):
+    """`datasets` (with pandas and pyarrow) costs ~0.5 s of start-up; JSON Lines do not need it."""
+    import subprocess
+    import sys
+
+    path = _jsonl(tmp_path / "pairs.jsonl", ROWS)
+    code = ("import sys; from vembed.data.sources import load_examples; from vembed.recipe import DataConfig; "
+            f"examples, _ = load_examples(DataConfig(train={str(path)!r}), 'train'); "
+            "assert len(examples) == 3; print(sorted(m for m in ('datasets', 'pandas', 'pyarrow') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
 
 
 def test_hf_saved_dataset_with_embedded_images(tmp_path):
