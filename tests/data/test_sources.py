@@ -264,7 +264,8 @@ def test_reading_json_lines_does_not_import_datasets(tmp_path):
     path = _jsonl(tmp_path / "pairs.jsonl", ROWS)
     code = ("import sys; from vembed.data.sources import load_examples; from vembed.recipe import DataConfig; "
             f"examples, _ = load_examples(DataConfig(train={str(path)!r}), 'train'); "
-            "assert len(examples) == 3; print(sorted(m for m in ('datasets', 'pandas', 'pyarrow') if m in sys.modules))")
+            "assert len(examples) == 3; "
+            "print(sorted(m for m in ('datasets', 'pandas', 'pyarrow') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"

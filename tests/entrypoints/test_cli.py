@@ -102,6 +102,27 @@ def test_accelerate_launch_two_cpu_processes_end_to_end(tiny_clip_recipe, tmp_pa
     assert (tmp_path / "st" / "modules.json").is_file()
 
 
+@pytest.mark.slow
+def test_run_py_launches_two_cpu_processes_and_returns_their_exit_code(tiny_clip_recipe, tmp_path):
+    """run.py validates, then runs accelerate's launcher in its own process (no second interpreter)."""
+    raw = dict(tiny_clip_recipe, max_steps=2, save_steps=None, eval_before_training=False,
+               data={"train": tiny_clip_recipe["data"]["train"]})
+    result = _run([sys.executable, "run.py", str(_write_recipe(tmp_path, raw)), "--accelerate_config", "ddp_cpu"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = json.loads((Path(raw["output_dir"]) / "metrics.json").read_text())
+    assert (metrics["train"]["world_size"], metrics["train"]["steps"]) == (2, 2)
+
+    # A file that only the training processes read (check_recipe sees that it exists) fails inside them: their
+    # one-line error and exit code come back, with no traceback from the launcher.
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"query": "a", "positive": "b"}\n{not json\n')
+    raw = dict(raw, output_dir=str(tmp_path / "failed"), data={"train": str(broken)})
+    result = _run([sys.executable, "run.py", str(_write_recipe(tmp_path, raw)), "--accelerate_config", "ddp_cpu"])
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "line 2 is not valid JSON" in result.stderr and "launch error: rank " in result.stderr
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
 def test_data_command_writes_a_dummy_data_set(tmp_path):
     out = tmp_path / "dummy"
     result = _run([sys.executable, "-m", "vembed", "data", "dummy", "--out", str(out), "--num-samples", "40"])

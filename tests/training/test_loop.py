@@ -120,3 +120,12 @@ def test_wandb_tracker_works_offline(tiny_clip_recipe, tmp_path, monkeypatch):
     runs = list((tmp_path / "wandb").rglob("offline-run-*"))
     assert runs, "wandb wrote no offline run"
     assert list(runs[0].rglob("*.wandb")), "the offline run holds no history"
+
+
+def test_optimizer_is_fused_adamw_where_the_device_has_the_kernel():
+    from vembed.training.loop import build_optimizer
+
+    cpu = build_optimizer([{"params": [torch.nn.Parameter(torch.ones(3))], "weight_decay": 0.0}], lr=1e-3)
+    assert isinstance(cpu, torch.optim.AdamW) and cpu.defaults["fused"] is True
+    meta = build_optimizer([{"params": [torch.nn.Parameter(torch.ones(3, device="meta"))]}], lr=1e-3)
+    assert isinstance(meta, torch.optim.AdamW) and not meta.defaults["fused"]

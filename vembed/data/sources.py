@@ -1,7 +1,8 @@
 """Data sources: find the files a recipe names and read them into `Example`s, skipping and counting unusable rows.
 
 JSON Lines and JSON files are read with the standard library; CSV, Parquet and local `datasets` folders with
-`datasets`. Images stay as absolute paths here; they are decoded only when a record is fetched (see `PairDataset`), so memory stays small.
+`datasets`. Images stay as absolute paths here; they are decoded only when a record is fetched (see `PairDataset`),
+so memory stays small.
 """
 
 from __future__ import annotations

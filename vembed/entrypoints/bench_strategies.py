@@ -3,10 +3,10 @@
 Single device, DDP, DDP + GradCache, FSDP2, ZeRO-2 and ZeRO-3, each started the way a user starts it (`accelerate
 launch` with the shipped config), each in its own output folder. Where there are several processes, one more single
 launch runs the same contrastive batch in one process (per-device batch x processes): every row of that group computes
-the same thing, so their final losses agree, which the table makes visible. Reported per launch: steady-state samples/s (the
-median of the logged windows after the first, which holds start-up), peak memory per process as logged by rank 0,
-the final loss, and wall time. Writes strategies.json, strategies.md and strategies.png under `--out`. On CPU the
-multi-process launches use 2 processes over gloo; on GPUs one process per GPU over NCCL.
+the same thing, so their final losses agree, which the table makes visible. Reported per launch: steady-state
+samples/s (the median of the logged windows after the first, which holds start-up), peak memory per process as logged
+by rank 0, the final loss, and wall time. Writes strategies.json, strategies.md and strategies.png under `--out`. On
+CPU the multi-process launches use 2 processes over gloo; on GPUs one process per GPU over NCCL.
 """
 
 from __future__ import annotations
@@ -130,7 +130,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="recipe YAML to run under every launch")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per launch")
     parser.add_argument("--out", default="runs/bench_strategies", help="folder for the runs, table and plot")
-    parser.add_argument("--only", help="comma-separated subset: single,single-batch-x2,ddp,ddp+gradcache,fsdp,zero2,zero3")
+    parser.add_argument("--only",
+                        help="comma-separated subset: single,single-batch-x2,ddp,ddp+gradcache,fsdp,zero2,zero3")
     parser.add_argument("--config_override", "--config-override", nargs="*", default=[], metavar="KEY=VALUE",
                         help="recipe overrides applied to every launch")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")

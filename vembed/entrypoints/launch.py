@@ -2,7 +2,9 @@
 
 The config is, in order: `--accelerate_config`, the one `accelerate config` saved, or ours from accelerate_configs/
 (ddp.yaml with one process per GPU when there are several GPUs, single.yaml otherwise). The recipe is validated here
-first, so a typo fails in a second instead of after N processes have started.
+first, so a typo fails in a second instead of after N processes have started. accelerate's launcher then runs in this
+process (its `launch_command`, what `accelerate launch` calls): torch and accelerate are imported already, and a
+second interpreter importing them again cost ~2 s of every start.
 """
 
 from __future__ import annotations
@@ -107,25 +109,45 @@ def run(args: argparse.Namespace) -> int:
         check_recipe(recipe)
         config, forced = choose_config(args.accelerate_config, recipe.use_fsdp)
         num_processes = args.num_processes or forced or _config_num_processes(config)
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-                   "--num_processes", str(num_processes)]
         config = _with_absolute_deepspeed_file(config)
-        command[4] = str(config)
+        launch_args = ["--config_file", str(config), "--num_processes", str(num_processes)]
         if num_processes > 1:
-            command += ["--main_process_port", str(_free_port())]
-        command += [str(TRAIN_SCRIPT), args.recipe]
+            launch_args += ["--main_process_port", str(_free_port())]
+        launch_args += [str(TRAIN_SCRIPT), args.recipe]
         if args.config_override:
-            command += ["--config_override", *args.config_override]
+            launch_args += ["--config_override", *args.config_override]
         if args.debug:
-            command.append("--debug")
+            launch_args.append("--debug")
         print(f"launching {num_processes} process(es) with {config}", file=sys.stderr)
         if args.dry_run:
-            print(" ".join(command))
+            print(" ".join(["accelerate", "launch", *launch_args]))
             return 0
-        env = dict(os.environ, VEMBED_EXPECTED_WORLD_SIZE=str(num_processes))
-        return subprocess.call(command, env=env)
+        os.environ["VEMBED_EXPECTED_WORLD_SIZE"] = str(num_processes)
+        return launch_in_process(launch_args)
 
     return run_cli(body, args.debug)
+
+
+def launch_in_process(launch_args: list[str]) -> int:
+    """`accelerate launch ARGS` in this process; the exit code of the training processes, without a traceback here
+    (they print their own one-line errors)."""
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    try:
+        launch_command(launch_command_parser().parse_args(launch_args))
+    except subprocess.CalledProcessError as failed:  # one process (simple launcher)
+        return failed.returncode or 1
+    except SystemExit as exited:
+        return exited.code if isinstance(exited.code, int) else 1
+    except Exception as error:  # noqa: BLE001 - torch.distributed.run's ChildFailedError: several processes
+        if not hasattr(error, "get_first_failure"):
+            raise
+        rank, failure = error.get_first_failure()  # the root cause; the others were stopped because of it
+        code = failure.exitcode if failure.exitcode > 0 else 1
+        print(f"launch error: rank {rank} exited with code {failure.exitcode} and the others were stopped; "
+              "its error is above", file=sys.stderr)
+        return code
+    return 0
 
 
 def _free_port() -> int:
