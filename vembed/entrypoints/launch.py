@@ -138,7 +138,7 @@ def launch_in_process(launch_args: list[str]) -> int:
     except subprocess.CalledProcessError as failed:  # one process (simple launcher)
         return failed.returncode or 1
     except SystemExit as exited:
-        return exited.code if isinstance(exited.code, int) else 1
+        return 0 if exited.code is None else exited.code if isinstance(exited.code, int) else 1
     except Exception as error:  # noqa: BLE001 - torch.distributed.run's ChildFailedError: several processes
         if not hasattr(error, "get_first_failure"):
             raise
