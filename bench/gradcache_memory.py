@@ -31,6 +31,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # for process_memory, however this file is loaded
+from process_memory import peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
+
 # A small CLIP whose activations, not weights, dominate at large batches: 4+4 layers, 128-d, 64x64 images (64 patches).
 MODEL = {
     "projection_dim": 128,
@@ -41,22 +44,6 @@ MODEL = {
                       "num_hidden_layers": 4, "num_attention_heads": 4},
 }
 MODES = ("plain", "gradcache")
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _reset_peak_rss() -> None:
-    with open("/proc/self/clear_refs", "w") as handle:  # "5" resets VmHWM (Linux >= 4.0)
-        handle.write("5")
-
-
-def _peak_rss_bytes() -> int:
-    with open("/proc/self/status") as handle:
-        line = next(line for line in handle if line.startswith("VmHWM:"))
-    return int(line.split()[1]) * 1024
 
 
 def worker(data: Path, mode: str, batch: int, chunk: int, steps: int, measure: str) -> dict:
@@ -91,11 +78,11 @@ def worker(data: Path, mode: str, batch: int, chunk: int, steps: int, measure: s
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         else:
-            _reset_peak_rss()
-            base = _rss_bytes()
+            reset_peak_rss()
+            base = rss_bytes()
         for _ in range(2):
             step()
-        peak = (torch.cuda.max_memory_allocated() if cuda else _peak_rss_bytes()) - base
+        peak = (torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()) - base
         return {**row, "peak_mib": peak / 2**20}
     wall, cpu = [], []
     for _ in range(steps):

@@ -27,6 +27,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # for process_memory, however this file is loaded
+from process_memory import peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
+
 MIB = 1024**2
 
 BERT_20M = {"model_type": "bert", "hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 12,
@@ -59,24 +62,6 @@ def _recipe(keys: dict, batch_size: int, checkpointing: bool):
 
 
 # --- the measured side: one fresh process per case ------------------------------------------------------------------
-def _rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
-
-
-def _peak() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM")
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux ≥ 4.0)
-
-
 def _batch(adapter, modality: str, n: int, tokens: int):
     import torch
 
@@ -107,7 +92,7 @@ def measure(keys: dict, batch_size: int, checkpointing: bool) -> dict[str, int]:
     work = workload_for(recipe, measure_model(recipe), gpus=1)
     query = "text" if "text" in work.sides else "image"  # as the planner assigns sides (workload_for)
     documents = "image" if "image" in work.sides else "text"
-    before = _rss()
+    before = rss_bytes()
     adapter = MODELS.get(recipe.model_type).on_meta(recipe).to_empty(device="cpu")
     with torch.no_grad():
         for parameter in adapter.parameters():
@@ -124,7 +109,7 @@ def measure(keys: dict, batch_size: int, checkpointing: bool) -> dict[str, int]:
     tokens = {m: e.tokens for m, e in measure_model(recipe).encoders.items()}
     batch = {"query": _batch(adapter, query, batch_size, tokens.get(query, 0)),
              "positive": _batch(adapter, documents, batch_size, tokens.get(documents, 0)), "num_negatives": 0}
-    built = _rss()
+    built = rss_bytes()
 
     def step() -> None:
         loss = objective(batch)
@@ -133,10 +118,10 @@ def measure(keys: dict, batch_size: int, checkpointing: bool) -> dict[str, int]:
         optimizer.zero_grad(set_to_none=True)
 
     step()
-    after_first = _rss()
-    _reset_peak()
+    after_first = rss_bytes()
+    reset_peak_rss()
     step()
-    peak = _peak()
+    peak = peak_rss_bytes()
     return {"parameters": built - before, "optimizer": after_first - built, "grads_acts": peak - after_first,
             "total": peak - before}
 

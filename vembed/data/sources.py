@@ -135,7 +135,6 @@ class Rows:
 
     records: list[dict[str, Any]]
     column_names: list[str]
-    features: dict[str, Any] = field(default_factory=dict)  # no typed columns: image columns hold paths
 
     @property
     def num_rows(self) -> int:
@@ -233,7 +232,7 @@ def read_table(path: str, builder: str, split: str) -> "datasets.Dataset | Rows"
 
 def _undecoded_images(table: "datasets.Dataset | Rows", columns: list[str]) -> "datasets.Dataset | Rows":
     """Image features come back as {path, bytes} dicts instead of decoded pictures (memory stays small)."""
-    if isinstance(table, Rows):
+    if isinstance(table, Rows):  # no typed columns: image columns hold paths
         return table
     import datasets
 
