@@ -6,6 +6,7 @@ accelerate's singletons from whatever earlier tests did in this process, and can
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import time
@@ -32,7 +33,13 @@ def _rank_entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         fn(*args)
+        # Tear down together: a rank that destroys its gloo group while a peer is still working (rank 0 saving, say)
+        # can abort in gloo's threads ("terminate called without an active exception", SIGABRT).
+        dist.barrier()
     finally:
+        # Drop the last references to FSDP / DeviceMesh state first, so the group's worker threads are joined here
+        # and not during interpreter shutdown.
+        gc.collect()
         dist.destroy_process_group()
 
 
