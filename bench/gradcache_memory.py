@@ -59,7 +59,7 @@ def worker(data: Path, mode: str, batch: int, chunk: int, steps: int, measure: s
     if mode == "gradcache":
         raw.update(use_gradient_cache=True, gradient_cache_chunk_size=chunk)
     trainer = Trainer(recipe_from_dict(raw))
-    trainer._build()
+    trainer.build()
     device = trainer.accelerator.device
     batch_data = send_to_device(trainer.loader.collate_fn([trainer.dataset[i] for i in range(batch)]), device)
     cuda = device.type == "cuda"

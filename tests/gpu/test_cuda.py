@@ -59,7 +59,7 @@ def _bf16_grad_cache_worker(raw: dict) -> None:
     grads = {}
     for name, overrides in (("cached", {"use_gradient_cache": True, "gradient_cache_chunk_size": 3}), ("plain", {})):
         trainer = Trainer(recipe_from_dict(dict(raw, mixed_precision="bf16", **overrides)))
-        trainer._build()
+        trainer.build()
         batch = send_to_device(trainer.loader.collate_fn([trainer.dataset[i] for i in range(8)]), "cuda")
         torch.manual_seed(0)
         trainer.train_step(batch)

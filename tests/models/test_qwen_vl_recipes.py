@@ -97,7 +97,7 @@ def _gradients(raw: dict, rows: list[int]) -> dict[str, torch.Tensor]:
     from vembed.training.loop import Trainer
 
     trainer = Trainer(recipe_from_dict(raw))
-    trainer._build()
+    trainer.build()
     batch = send_to_device(trainer.loader.collate_fn([trainer.dataset[i] for i in rows]), trainer.accelerator.device)
     trainer.accelerator.backward(trainer.model(batch))
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
@@ -157,7 +157,7 @@ def test_grad_cache_with_mixed_image_sizes_equals_the_full_batch(digits, tmp_pat
     grads = {}
     for name, extra in (("cached", ["use_gradient_cache=true", "gradient_cache_chunk_size=3"]), ("plain", [])):
         trainer = Trainer(load_recipe(CONFIGS / "qwen3_vl_tiny.yaml", overrides + extra))
-        trainer._build()
+        trainer.build()
         batch = send_to_device(trainer.loader.collate_fn([trainer.dataset[i] for i in range(8)]), "cpu")
         if name == "cached":
             assert trainer.grad_cache.enabled and len(set(batch["positive"]["image_grid_thw"].prod(-1).tolist())) > 1

@@ -19,7 +19,7 @@ def _gradients(raw: dict, rows: list[int]) -> dict[str, torch.Tensor]:
     from vembed.training.loop import Trainer
 
     trainer = Trainer(recipe_from_dict(raw))
-    trainer._build()
+    trainer.build()
     examples = [trainer.dataset[i] for i in rows]
     batch = trainer.loader.collate_fn(examples)
     batch = {k: (v if not hasattr(v, "to") else v) for k, v in batch.items()}

@@ -26,7 +26,7 @@ def _trainer(raw: dict):
     from vembed.training.loop import Trainer
 
     trainer = Trainer(recipe_from_dict(raw))
-    trainer._build()
+    trainer.build()
     return trainer
 
 

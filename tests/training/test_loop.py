@@ -79,7 +79,7 @@ def test_lora_with_gradient_checkpointing_trains_only_adapters_and_saves_merged(
     raw = dict(tiny_clip_recipe, use_lora=True, lora_r=4, gradient_checkpointing=True, max_steps=3,
                learnable_temperature=True)
     trainer = Trainer(recipe_from_dict(raw))
-    trainer._build()
+    trainer.build()
     before = {n: p.detach().clone() for n, p in trainer.objective.named_parameters()}
     trainer = Trainer(recipe_from_dict(raw))
     result = trainer.run()

@@ -74,7 +74,9 @@ class Trainer:
         self.accelerator = accelerator or build_accelerator(recipe, find_unused_parameters=not all_used)
 
     # --- building --------------------------------------------------------------------------------------------------
-    def _build(self) -> None:
+    def build(self) -> None:
+        """Model, objective, data loader, optimizer and scheduler, prepared by the accelerator; `run` starts here.
+        Tests and benchmarks call it to drive single steps (`train_on_batch`)."""
         from accelerate.utils import set_seed
         from torch.utils.data import DataLoader
 
@@ -160,7 +162,7 @@ class Trainer:
         from tqdm.auto import tqdm
 
         recipe, acc = self.recipe, self.accelerator
-        self._build()  # model and data first: if either fails, output_dir is left untouched
+        self.build()  # model and data first: if either fails, output_dir is left untouched
         if acc.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             recipe.save(self.output_dir / "recipe.yaml")
@@ -217,12 +219,7 @@ class Trainer:
             if state.batches_in_epoch:
                 loader = acc.skip_first_batches(self.loader, state.batches_in_epoch)
             for batch in loader:
-                with acc.accumulate(self.model):
-                    loss = self.train_step(batch)  # forward + backward: plain, or GradCache's chunked passes
-                    if acc.sync_gradients:
-                        self._check_and_clip(state)
-                    self.optimizer.step()
-                    self.optimizer.zero_grad(set_to_none=True)
+                loss = self.train_on_batch(batch, state)
                 state.batches_in_epoch += 1
                 state.samples_seen += meter.samples_per_batch
                 meter.add(loss, batch)
@@ -242,6 +239,18 @@ class Trainer:
                 state.epoch += 1
                 state.batches_in_epoch = 0
                 self._maybe_evaluate_and_save(state, end_of_epoch=True, done=False)
+
+    def train_on_batch(self, batch: dict[str, Any], state: TrainerState) -> torch.Tensor:
+        """Forward and backward of one batch, then (once gradients are accumulated) the checked, clipped optimizer
+        step; the detached loss. All the model work of one loop iteration (bench/step_overhead.py times it)."""
+        acc = self.accelerator
+        with acc.accumulate(self.model):
+            loss = self.train_step(batch)  # forward + backward: plain, or GradCache's chunked passes
+            if acc.sync_gradients:
+                self._check_and_clip(state)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return loss
 
     def _log(self, state: TrainerState, meter: "_Meter", progress) -> None:
         acc = self.accelerator
