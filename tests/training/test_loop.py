@@ -54,6 +54,19 @@ def test_gradient_accumulation_takes_fewer_optimizer_steps(tiny_clip_recipe):
     assert trainer.steps_per_epoch == (len(trainer.dataset) // 8) // 2
 
 
+def test_collation_in_worker_processes_trains_exactly_as_in_process(tiny_clip_recipe, tmp_path):
+    """`data.num_workers > 0` moves collation (the adapter's preprocess) into DataLoader workers, across epochs
+    (persistent workers keep the per-epoch shuffle); the batches, hence the losses, are the same."""
+    histories = []
+    for workers in (0, 1):
+        raw = dict(tiny_clip_recipe, epochs=2, logging_steps=1, output_dir=str(tmp_path / f"workers{workers}"),
+                   data=dict(tiny_clip_recipe["data"], num_workers=workers))
+        result = Trainer(recipe_from_dict(raw)).run()
+        histories.append([record["loss"] for record in result.metrics["loss_history"]])
+    assert len(histories[0]) >= 4
+    assert histories[1] == pytest.approx(histories[0], abs=1e-6)
+
+
 def _text_only_clip_worker(raw_path: str) -> None:
     raw = json.loads(Path(raw_path).read_text())
     trainer = Trainer(recipe_from_dict(raw))

@@ -107,6 +107,7 @@ class Trainer:
             collate_fn=collate,
             drop_last=True,  # every rank must gather equally many embeddings
             num_workers=recipe.data.num_workers,
+            persistent_workers=recipe.data.num_workers > 0,  # not re-forked (model and all) every epoch
             pin_memory=torch.cuda.is_available(),
         )
         lr = learning_rate_for(recipe, acc.num_processes, log=acc.print)  # scale_lr_with_world_size, logged once
