@@ -32,9 +32,7 @@ def run(args: argparse.Namespace) -> int:
 
         trainer = Trainer(recipe)
         try:
-            trainer.run()
-            # Rank 0 is still writing metrics and plots; a rank that tears down gloo before its peers can abort.
-            trainer.accelerator.wait_for_everyone()
+            trainer.run()  # returns on every rank together (a barrier after rank 0's last write)
         finally:
             trainer.accelerator.end_training()  # tears down the process group; gloo runs can abort without it
         return 0

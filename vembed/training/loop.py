@@ -375,6 +375,8 @@ class Trainer:
                 if metrics.get(name):
                     acc.print(f"{name:<11} {self.task.headline(metrics[name])}")
             acc.print(f"final model: {final_dir}")
+        # Ranks leave together: one that went on to tear down gloo while rank 0 still wrote could abort (SIGABRT).
+        acc.wait_for_everyone()
         return TrainResult(self.output_dir, final_dir, metrics, state)
 
     def _plots(self, metrics: dict[str, Any]) -> None:
