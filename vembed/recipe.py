@@ -35,11 +35,13 @@ class ColumnMap(_Strict):
     """Which column of a data file holds which part of a record. Columns absent from a file are simply unused."""
 
     query: str = "query"  # query text
-    query_image: str = "query_image"  # query image path (relative to data.image_root)
+    # Image columns hold a path (relative to data.image_root), or a list of paths: several images per sample
+    # (qwen_vl; single-image models refuse a side with more than one).
+    query_image: str = "query_image"  # query image path(s)
     positive: str = "positive"  # positive (document) text
-    positive_image: str = "positive_image"  # positive image path
+    positive_image: str = "positive_image"  # positive image path(s)
     negatives: str = "negatives"  # hard-negative texts: a list, or one string
-    negative_images: str = "negative_images"  # hard-negative image paths: a list, or one string
+    negative_images: str = "negative_images"  # hard-negative images: a list (one entry per negative), or one string
     label: str = "label"  # optional group id: items sharing it count as relevant in evaluation
 
 

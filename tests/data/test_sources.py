@@ -292,3 +292,54 @@ def test_hf_saved_dataset_with_embedded_images(tmp_path):
     assert len(examples) == 1
     with pytest.raises(RecipeError, match="format 'hf'"):
         resolve_files(str(tmp_path / "missing"), "hf", key="data.train")
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet"])
+def test_image_cells_may_list_several_images_per_side(tmp_path, fmt):
+    import pandas as pd
+
+    for name in ("a", "b", "c", "d"):
+        _png(tmp_path / f"{name}.png")
+    rows = [
+        {"query": "two pictures", "query_image": ["a.png", "b.png"], "positive_image": ["c.png"],
+         "negatives": ["n1", "n2"], "negative_images": [["a.png", "d.png"], ["c.png"]]},
+        {"query": "one picture", "query_image": ["a.png", "gone.png"], "positive": "p",
+         "negatives": ["n1", "n2"], "negative_images": [["a.png"], ["b.png"]]},  # row 2: an image is missing
+    ]
+    if fmt == "jsonl":
+        path = _jsonl(tmp_path / "pairs.jsonl", rows)
+    elif fmt == "csv":  # a CSV cell holds a list as JSON
+        frame = pd.DataFrame([{key: json.dumps(value) if isinstance(value, list) else value
+                               for key, value in row.items()} for row in rows])
+        path = tmp_path / "pairs.csv"
+        frame.to_csv(path, index=False)
+    else:
+        path = tmp_path / "pairs.parquet"
+        pd.DataFrame(rows).to_parquet(path)
+    examples, report = load_examples(DataConfig(train=str(path), max_bad_fraction=0.5), "train")
+    (example,) = examples
+    img = lambda name: str(tmp_path / f"{name}.png")  # noqa: E731
+    assert example.query.image == [img("a"), img("b")]
+    assert example.positive.image == img("c")  # a list of one is that image: single-image models read it
+    assert [n.image for n in example.negatives] == [[img("a"), img("d")], img("c")]
+    assert report.skipped == {"missing_image": 1} and report.bad_rows[0].row == 2
+    assert "gone.png" in report.bad_rows[0].detail
+
+
+def test_hf_list_of_images_column_gives_one_side_several_embedded_images(tmp_path):
+    import datasets
+    from PIL import Image
+
+    from vembed.data.images import load_image
+
+    red, green = Image.new("RGB", (4, 4), (200, 0, 0)), Image.new("RGB", (4, 4), (0, 200, 0))
+    table = datasets.Dataset.from_dict(
+        {"query": ["two", "one"], "query_image": [[red, green], [green]], "positive": ["p", "q"]},
+        features=datasets.Features({"query": datasets.Value("string"), "query_image": datasets.List(datasets.Image()),
+                                    "positive": datasets.Value("string")}),
+    )
+    table.save_to_disk(str(tmp_path / "hf"))
+    examples, _ = load_examples(DataConfig(train=str(tmp_path / "hf"), format="hf"), "train")
+    two, one = examples[0].query.image, examples[1].query.image
+    assert [load_image(image).getpixel((0, 0)) for image in two] == [(200, 0, 0), (0, 200, 0)]
+    assert load_image(one).getpixel((0, 0)) == (0, 200, 0)

@@ -54,6 +54,29 @@ def test_bad_recipe_is_one_line_exit_2_and_nothing_written(tiny_clip_recipe, tmp
     assert not Path(raw["output_dir"]).exists()
 
 
+def test_rows_with_several_images_for_a_single_image_model_are_one_line_before_anything_is_written(
+        tiny_clip_recipe, tmp_path):
+    import json
+
+    from PIL import Image
+
+    for name in ("a", "b"):
+        Image.new("RGB", (8, 8)).save(tmp_path / f"{name}.png")
+    rows = [{"query": f"query {i}", "positive_image": "a.png"} for i in range(6)]
+    rows.append({"query": "query 7", "positive_image": ["a.png", "b.png"]})
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    raw = {**tiny_clip_recipe, "data": {"train": str(train)}}
+    result = _run([sys.executable, "-m", "vembed.entrypoints.train", str(_write_recipe(tmp_path, raw))], timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0] == (f"data error: {train}, row 7: the positive has 2 images; model_type clip embeds at most 1 "
+                        "per side (qwen_vl takes several): give one image path per cell")
+    assert "Traceback" not in result.stderr
+    assert not Path(raw["output_dir"]).exists()
+
+
 def test_debug_flag_shows_the_traceback(tiny_clip_recipe, tmp_path):
     recipe = _write_recipe(tmp_path, {**tiny_clip_recipe, "learnin_rate": 1})
     result = _run([sys.executable, "-m", "vembed.entrypoints.train", str(recipe), "--debug"], timeout=120)

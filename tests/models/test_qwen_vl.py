@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import numpy as np
 import pytest
@@ -333,3 +334,30 @@ def test_mm_token_type_ids_are_needed_for_image_positions(qwen_build, backbone):
         else:
             with pytest.raises(ValueError, match="mm_token_type_ids"):
                 adapter.encode(without)
+
+
+def test_several_images_per_side_from_a_data_file_reach_the_model(qwen_build, tmp_path):
+    """A JSONL row listing two query images: loaded, decoded and collated into one side holding both images, which
+    embeds as the same side built by hand; the check that single-image models refuse such rows lets qwen_vl through."""
+    from vembed.data.collate import PairCollator
+    from vembed.data.dataset import PairDataset
+    from vembed.data.sources import load_examples
+    from vembed.recipe import DataConfig
+    from vembed.tasks.contrastive import check_images_per_side
+
+    first, second = _image(3, (24, 32)), _image(4, (16, 8))
+    first.save(tmp_path / "a.png")
+    second.save(tmp_path / "b.png")
+    rows = [{"query": "two pictures", "query_image": ["a.png", "b.png"], "positive": "a pair of photos"},
+            {"query": "one picture", "query_image": ["b.png"], "positive": "a single photo"}]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    examples, _ = load_examples(DataConfig(train=str(tmp_path / "pairs.jsonl")), "train")
+    check_images_per_side("qwen_vl", examples)  # qwen_vl takes any number
+
+    adapter = qwen_build("qwen3_vl")
+    batch = PairCollator(adapter)([PairDataset(examples)[i] for i in range(2)])
+    assert batch["query"]["image_grid_thw"].shape[0] == 3  # two images in the first query, one in the second
+    by_hand = adapter.preprocess([Side(text="two pictures", image=[first, second], role="query"),
+                                  Side(text="one picture", image=second, role="query")])
+    with torch.no_grad():
+        torch.testing.assert_close(adapter(batch["query"]), adapter(by_hand), atol=1e-5, rtol=0)

@@ -375,11 +375,20 @@ class _RowReader:
             raise _UnusableImage("missing_image", f"image {path!r} not found")
         return path
 
+    def side_images(self, value: Any) -> ImageLike | list[ImageLike] | None:
+        """One side's image cell: a path (or embedded image), or a list of them (several images per sample, e.g. a
+        JSON list, a parquet list column, a datasets List(Image), or a CSV cell holding a JSON list). A list of one is
+        that one image, so single-image adapters read it too."""
+        images = [image for image in map(self.image, _as_list(value, self.builder)) if image is not None]
+        if not images:
+            return None
+        return images[0] if len(images) == 1 else images
+
     def example(self, row: dict[str, Any], number: int, report: DataReport) -> Example | None:
         get = row.get
         try:
-            query = Side(_text(get("query")), self.image(get("query_image")), role="query")
-            positive = Side(_text(get("positive")), self.image(get("positive_image")), role="document")
+            query = Side(_text(get("query")), self.side_images(get("query_image")), role="query")
+            positive = Side(_text(get("positive")), self.side_images(get("positive_image")), role="document")
             if query.is_empty:
                 report.skip(self.file, number, "empty_query", "no query text or image")
                 return None
@@ -388,7 +397,7 @@ class _RowReader:
                 return None
             texts = _as_list(get("negatives"), self.builder)
             images = _as_list(get("negative_images"), self.builder)
-            negatives = [Side(_text(t), self.image(i), role="document") for t, i in zip_longest(texts, images)]
+            negatives = [Side(_text(t), self.side_images(i), role="document") for t, i in zip_longest(texts, images)]
         except _UnusableImage as bad:
             report.skip(self.file, number, bad.reason, bad.detail)
             return None

@@ -29,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
         from vembed.errors import RecipeError
         from vembed.models.base import load_embedding_adapter
         from vembed.recipe import ColumnMap, DataConfig
+        from vembed.tasks.contrastive import check_images_per_side
 
         columns = {}
         for item in args.column:
@@ -47,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
         quiet_libraries()
         adapter = load_embedding_adapter(args.model_dir)
         examples, report = load_examples(data, "test", num_hard_negatives=0)
+        check_images_per_side(adapter.model_type, examples)
         if args.max_samples:
             examples = examples[: args.max_samples]
         from vembed.evaluation.retrieval import evaluate_retrieval

@@ -43,6 +43,8 @@ class EmbeddingAdapter(nn.Module, ABC):
     default_lora_target_modules: ClassVar[tuple[str, ...]] = ()
     # One tower per modality; a step that feeds no side of a modality leaves that tower without gradients.
     modalities: ClassVar[frozenset[str]] = frozenset({"text"})
+    # Images one side may hold (None: any number); data with more is refused when it is loaded, naming the row.
+    max_images_per_side: ClassVar[int | None] = 1
 
     def __init__(
         self,

@@ -98,6 +98,7 @@ def side_images(side: "Side") -> list[Any]:
 class QwenVLAdapter(EmbeddingAdapter):
     model_type = "qwen_vl"
     modalities = frozenset({"text", "image"})
+    max_images_per_side = None  # every image of a side goes into its user turn
     # The released Qwen3-VL-Embedding LoRA's targets: attention and MLP projections of the language model. LoRA
     # goes into the language model only (Qwen2.5-VL's vision MLP reuses these names).
     default_lora_target_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

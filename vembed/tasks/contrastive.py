@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vembed.errors import RecipeError
+from vembed.errors import DataError, RecipeError
 from vembed.tasks import TASKS, Task
 
 if TYPE_CHECKING:
@@ -44,6 +44,7 @@ class ContrastiveTask(Task):
         self.train_examples, report = load_examples(
             self.recipe.data, "train", num_hard_negatives=self.recipe.data.num_hard_negatives
         )
+        check_images_per_side(self.recipe.model_type, self.train_examples)
         return report
 
     def every_step_uses_every_parameter(self) -> bool:
@@ -78,6 +79,7 @@ class ContrastiveTask(Task):
         if getattr(self.recipe.data, split) is None:
             return []
         examples, _ = load_examples(self.recipe.data, split, num_hard_negatives=0)
+        check_images_per_side(self.recipe.model_type, examples)
         limit = self.recipe.data.eval_max_samples
         return examples[:limit] if limit else examples
 
@@ -106,3 +108,24 @@ class ContrastiveTask(Task):
         split = metrics.get("test") or metrics.get("validation")
         if split and self.recipe.mrl_dims:
             plot_recall_vs_dim(split, output_dir / "recall_vs_dim.png")
+
+
+def check_images_per_side(model_type: str, examples: "list[Example]") -> None:
+    """Refuse, before training, records with more images on one side than the model embeds (naming the row)."""
+    from vembed.models import MODELS
+
+    limit = MODELS.get(model_type).max_images_per_side
+    if limit is None:
+        return
+    for example in examples:
+        named = [("the query", example.query), ("the positive", example.positive)]
+        named += [("a hard negative", negative) for negative in example.negatives]
+        for name, side in named:
+            count = len(side.image) if isinstance(side.image, list) else int(side.image is not None)
+            if count > limit:
+                raise DataError(
+                    f"{name} has {count} images; model_type {model_type} embeds at most {limit} per side "
+                    "(qwen_vl takes several): give one image path per cell",
+                    file=example.source,
+                    row=example.row,
+                )
