@@ -59,7 +59,7 @@ class Embedder:
     def encode(
         self,
         texts: str | Sequence[str] | None = None,
-        images: ImageInput | Sequence[ImageInput] | None = None,
+        images: ImageInput | Sequence[ImageInput | Sequence[ImageInput]] | None = None,
         batch_size: int = 32,
         show_progress: bool = False,
         normalize: bool = True,
@@ -75,7 +75,8 @@ class Embedder:
         `role="query"` embeds the items as queries: adapters with per-side instructions (qwen_vl) then use the
         query instruction; otherwise the document one.
 
-        A single string or image is treated as a list of one. Images are file paths or PIL images. Rows are
+        A single string or image is treated as a list of one. Images are file paths or PIL images; with qwen_vl an
+        item may itself be a list of them (several images in one side). Rows are
         L2-normalised unless `normalize=False` (then they are whatever the model outputs).
         """
         texts = [texts] if isinstance(texts, str) else texts

@@ -361,3 +361,9 @@ def test_several_images_per_side_from_a_data_file_reach_the_model(qwen_build, tm
                                   Side(text="one picture", image=second, role="query")])
     with torch.no_grad():
         torch.testing.assert_close(adapter(batch["query"]), adapter(by_hand), atol=1e-5, rtol=0)
+        from vembed.api import Embedder  # the Python API takes the same: an item may list several images
+
+        from_api = Embedder(adapter, device="cpu").encode(
+            texts=["two pictures", "one picture"], images=[[tmp_path / "a.png", tmp_path / "b.png"], second],
+            role="query")
+        torch.testing.assert_close(from_api, F.normalize(adapter(by_hand), dim=-1), atol=1e-5, rtol=0)
