@@ -22,6 +22,13 @@ class Side:
     role: str | None = None
 
     @property
+    def images(self) -> list[ImageLike]:
+        """This side's images as a list: none, one, or several."""
+        if self.image is None:
+            return []
+        return list(self.image) if isinstance(self.image, (list, tuple)) else [self.image]
+
+    @property
     def is_empty(self) -> bool:
         return not (self.text and self.text.strip()) and self.image is None
 

@@ -231,8 +231,7 @@ def encode_sides(
 
 def _side_key(side: "Side") -> tuple[Any, ...]:
     """Equal for sides with the same text and the same image files (decoded images compare by identity)."""
-    images = side.image if isinstance(side.image, list) else [side.image]
-    return (side.text, *(image if isinstance(image, str) or image is None else ("pil", id(image)) for image in images))
+    return (side.text, *(image if isinstance(image, str) else ("pil", id(image)) for image in side.images))
 
 
 def _corpus_and_relevance(examples: Sequence["Example"]) -> tuple[list["Side"], GroupRelevance]:

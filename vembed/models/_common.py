@@ -43,12 +43,10 @@ def split_sides(sides: Sequence["Side"]) -> tuple[list[str], list["ImageLike"], 
     text_index, image_index = [], []
     for i, side in enumerate(sides):
         has_text = bool(side.text and side.text.strip())  # as in Side.is_empty: blank text counts as none
-        image = side.image
-        if isinstance(image, (list, tuple)):  # several images per side: only qwen_vl embeds more than one
-            if len(image) > 1:
-                raise ValueError(f"side {i} of the batch has {len(image)} images; this model embeds one image per "
-                                 "side (model_type qwen_vl takes several)")
-            image = image[0] if image else None
+        if len(side.images) > 1:  # several images per side: only qwen_vl embeds more than one
+            raise ValueError(f"side {i} of the batch has {len(side.images)} images; this model embeds one image per "
+                             "side (model_type qwen_vl takes several)")
+        image = side.images[0] if side.images else None
         if not has_text and image is None:
             raise ValueError(f"side {i} of the batch has neither text nor an image; empty sides cannot be embedded")
         text_index.append(len(texts) if has_text else -1)

@@ -87,13 +87,6 @@ def normalize_instruction(instruction: str) -> str:
     return instruction
 
 
-def side_images(side: "Side") -> list[Any]:
-    """A side's images: none, one, or a list (several images per sample)."""
-    if side.image is None:
-        return []
-    return list(side.image) if isinstance(side.image, (list, tuple)) else [side.image]
-
-
 @MODELS.register("qwen_vl")
 class QwenVLAdapter(EmbeddingAdapter):
     model_type = "qwen_vl"
@@ -261,7 +254,7 @@ class QwenVLAdapter(EmbeddingAdapter):
         return head + body + ENDINGS[self.prompt_ending]
 
     def _prompt_parts(self, side: "Side") -> tuple[str, str]:
-        images = side_images(side)
+        images = side.images
         text = side.text if side.text and side.text.strip() else None
         vision = (VISION_START + IMAGE_PAD + VISION_END) * len(images)
         head = SYSTEM_START + self.instruction_for(side) + USER_START + vision
@@ -292,7 +285,7 @@ class QwenVLAdapter(EmbeddingAdapter):
         return head_ids + body_ids + end_ids
 
     def preprocess(self, sides: Sequence["Side"]) -> dict[str, torch.Tensor]:
-        images = [load_image(image) for side in sides for image in side_images(side)]
+        images = [load_image(image) for side in sides for image in side.images]
         batch: dict[str, torch.Tensor] = {}
         tokens_per_image: list[int] = []
         if images:
@@ -301,7 +294,7 @@ class QwenVLAdapter(EmbeddingAdapter):
             batch[IMAGE_GRID_THW] = processed["image_grid_thw"]
             merge = self.image_processor.merge_size**2
             tokens_per_image = [int(grid.prod()) // merge for grid in processed["image_grid_thw"]]
-        counts = [len(side_images(side)) for side in sides]
+        counts = [len(side.images) for side in sides]
         rows, start = [], 0
         for side, count in zip(sides, counts):
             rows.append(self._side_ids(side, tokens_per_image[start : start + count]))

@@ -121,10 +121,9 @@ def check_images_per_side(model_type: str, examples: "list[Example]") -> None:
         named = [("the query", example.query), ("the positive", example.positive)]
         named += [("a hard negative", negative) for negative in example.negatives]
         for name, side in named:
-            count = len(side.image) if isinstance(side.image, list) else int(side.image is not None)
-            if count > limit:
+            if len(side.images) > limit:
                 raise DataError(
-                    f"{name} has {count} images; model_type {model_type} embeds at most {limit} per side "
+                    f"{name} has {len(side.images)} images; model_type {model_type} embeds at most {limit} per side "
                     "(qwen_vl takes several): give one image path per cell",
                     file=example.source,
                     row=example.row,
