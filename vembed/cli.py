@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train from a recipe (launches accelerate for you, like run.py)")
     launch.add_arguments(train)
-    train.set_defaults(func=launch.run)
+    train.set_defaults(func=launch.run, command_name="vembed train")
 
     ev = sub.add_parser("eval", help="retrieval metrics of a saved model on a data file")
     evaluate.add_arguments(ev)

@@ -54,7 +54,7 @@ def _fsdp_worker(out_dir: str) -> None:
 
     from vembed.recipe import recipe_from_dict
     from vembed.training.fsdp import FsdpSettings, shard_objective
-    from vembed.training.strategy import gather_full_state_dict
+    from vembed.training.sharded_state import gather_full_state_dict
 
     rank = dist.get_rank()
     accelerator = Accelerator(cpu=True)

@@ -43,7 +43,7 @@ def _grads(trainer) -> dict[str, torch.Tensor]:
 
 def _cached_step(raw: dict, rows: list[int], seed: int = 7) -> tuple[dict[str, torch.Tensor], float]:
     trainer = _trainer(raw)
-    assert trainer.grad_cache.enabled
+    assert trainer.plan.grad_cache.enabled
     batch = _batch(trainer, rows)
     torch.manual_seed(seed)
     loss = trainer.train_step(batch)
@@ -219,19 +219,25 @@ def test_ddp_grad_cache_equals_one_process_on_the_concatenated_batch(tiny_clip_r
 
 
 def test_auto_rule_and_chunk_clamp():
-    from vembed.training.strategy import choose_gradient_cache
+    from vembed.training.launch_plan import choose_gradient_cache
 
     base = {"model_type": "clip", "model_config": TINY_CLIP_CONFIG, "batch_size": 4}
     big = 2_000_000_000
-    assert not choose_gradient_cache(recipe_from_dict(base), big).enabled
-    auto = choose_gradient_cache(recipe_from_dict(dict(base, gradient_checkpointing=True)), big)
+
+    def choose(changes: dict, parameters: int, kind: str = "ddp"):
+        return choose_gradient_cache(recipe_from_dict(dict(base, **changes)), kind, parameters)
+
+    assert not choose({}, big).enabled
+    auto = choose({"gradient_checkpointing": True}, big)
     assert auto.enabled and auto.chunk_size == 4 and "automatic" in auto.reason
-    assert not choose_gradient_cache(recipe_from_dict(dict(base, gradient_checkpointing=True)), 10**8).enabled
-    off_recipe = recipe_from_dict(dict(base, gradient_checkpointing=True, use_gradient_cache=False))
-    off = choose_gradient_cache(off_recipe, big)
-    assert not off.enabled
-    on = choose_gradient_cache(recipe_from_dict(dict(base, batch_size=64, use_gradient_cache=True)), 10)
+    assert not choose({"gradient_checkpointing": True}, 10**8).enabled
+    assert not choose({"gradient_checkpointing": True, "use_gradient_cache": False}, big).enabled
+    on = choose({"batch_size": 64, "use_gradient_cache": True}, 10)
     assert on.enabled and on.chunk_size == 8
+    # Where GradCache cannot run, the automatic rule leaves it off (the big-model FSDP recipe runs) and says why.
+    for kind in ("fsdp", "deepspeed"):
+        skipped = choose({"gradient_checkpointing": True}, big, kind)
+        assert not skipped.enabled and "not available" in skipped.reason
 
 
 def test_cached_gradients_with_lora_and_gradient_checkpointing(tiny_clip_recipe):

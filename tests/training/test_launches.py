@@ -127,8 +127,8 @@ def _lora(on: bool) -> dict:
 @pytest.mark.parametrize(
     "config, model, lora, strategy",
     [
-        ("deepspeed_zero2.yaml", "clip", False, "DEEPSPEED"),
-        ("deepspeed_zero3.yaml", "clip", False, "DEEPSPEED"),
+        ("deepspeed_zero2.yaml", "clip", False, "DeepSpeed ZeRO-2 (gloo)"),
+        ("deepspeed_zero3.yaml", "clip", False, "DeepSpeed ZeRO-3 (gloo)"),
         ("fsdp.yaml", "clip", False, "FSDP2 FULL_SHARD (gloo)"),
         ("fsdp.yaml", "qwen_vl", True, "FSDP2 FULL_SHARD (gloo)"),
     ],

@@ -142,3 +142,50 @@ def test_optimizer_is_fused_adamw_where_the_device_has_the_kernel():
     assert isinstance(cpu, torch.optim.AdamW) and cpu.defaults["fused"] is True
     meta = build_optimizer([{"params": [torch.nn.Parameter(torch.ones(3, device="meta"))]}], lr=1e-3)
     assert isinstance(meta, torch.optim.AdamW) and not meta.defaults["fused"]
+
+
+def _schedule_worker(raw_path: str, out_path: str) -> None:
+    """On each rank: train the recipes listed in raw_path; rank 0 writes what each run reports."""
+    import torch.distributed as dist
+
+    results = []
+    for raw in json.loads(Path(raw_path).read_text()):
+        trainer = Trainer(recipe_from_dict(raw))
+        assert trainer.accelerator.num_processes == 2
+        result = trainer.run()
+        results.append({"total_steps": trainer.total_steps, "steps": result.state.global_step,
+                        "epochs_completed": result.metrics["train"]["epochs_completed"],
+                        "last_logged": (result.state.loss_history or [None])[-1],
+                        "lr_now": trainer.scheduler.get_last_lr()[0]})
+    if dist.get_rank() == 0:
+        Path(out_path).write_text(json.dumps(results))
+
+
+@pytest.mark.slow
+def test_two_ranks_take_every_step_asked_for_and_end_the_schedule(tiny_clip_recipe, tmp_path):
+    """The schedule counts the batches each rank really iterates (accelerate shards a drop_last loader into whole
+    rounds: 17 batches on 2 ranks are 8 each, not 9), so max_steps and epochs are honoured exactly and a decaying
+    schedule ends at 0, whether or not the batch count divides by the world size."""
+    runs = [  # (per-device batch, max_steps, epochs, schedule): 68 training rows
+        (4, 18, None, "linear"),  # 17 batches: odd; the old count planned 9 per epoch and stopped at 16 of 18
+        (4, None, 2, "cosine"),  # 2 epochs of 8 steps each
+        (2, None, 1, "linear"),  # 34 batches: even
+    ]
+    raws = []
+    for i, (batch, max_steps, epochs, schedule) in enumerate(runs):
+        raws.append(dict(tiny_clip_recipe, batch_size=batch, max_steps=max_steps, epochs=epochs or 1,
+                         scheduler_type=schedule, warmup_ratio=0.1, logging_steps=1000, save_steps=None,
+                         output_dir=str(tmp_path / f"run{i}"), data={"train": tiny_clip_recipe["data"]["train"]}))
+    (tmp_path / "raws.json").write_text(json.dumps(raws))
+    run_on_ranks(_schedule_worker, str(tmp_path / "raws.json"), str(tmp_path / "results.json"), world=2)
+    results = json.loads((tmp_path / "results.json").read_text())
+    rows = len(Path(tiny_clip_recipe["data"]["train"]).read_text().splitlines())
+    for (batch, max_steps, epochs, _), result in zip(runs, results):
+        per_rank = (rows // batch) // 2
+        expected = max_steps or per_rank * epochs
+        assert result["total_steps"] == result["steps"] == expected, result
+        assert result["last_logged"] is not None, result  # the last step is logged whatever logging_steps says
+        assert result["last_logged"]["step"] == expected
+        assert result["last_logged"]["lr"] == result["lr_now"] == 0.0  # the schedule ran to its end
+        if epochs:
+            assert result["epochs_completed"] == epochs

@@ -17,6 +17,8 @@ from pathlib import Path
 
 from vembed.entrypoints import run_cli
 from vembed.entrypoints.train import add_arguments as add_train_arguments
+from vembed.errors import LaunchError
+from vembed.training.launcher import EXPECTED_WORLD_SIZE_ENV, LAUNCHER_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "accelerate_configs"
@@ -40,10 +42,10 @@ def _saved_accelerate_config() -> Path | None:
 
 
 def _config_num_processes(path: Path) -> int:
-    import yaml
-
-    data = yaml.safe_load(path.read_text()) or {}
-    return int(data.get("num_processes") or 1)
+    count = _read_config(path).get("num_processes", 1)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise LaunchError(f"num_processes: {count!r} in {path} is not a positive number of processes")
+    return count
 
 
 def choose_config(explicit: str | None, use_fsdp: bool = False) -> tuple[Path, int | None]:
@@ -101,6 +103,50 @@ def _with_absolute_deepspeed_file(path: Path) -> Path:
     return Path(handle.name)
 
 
+def _check_launcher_installed(config: Path) -> None:
+    """accelerate's DeepSpeed launcher raises a bare ImportError when deepspeed is missing: say it in one line."""
+    import importlib.util
+
+    if _read_config(config).get("distributed_type") == "DEEPSPEED" and importlib.util.find_spec("deepspeed") is None:
+        raise LaunchError(f"{config} launches DeepSpeed, which is not installed: pip install 'vembed[deepspeed]', "
+                          "or pick another --accelerate_config (ddp, fsdp)")
+
+
+def _with_ddp_launcher_for_several_processes(config: Path, num_processes: int) -> Path:
+    """A config accelerate would start as ONE process although more were asked for (distributed_type MULTI_CPU
+    needs mpirun; NO is single-process), as a copy that uses the DDP launcher (MULTI_GPU; `use_cpu` on CPU), which
+    starts real ranks: what accelerate_configs/ddp_cpu.yaml does."""
+    import tempfile
+
+    import torch
+    import yaml
+
+    data = _read_config(config)
+    kind = data.get("distributed_type")
+    if num_processes < 2 or kind not in ("MULTI_CPU", "NO"):
+        return config
+    on_cpu = kind == "MULTI_CPU" or bool(data.get("use_cpu")) or not torch.cuda.is_available()
+    data.update(distributed_type="MULTI_GPU", use_cpu=on_cpu, num_processes=num_processes)
+    print(f"note: accelerate starts a {kind} config as one process; launching {num_processes} "
+          f"{'CPU ' if on_cpu else ''}processes with its DDP launcher instead", file=sys.stderr)
+    with tempfile.NamedTemporaryFile("w", suffix=f"-{config.name}", delete=False) as handle:
+        yaml.safe_dump(data, handle)
+    return Path(handle.name)
+
+
+def _read_config(path: Path) -> dict:
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as error:
+        raise LaunchError(f"accelerate config {path} cannot be read: {error}") from None
+    if not isinstance(data, dict) or "distributed_type" not in data:
+        raise LaunchError(f"{path} is not an accelerate config (no distributed_type); write one with "
+                          "`accelerate config`, or pass one of ours with --accelerate_config")
+    return data
+
+
 def run(args: argparse.Namespace) -> int:
     def body() -> int:
         from vembed.recipe import check_recipe, load_recipe
@@ -108,7 +154,11 @@ def run(args: argparse.Namespace) -> int:
         recipe = load_recipe(args.recipe, args.config_override)
         check_recipe(recipe)
         config, forced = choose_config(args.accelerate_config, recipe.use_fsdp)
-        num_processes = args.num_processes or forced or _config_num_processes(config)
+        num_processes = args.num_processes if args.num_processes is not None else forced or _config_num_processes(config)
+        if num_processes < 1:
+            raise LaunchError(f"--num_processes {num_processes}: pass a positive number of processes")
+        _check_launcher_installed(config)
+        config = _with_ddp_launcher_for_several_processes(config, num_processes)
         config = _with_absolute_deepspeed_file(config)
         launch_args = ["--config_file", str(config), "--num_processes", str(num_processes)]
         if num_processes > 1:
@@ -122,7 +172,9 @@ def run(args: argparse.Namespace) -> int:
         if args.dry_run:
             print(" ".join(["accelerate", "launch", *launch_args]))
             return 0
-        os.environ["VEMBED_EXPECTED_WORLD_SIZE"] = str(num_processes)
+        # What the training processes check they got (vembed/training/launcher.py), and how to phrase hints.
+        os.environ[EXPECTED_WORLD_SIZE_ENV] = str(num_processes)
+        os.environ[LAUNCHER_ENV] = getattr(args, "command_name", "python run.py")
         return launch_in_process(launch_args)
 
     return run_cli(body, args.debug)
@@ -161,4 +213,5 @@ def _free_port() -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="run.py", description=__doc__)
     add_arguments(parser)
+    parser.set_defaults(command_name="python run.py")
     return run(parser.parse_args(argv))

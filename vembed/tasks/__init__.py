@@ -32,6 +32,8 @@ class Task:
     """The contract. One instance per training run; the loop calls the methods in the order listed."""
 
     name: ClassVar[str]
+    # The task's loss can be computed on detached embeddings of chunked forwards (vembed/training/grad_cache.py).
+    uses_gradient_cache: ClassVar[bool] = False
 
     def __init__(self, recipe: "Recipe"):
         self.recipe = recipe
@@ -48,6 +50,13 @@ class Task:
     def every_step_uses_every_parameter(self) -> bool:
         """False when some batches leave parameters without gradients (DDP must then search for them)."""
         return True
+
+    def batch_lines(self, world_size: int) -> list[tuple[str, str]]:
+        """(label, value) lines for the start block on what one optimizer step sees."""
+        recipe = self.recipe
+        return [("global batch", f"{recipe.batch_size * world_size} per forward, "
+                                 f"{recipe.batch_size * world_size * recipe.gradient_accumulation_steps} per "
+                                 "optimizer step")]
 
     def build_objective(self) -> "nn.Module":
         """Model and loss in one module with `.adapter` (what is saved) and `.loss` (with a `config`)."""

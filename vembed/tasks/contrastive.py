@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 @TASKS.register("contrastive")
 class ContrastiveTask(Task):
     name = "contrastive"
+    uses_gradient_cache = True
 
     @classmethod
     def check_recipe(cls, recipe: "Recipe", *, for_training: bool = True) -> None:
@@ -49,9 +50,14 @@ class ContrastiveTask(Task):
 
     def every_step_uses_every_parameter(self) -> bool:
         from vembed.models import MODELS
-        from vembed.training.strategy import every_step_uses_every_tower
 
         return every_step_uses_every_tower(MODELS.get(self.recipe.model_type).modalities, self.train_examples)
+
+    def batch_lines(self, world_size: int) -> list[tuple[str, str]]:
+        recipe = self.recipe
+        contrastive = recipe.batch_size * world_size
+        return [("contrastive batch", f"{contrastive} (negatives gathered across processes)"),
+                ("effective batch", f"{contrastive * recipe.gradient_accumulation_steps} per optimizer step")]
 
     def build_objective(self) -> "nn.Module":
         from vembed.losses import build_loss
@@ -108,6 +114,17 @@ class ContrastiveTask(Task):
         split = metrics.get("test") or metrics.get("validation")
         if split and self.recipe.mrl_dims:
             plot_recall_vs_dim(split, output_dir / "recall_vs_dim.png")
+
+
+def every_step_uses_every_tower(modalities: frozenset[str], examples: "list[Example]") -> bool:
+    """True when each record feeds every tower (e.g. text AND image for CLIP), so every batch gives every parameter a
+    gradient and DDP can skip its (costly) search for unused parameters."""
+    for example in examples:
+        sides = [example.query, example.positive, *example.negatives]
+        present = {"text" for s in sides if s.text} | {"image" for s in sides if s.image is not None}
+        if not modalities <= present:
+            return False
+    return True
 
 
 def check_images_per_side(model_type: str, examples: "list[Example]") -> None:

@@ -31,10 +31,6 @@ FSDP_ENV = "ACCELERATE_USE_FSDP"  # set by `accelerate launch` for a config with
 VEMBED_FSDP_ENV = "VEMBED_FSDP"  # ours: the launch asked for FSDP (accelerate's flag is turned off once read)
 
 
-def launched_with_fsdp() -> bool:
-    return any(os.environ.get(name, "").lower() in ("1", "true") for name in (FSDP_ENV, VEMBED_FSDP_ENV))
-
-
 @dataclass(frozen=True)
 class FsdpSettings:
     reshard_after_forward: bool  # True: FULL_SHARD; False: SHARD_GRAD_OP

@@ -12,12 +12,16 @@ One optimizer micro-step, for a per-device batch split into chunks of `gradient_
    is backpropagated through the accelerator. Every chunk but the last runs under `no_sync`; the last pass re-encodes
    the final chunk of every side, adds the loss on the detached embeddings (which gives a learnable temperature or
    bias its gradient) and touches every trainable parameter, so DDP's one all-reduce covers everything exactly once.
+
+Every pass that builds a graph runs inside the wrapped objective's forward (`model(run_inside=fn)`), so DDP (and any
+wrapper) sees it; what those passes compute lives here.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -25,6 +29,7 @@ import torch
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
+    from vembed.training.launch_plan import GradientCacheChoice
     from vembed.training.objective import ContrastiveObjective
 
 SIDES = ("query", "positive", "negative")  # the collated batch's sides, in the order chunks are encoded
@@ -100,9 +105,9 @@ class GradCacheStep:
         for chunk in chunks:
             if chunk not in final:
                 with acc.no_sync(self.model):
-                    acc.backward(self.model(replay=[chunk]))
+                    acc.backward(self.model(run_inside=lambda objective, c=chunk: _replayed(objective, c)))
         detached = tuple(None if t is None else t.detach() for t in (query, positive, negatives))
-        acc.backward(self.model(replay=final, detached_embeddings=detached))
+        acc.backward(self.model(run_inside=lambda objective: _last_pass(objective, final, detached)))
         return loss.detach()
 
     @torch.no_grad()
@@ -120,3 +125,35 @@ class GradCacheStep:
                 with acc.autocast():
                     embeddings.setdefault(side, []).append(adapter(part))
         return chunks, embeddings
+
+
+def _replayed(objective: "ContrastiveObjective", chunk: Chunk) -> torch.Tensor:
+    """The surrogate whose gradient through the encoder is the cached one: (embedding · cached gradient)."""
+    with chunk.rng.replay():
+        embedding = objective.adapter(chunk.inputs)
+    return (embedding.float() * chunk.grad.float()).sum()
+
+
+def _last_pass(objective: "ContrastiveObjective", final: list[Chunk],
+               detached: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+    """The synced pass: the final chunk of every side; the loss on constant embeddings, which reaches only the loss's
+    own parameters (temperature, bias); and a zero-weighted touch of every trainable parameter, which puts all of them
+    in this pass's graph, so DDP all-reduces each exactly once, including towers that only earlier chunks used."""
+    surrogate = sum(_replayed(objective, chunk) for chunk in final)
+    surrogate = surrogate + objective.loss(*detached)
+    return surrogate + sum(p.view(-1)[0] for p in objective.parameters() if p.requires_grad) * 0.0
+
+
+def build_train_step(accelerator: "Accelerator", model: torch.nn.Module,
+                     choice: "GradientCacheChoice") -> Callable[[dict[str, Any]], torch.Tensor]:
+    """`step(batch) -> detached loss`: forward and backward of one micro-batch, through the accelerator: plain, or
+    GradCache's chunked passes (the launch plan has refused GradCache where it cannot run)."""
+    if choice.enabled:
+        return GradCacheStep(accelerator, model, choice.chunk_size)
+
+    def plain_step(batch: dict[str, Any]) -> torch.Tensor:
+        loss = model(batch)
+        accelerator.backward(loss)
+        return loss.detach()
+
+    return plain_step

@@ -1,6 +1,7 @@
 """The one training loop: batch → objective (model + loss) → backward through the accelerator.
 
-It reads the same for every launch; what differs between launches lives in `strategy.py`, and what differs between
+It reads the same for every launch; how this launch is distributed is decided once in `launch_plan.py` (and carried
+out by `accelerator.py`, `fsdp.py`, `deepspeed.py`, `grad_cache.py`), and what differs between
 kinds of model (contrastive retrieval, flow matching: data, objective, evaluation, plots) in `vembed.tasks`.
 """
 
@@ -47,6 +48,13 @@ def build_optimizer(groups: list[dict], lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=lr, fused=fused or None)
 
 
+def batches_per_process(num_batches: int, num_processes: int) -> int:
+    """Batches each process iterates per epoch once accelerate shards a drop_last loader of `num_batches`: whole
+    rounds only (each rank takes every num_processes-th batch; an incomplete last round is dropped so every rank
+    gathers equally many embeddings)."""
+    return num_batches // num_processes
+
+
 @dataclass
 class TrainResult:
     output_dir: Path
@@ -60,18 +68,22 @@ class Trainer:
 
     def __init__(self, recipe: "Recipe", accelerator: "Accelerator | None" = None):
         from vembed.tasks import task_for
-        from vembed.training.fsdp import launched_with_fsdp, settings_from_launch
-        from vembed.training.strategy import build_accelerator
+        from vembed.training.accelerator import build_accelerator, check_accelerator_matches
+        from vembed.training.launch_plan import decide_launch
 
         self.recipe = recipe
         self.output_dir = Path(recipe.output_dir)
         self.task = task_for(recipe)(recipe)
-        # Data first: whether every batch reaches every parameter decides how DDP is set up.
+        # Every launch decision and refusal first: before a data row or a weight is read.
+        plan = decide_launch(recipe)
         self.train_report = self.task.load_train_data()
-        all_used = self.task.every_step_uses_every_parameter()
-        # FSDP settings are read from the launch before the accelerator is built (which turns accelerate's own off).
-        self.fsdp = settings_from_launch() if launched_with_fsdp() else None
-        self.accelerator = accelerator or build_accelerator(recipe, find_unused_parameters=not all_used)
+        # Whether every batch reaches every parameter decides how DDP is set up.
+        self.plan = plan.with_unused_parameter_search(not self.task.every_step_uses_every_parameter())
+        if accelerator is None:
+            accelerator = build_accelerator(recipe, self.plan)
+        else:
+            check_accelerator_matches(accelerator, self.plan)
+        self.accelerator = accelerator
 
     # --- building --------------------------------------------------------------------------------------------------
     def build(self) -> None:
@@ -84,16 +96,16 @@ class Trainer:
         from vembed.training.lr import learning_rate_for
         from vembed.training.objective import parameter_groups
         from vembed.training.schedules import get_scheduler
-        from vembed.training.strategy import configure_deepspeed, unsharded_construction
+        from vembed.training.deepspeed import configure_deepspeed, unsharded_construction
 
-        recipe, acc = self.recipe, self.accelerator
+        recipe, acc, plan = self.recipe, self.accelerator, self.plan
         set_seed(recipe.seed)
         with unsharded_construction(acc, unless_zero3_init=True):
             self.objective = self.task.build_objective()
-        if self.fsdp is not None:
+        if plan.fsdp is not None:
             from vembed.training.fsdp import shard_objective
 
-            shard_objective(self.objective, recipe, acc, self.fsdp)  # before the optimizer: it sees the shards
+            shard_objective(self.objective, recipe, acc, plan.fsdp)  # before the optimizer: it sees the shards
 
         self.eval_examples = self.task.load_eval_split("validation")
         self.test_examples = self.task.load_eval_split("test")
@@ -113,8 +125,8 @@ class Trainer:
         lr = learning_rate_for(recipe, acc.num_processes, log=acc.print)  # scale_lr_with_world_size, logged once
         optimizer = build_optimizer(parameter_groups(self.objective, recipe.weight_decay), lr)
 
-        batches_per_epoch = math.ceil(len(loader) / acc.num_processes)  # what each process sees once sharded
-        if batches_per_epoch == 0 or len(self.dataset) < recipe.batch_size * acc.num_processes:
+        self.batches_per_epoch = batches_per_process(len(loader), acc.num_processes)
+        if self.batches_per_epoch == 0:
             from vembed.errors import DataError
 
             raise DataError(
@@ -122,7 +134,8 @@ class Trainer:
                 f"{acc.num_processes} process(es); lower batch_size or add data",
                 file=str(recipe.data.train),
             )
-        self.steps_per_epoch = max(batches_per_epoch // recipe.gradient_accumulation_steps, 1)
+        # accelerate also steps at the end of an epoch whose micro-batches do not fill the last accumulation.
+        self.steps_per_epoch = math.ceil(self.batches_per_epoch / recipe.gradient_accumulation_steps)
         self.total_steps = recipe.max_steps or self.steps_per_epoch * recipe.epochs
         self.num_epochs = math.ceil(self.total_steps / self.steps_per_epoch)
         scheduler = get_scheduler(
@@ -132,20 +145,22 @@ class Trainer:
             num_training_steps=self.total_steps,
         )
         configure_deepspeed(acc, recipe, self.objective)
-        if self.fsdp is None:
+        if plan.fsdp is None:
             self.model, self.optimizer, self.loader, self.scheduler = acc.prepare(
                 self.objective, optimizer, loader, scheduler
             )
         else:  # already sharded: accelerate prepares the rest and must not wrap the model again
             self.optimizer, self.loader, self.scheduler = acc.prepare(optimizer, loader, scheduler)
             self.model = self.objective
-        sharded = (self.model, self.optimizer, self.scheduler) if self.fsdp is not None else None
+        if len(self.loader) != self.batches_per_epoch:  # the schedule must count what each process really iterates
+            raise TrainingError(f"internal: the prepared loader yields {len(self.loader)} batches per process, the "
+                                f"schedule was planned for {self.batches_per_epoch}")
+        sharded = (self.model, self.optimizer, self.scheduler) if plan.fsdp is not None else None
         self.checkpoints = CheckpointManager(acc, self.output_dir, recipe.save_total_limit, recipe.persistent_dir,
                                              sharded=sharded)
-        from vembed.training.strategy import build_train_step, choose_gradient_cache, count_parameters
+        from vembed.training.grad_cache import build_train_step
 
-        self.grad_cache = choose_gradient_cache(recipe, count_parameters(self.objective)[1])
-        self.train_step = build_train_step(acc, self.model, self.grad_cache)
+        self.train_step = build_train_step(acc, self.model, plan.grad_cache)
 
     @property
     def adapter(self):
@@ -167,12 +182,17 @@ class Trainer:
         if acc.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             recipe.save(self.output_dir / "recipe.yaml")
-        from vembed.training.strategy import count_parameters, describe_launch, memory_estimate_line
+        from vembed.training.deepspeed import unsharded_construction
+        from vembed.training.sharded_state import count_parameters
+        from vembed.training.start_block import describe_launch, memory_estimate_line
 
         trainable, total = count_parameters(self.objective)
-        acc.print(describe_launch(acc, recipe, trainable, total, self.grad_cache, self.fsdp))
+        acc.print(describe_launch(self.plan, acc, recipe, trainable, total, self.task.batch_lines(self.plan.world_size),
+                                  grad_cache_applies=self.task.uses_gradient_cache))
         if acc.is_main_process:
-            acc.print(memory_estimate_line(acc, recipe, self.grad_cache, self.fsdp))
+            # The planner's meta-device model must not go through ZeRO-3's (collective) construction hook.
+            with unsharded_construction(acc):
+                acc.print(memory_estimate_line(self.plan, recipe, acc.device.type))
         acc.print(f"data                {self.train_report.summary()}")
         if recipe.report_to:
             acc.init_trackers(recipe.run_name or "vembed", config=_flat_config(recipe.to_dict()))
@@ -236,10 +256,12 @@ class Trainer:
                 self._maybe_evaluate_and_save(state, end_of_epoch=False, done=done)
                 if done:
                     break
-            if not done:
+            # Without `done` the loader ran out; with it, the last step may also have been the epoch's last batch.
+            if not done or state.batches_in_epoch >= self.batches_per_epoch:
                 state.epoch += 1
                 state.batches_in_epoch = 0
-                self._maybe_evaluate_and_save(state, end_of_epoch=True, done=False)
+                if not done:
+                    self._maybe_evaluate_and_save(state, end_of_epoch=True, done=False)
 
     def train_on_batch(self, batch: dict[str, Any], state: TrainerState) -> torch.Tensor:
         """Forward and backward of one batch, then (once gradients are accumulated) the checked, clipped optimizer
@@ -326,10 +348,11 @@ class Trainer:
         acc, recipe = self.accelerator, self.recipe
         final_dir = self.output_dir / "final"
         acc.wait_for_everyone()
-        from vembed.training.strategy import gather_full_state_dict, is_sharded, unsharded_construction
+        from vembed.training.deepspeed import unsharded_construction
+        from vembed.training.sharded_state import gather_full_state_dict
 
         # Sharded weights (ZeRO-3, FSDP) are gathered by every rank together; rank 0 alone would wait forever.
-        full_state = gather_full_state_dict(acc, self.model) if is_sharded(acc, self.model) else None
+        full_state = gather_full_state_dict(acc, self.model) if self.plan.sharded else None
         if acc.is_main_process:
             import shutil
 

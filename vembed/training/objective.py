@@ -15,7 +15,7 @@ from vembed.losses.base import EmbeddingLoss
 from vembed.models.base import EmbeddingAdapter
 
 if TYPE_CHECKING:
-    from vembed.training.grad_cache import Chunk
+    from collections.abc import Callable
 
 
 class ContrastiveObjective(nn.Module):
@@ -43,32 +43,13 @@ class ContrastiveObjective(nn.Module):
             return query, positive, None
         return query, positive, negatives.view(query.shape[0], num_negatives, -1)
 
-    def forward(
-        self,
-        batch: dict[str, Any] | None = None,
-        *,
-        replay: "list[Chunk] | None" = None,
-        detached_embeddings: tuple[torch.Tensor | None, ...] | None = None,
-    ) -> torch.Tensor:
-        """The loss of a batch; or, for GradCache (`replay`), the surrogate whose gradient is the cached one.
-
-        Both go through `forward` so that DDP (and any wrapper) sees every pass that builds a graph.
-        """
-        if replay is None:
-            return self.loss(*self.embed(batch))
-        surrogate = sum(self._replayed(chunk) for chunk in replay)
-        if detached_embeddings is not None:
-            # The last pass: the loss on constant embeddings reaches only the loss's own parameters (temperature,
-            # bias), and a zero-weighted touch of every trainable parameter puts all of them in this pass's graph,
-            # so DDP all-reduces each exactly once, including towers that only earlier chunks used.
-            surrogate = surrogate + self.loss(*detached_embeddings)
-            surrogate = surrogate + sum(p.view(-1)[0] for p in self.parameters() if p.requires_grad) * 0.0
-        return surrogate
-
-    def _replayed(self, chunk: "Chunk") -> torch.Tensor:
-        with chunk.rng.replay():
-            embedding = self.adapter(chunk.inputs)
-        return (embedding.float() * chunk.grad.float()).sum()
+    def forward(self, batch: dict[str, Any] | None = None, *,
+                run_inside: "Callable[[ContrastiveObjective], torch.Tensor] | None" = None) -> torch.Tensor:
+        """The loss of a batch; or `run_inside(self)`: a pass that must run inside this module's (wrapped) forward so
+        that DDP and other wrappers see it (GradCache's replays, vembed/training/grad_cache.py)."""
+        if run_inside is not None:
+            return run_inside(self)
+        return self.loss(*self.embed(batch))
 
 
 def parameter_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:

@@ -1,0 +1,42 @@
+"""The block printed when a run starts: what runs where (from the launch plan), how big its batches really are (from
+the task), the parameters, and the memory planner's estimate for this launch."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from vembed.recipe import Recipe
+    from vembed.training.launch_plan import LaunchPlan
+
+
+def describe_launch(plan: "LaunchPlan", accelerator: "Accelerator", recipe: "Recipe", trainable: int, total: int,
+                    batch_lines: list[tuple[str, str]], *, grad_cache_applies: bool = True) -> str:
+    """`batch_lines`: the task's (label, value) lines on its batch; `grad_cache_applies`: the task can use GradCache
+    (a flow-matching run has no contrastive batch to cache)."""
+    world = plan.world_size
+    lines = [
+        ("strategy", f"{plan.strategy} ({world} process{'es' if world > 1 else ''})"),
+        ("device", str(accelerator.device)),
+        ("precision", str(accelerator.mixed_precision)),
+        ("per-device batch", str(recipe.batch_size)),
+    ]
+    if grad_cache_applies:
+        chunk = f"{plan.grad_cache.chunk_size} samples per forward" if plan.grad_cache.enabled else "-"
+        lines.append(("GradCache", f"{plan.grad_cache.reason}; chunk {chunk}"))
+    lines += batch_lines
+    lines.append(("parameters", f"{trainable:,} trainable / {total:,} total"))
+    return "\n".join(f"{label:<20}{value}" for label, value in lines)
+
+
+def memory_estimate_line(plan: "LaunchPlan", recipe: "Recipe", device_type: str) -> str:
+    """The planner's per-device estimate for this launch; says why when the model's shape cannot be read (the run
+    goes on: an estimate is advice, not a requirement)."""
+    from vembed.planning import estimate_line
+
+    try:
+        return estimate_line(recipe, plan.planner_strategy, plan.world_size, device=device_type)
+    except Exception as error:  # noqa: BLE001 - any failure here must not stop training
+        return f"memory estimate     unavailable ({type(error).__name__}: {error})"
