@@ -24,16 +24,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from vembed.entrypoints import run_cli
+from vembed.resources import accelerate_configs
 
-ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = ROOT / "accelerate_configs"
+CONFIGS = accelerate_configs()
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "train.py"
 
 
 @dataclass
 class Launch:
     name: str
-    config: str  # file under accelerate_configs/
+    config: str  # one of the shipped accelerate configs (vembed/accelerate_configs/)
     processes: int
     overrides: list[str] = field(default_factory=list)
 

@@ -1,8 +1,9 @@
 """The offline demo: real handwritten digits, a tiny CLIP built from a config, trained on CPU in a few minutes.
 
 `vembed demo` makes the data (scikit-learn's digits, captions from templates, a tokenizer trained on them), trains
-with `configs/demo_clip.yaml` through the same launcher users run, then prints before/after retrieval metrics and
-zero-shot digit accuracy on the held-out test split, and exports the model for sentence-transformers.
+with `configs/demo_clip.yaml` (shipped in the package, so an installed vembed runs it from any directory) through the
+same launcher users run, then prints before/after retrieval metrics and zero-shot digit accuracy on the held-out test
+split, and exports the model for sentence-transformers.
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-DEMO_RECIPE = ROOT / "configs" / "demo_clip.yaml"
+from vembed.resources import demo_recipe
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--recipe", default=str(DEMO_RECIPE), help="recipe to train (default: configs/demo_clip.yaml)")
+    parser.add_argument("--recipe", default=str(demo_recipe()),
+                        help="recipe to train (default: the shipped demo_clip.yaml, as configs/demo_clip.yaml)")
     parser.add_argument("--config_override", "--config-override", nargs="+", action="extend", default=[],
                         metavar="KEY=VALUE", help="override recipe keys, e.g. epochs=2")
     parser.add_argument("--data-dir", default="runs/demo/data", help="where the digits data set is written")

@@ -16,13 +16,15 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file by `accelerate launch vembed/entrypoints/extract.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import torch
 
-import torch  # noqa: E402
-
-from vembed.data.images import IMAGE_EXTENSIONS  # noqa: E402
-from vembed.errors import DataError, RecipeError  # noqa: E402
+try:
+    from vembed.data.images import IMAGE_EXTENSIONS
+    from vembed.errors import DataError, RecipeError
+except ModuleNotFoundError as missing:  # this file run from a clone whose vembed was never installed
+    if missing.name != "vembed":
+        raise
+    sys.exit(f"vembed is not installed for {sys.executable}: run `pip install -e .` in the repository root first")
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 

@@ -18,10 +18,13 @@ from pathlib import Path
 from vembed.entrypoints import run_cli
 from vembed.entrypoints.train import add_arguments as add_train_arguments
 from vembed.errors import LaunchError
+from vembed.resources import accelerate_configs, package_root
 from vembed.training.launcher import EXPECTED_WORLD_SIZE_ENV, LAUNCHER_ENV
 
-ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = ROOT / "accelerate_configs"
+# Shipped inside the package, so an installed vembed finds them from any directory (the clone's accelerate_configs/
+# links here). ROOT is what the DeepSpeed YAMLs' relative JSON paths resolve against.
+ROOT = package_root()
+CONFIGS = accelerate_configs()
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "train.py"
 
 

@@ -1,15 +1,20 @@
-"""Train from a recipe: `accelerate launch vembed/entrypoints/train.py RECIPE.yaml [--config_override k=v ...]`."""
+"""Train from a recipe: `accelerate launch -m vembed.entrypoints.train RECIPE.yaml [--config_override k=v ...]`.
+
+From a clone, `accelerate launch vembed/entrypoints/train.py RECIPE.yaml` runs the same, once vembed is installed
+(`pip install -e .`): the file imports vembed like any other user of it, it does not put the clone on sys.path.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file by `accelerate launch vembed/entrypoints/train.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from vembed.entrypoints import quiet_libraries, run_cli  # noqa: E402
+try:
+    from vembed.entrypoints import quiet_libraries, run_cli
+except ModuleNotFoundError as missing:  # this file run from a clone whose vembed was never installed
+    if missing.name != "vembed":
+        raise
+    sys.exit(f"vembed is not installed for {sys.executable}: run `pip install -e .` in the repository root first")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -38,12 +38,13 @@ class LaunchPromise:
 
 
 def config_path_for_hint(name: str) -> str:
-    """Our accelerate config `name` as a path the user can type: relative when it sits under the current directory."""
-    path = Path(__file__).resolve().parents[2] / "accelerate_configs" / f"{name}.yaml"
-    try:
-        return str(path.relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)
+    """Our accelerate config `name` as a path the user can type: the clone's `accelerate_configs/NAME.yaml` when
+    run from its root, else the file shipped in the package."""
+    from vembed.resources import accelerate_configs
+
+    if (Path.cwd() / "accelerate_configs" / f"{name}.yaml").is_file():
+        return f"accelerate_configs/{name}.yaml"
+    return str(accelerate_configs() / f"{name}.yaml")
 
 
 def read_promise(env: Mapping[str, str] | None = None) -> LaunchPromise:
