@@ -45,15 +45,42 @@ class ColumnMap(_Strict):
     label: str = "label"  # optional group id: items sharing it count as relevant in evaluation
 
 
-class DataConfig(_Strict):
-    """Where the pairs come from. A source is a file, a glob, a directory, or a list of them."""
+DataFormat = Literal["auto", "jsonl", "json", "csv", "parquet", "hf", "shards"]
 
-    train: str | list[str] | None = None
-    validation: str | list[str] | None = None
-    test: str | list[str] | None = None
+
+class SourceConfig(_Strict):
+    """One named source of a split (`data.train: {name: ...}`): its files and how they are read. Unset keys take the
+    `data.` value (for validation/test sources: the same-named training source's first). Several training sources
+    mix in one run, one source per batch, so in-batch negatives come from the same task."""
+
+    files: str | list[str]  # a file, glob, directory, or a list of them (as data.train)
+    format: DataFormat | None = None
+    columns: ColumnMap | None = None
+    image_root: str | None = None
+    num_hard_negatives: int | None = Field(default=None, ge=0)
+    # Share of the training steps drawn from this source; set it on every training source or on none (then each
+    # source gets steps in proportion to its rows, every row once per epoch).
+    weight: float | None = Field(default=None, gt=0)
+    # Text put before every query of this source (any text model): E5's "query: ", a BGE/Qwen3-Embedding task
+    # instruction such as "Instruct: Given a question, retrieve passages that answer it\nQuery: ".
+    query_prompt: str | None = None
+    # qwen_vl: the system-turn instruction of this source's queries (instead of the recipe's query_instruction).
+    query_instruction: str | None = None
+
+
+SplitValue = str | list[str] | dict[str, SourceConfig] | None
+
+
+class DataConfig(_Strict):
+    """Where the pairs come from. A split is a file, a glob, a directory, a list of them, or a mapping of named
+    sources (`{name: files}` or `{name: {files: ..., weight: ..., columns: ...}}`, see `SourceConfig`)."""
+
+    train: SplitValue = None
+    validation: SplitValue = None  # named sources here are evaluated one by one (metrics per source and their mean)
+    test: SplitValue = None
     # auto: from the file extension (.jsonl/.json, .csv, .parquet); hf: any local `datasets.load_dataset` path;
     # shards: a directory written by `vembed extract` (paired teacher embeddings; what blip3o_dit trains on).
-    format: Literal["auto", "jsonl", "json", "csv", "parquet", "hf", "shards"] = "auto"
+    format: DataFormat = "auto"
     columns: ColumnMap = Field(default_factory=ColumnMap)
     # Relative image paths are resolved against this directory; unset: the directory of the data file.
     image_root: str | None = None
@@ -62,8 +89,96 @@ class DataConfig(_Strict):
     # Rows that are empty or point at missing/corrupt images are skipped and counted; above this share, stop.
     max_bad_fraction: float = Field(default=0.05, ge=0.0, le=1.0)
     num_workers: int = Field(default=0, ge=0)
-    # Evaluate on at most this many records per split (unset: all).
+    # Evaluate on at most this many records per split (per source, for named sources; unset: all).
     eval_max_samples: int | None = Field(default=None, gt=0)
+    # Keep records sharing a text or image (query, positive or negative) out of one contrastive batch (all ranks
+    # together), as sentence-transformers' no-duplicates sampler: a duplicate would be a false in-batch negative.
+    no_duplicates: bool = False
+    # Records sharing a `label` (data.columns.label) are not each other's in-batch negatives (InfoNCE, SigLIP): with
+    # 10 classes at batch 64, most in-batch "negatives" would otherwise be the same class.
+    mask_same_label: bool = True
+
+    @field_validator("train", "validation", "test", mode="before")
+    @classmethod
+    def _named_sources(cls, value: Any) -> Any:
+        # `{name: files}` is short for `{name: {files: files}}`.
+        if isinstance(value, dict):
+            return {name: {"files": v} if isinstance(v, (str, list)) else v for name, v in value.items()}
+        return value
+
+    @model_validator(mode="after")
+    def _source_checks(self) -> "DataConfig":
+        for split in ("train", "validation", "test"):
+            value = getattr(self, split)
+            if isinstance(value, dict) and not value:
+                raise _KeyError(f"data.{split}", "is an empty mapping; name at least one source or give a file")
+        if isinstance(self.train, dict):
+            weighted = [name for name, source in self.train.items() if source.weight is not None]
+            if weighted and len(weighted) != len(self.train):
+                unweighted = [name for name in self.train if name not in weighted]
+                raise _KeyError(f"data.train.{unweighted[0]}.weight",
+                                f"is unset while {weighted} set a weight; set a weight on every source or on none "
+                                "(none: steps in proportion to each source's rows)")
+        for split in ("validation", "test"):
+            value = getattr(self, split)
+            if isinstance(value, dict):
+                for name, source in value.items():
+                    if source.weight is not None:
+                        raise _KeyError(f"data.{split}.{name}.weight", "only training sources have a weight")
+        return self
+
+    def sources(self, split: str) -> "dict[str, SourceConfig] | None":
+        """The named sources of `split` with every unset key filled (own value, then the same-named training
+        source's, then `data.`'s); None when the split is not a mapping of sources."""
+        value = getattr(self, split)
+        if not isinstance(value, dict):
+            return None
+        train = self.train if isinstance(self.train, dict) else {}
+        filled = {}
+        for name, source in value.items():
+            parent = train.get(name) if split != "train" else None
+            def pick(key: str, default: Any) -> Any:
+                own = getattr(source, key)
+                if own is not None:
+                    return own
+                inherited = getattr(parent, key) if parent is not None else None
+                return inherited if inherited is not None else default
+            filled[name] = SourceConfig(
+                files=source.files, format=pick("format", self.format), columns=pick("columns", self.columns),
+                image_root=pick("image_root", self.image_root),
+                num_hard_negatives=pick("num_hard_negatives", self.num_hard_negatives), weight=source.weight,
+                query_prompt=pick("query_prompt", None), query_instruction=pick("query_instruction", None),
+            )
+        return filled
+
+
+class StageConfig(_Strict):
+    """One curriculum stage (`stages:`). Stages run in order on the same model and optimizer state; each key set
+    here replaces the recipe's for this stage only (unset: the recipe's value, not the previous stage's). Each stage
+    has its own learning-rate schedule (the recipe's scheduler_type and warmup_ratio over the stage's steps)."""
+
+    name: str | None = None  # shown in the log; unset: stage-<number>
+    epochs: int | None = Field(default=None, gt=0)  # unset: the recipe's epochs
+    max_steps: int | None = Field(default=None, gt=0)  # optimizer steps of this stage; overrides epochs
+    learning_rate: float | None = Field(default=None, gt=0)  # peak learning rate of this stage
+    # Which named training sources (data.train: {name: ...}) this stage draws from: a list (steps in proportion to
+    # their rows) or a mapping name -> weight. Unset: every source, as the recipe draws them.
+    sources: list[str] | dict[str, float] | None = None
+    max_length: int | None = Field(default=None, gt=0)  # tokens per text in this stage
+    min_pixels: int | None = Field(default=None, gt=0)  # qwen_vl: the image-size budget of this stage ...
+    max_pixels: int | None = Field(default=None, gt=0)  # ... (models with a fixed image size refuse these)
+
+    @field_validator("sources")
+    @classmethod
+    def _weights(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            if any(weight < 0 for weight in value.values()):
+                raise ValueError(f"weights must be >= 0, got {value}")
+            if not any(weight > 0 for weight in value.values()):
+                raise ValueError("give at least one source a weight above 0")
+        if isinstance(value, list) and not value:
+            raise ValueError("is an empty list; name at least one source or remove the key")
+        return value
 
 
 class DiTSettings(_Strict):
@@ -164,6 +279,8 @@ class Recipe(_Strict):
     weight_decay: float = Field(default=0.01, ge=0)
     epochs: int = Field(default=1, gt=0)
     max_steps: int | None = Field(default=None, gt=0)  # optimizer steps; when set, it overrides epochs
+    # Curriculum: stages trained one after another (see StageConfig); unset: one stage made of the keys above.
+    stages: list[StageConfig] | None = None
     scheduler_type: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_ratio: float = Field(default=0.0, ge=0.0, lt=1.0)
     max_grad_norm: float | None = Field(default=1.0, gt=0)  # unset: no clipping
@@ -269,9 +386,25 @@ class Recipe(_Strict):
                     "mrl_weights",
                     f"has {len(self.mrl_weights)} weights for {len(self.mrl_dims)} mrl_dims; give one per dimension",
                 )
+        if self.stages is not None:
+            self._check_stages()
         if self.gradient_cache_chunk_size is not None and self.use_gradient_cache is False:
             raise _KeyError("gradient_cache_chunk_size", "is set but use_gradient_cache is false; set it to true")
         return self
+
+    def _check_stages(self) -> None:
+        if not self.stages:
+            raise _KeyError("stages", "is an empty list; list at least one stage or remove the key")
+        named = list(self.data.train) if isinstance(self.data.train, dict) else []
+        for number, stage in enumerate(self.stages):
+            unknown = [name for name in stage.sources or () if name not in named]
+            if unknown:
+                known = f"data.train names {named}" if named else "data.train is not a mapping of named sources"
+                raise _KeyError(f"stages.{number}.sources",
+                                f"names {unknown}{did_you_mean(unknown[0], named)}, but {known}")
+            low, high = stage.min_pixels or self.min_pixels, stage.max_pixels or self.max_pixels
+            if low is not None and high is not None and low > high:
+                raise _KeyError(f"stages.{number}.min_pixels", f"{low} exceeds max_pixels {high}")
 
     # --- helpers ---------------------------------------------------------------------------------------------------
     @property
@@ -338,21 +471,46 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 
 
 def _fields_at(loc: tuple[str | int, ...]) -> list[str]:
-    """Names of the keys valid at the level of `loc` (for 'did you mean')."""
+    """Names of the keys valid at the level of `loc` (for 'did you mean'), through nested sections, named sources
+    (`data.train.<name>.`) and list items (`stages.<n>.`)."""
     model: type[BaseModel] = Recipe
-    for part in loc[:-1]:
-        field = next((f for n, f in model.model_fields.items() if (f.alias or n) == str(part)), None)
-        annotation = getattr(field, "annotation", None)
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            model = annotation
-        else:
+    parts = list(loc[:-1])
+    while parts:
+        field = next((f for n, f in model.model_fields.items() if (f.alias or n) == str(parts[0])), None)
+        found = _section_model(getattr(field, "annotation", None))
+        if found is None:
             return []
+        model, keyed = found
+        parts = parts[2:] if keyed else parts[1:]  # a keyed section (list item, named source) also takes a key
     return [field.alias or name for name, field in model.model_fields.items()]
 
 
+def _section_model(annotation: Any, keyed: bool = False) -> tuple[type[BaseModel], bool] | None:
+    """The pydantic model a field holds, and whether it sits in a list or mapping (one more key in the path)."""
+    import typing
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation, keyed
+    origin = typing.get_origin(annotation)
+    for arg in typing.get_args(annotation):
+        found = _section_model(arg, keyed or origin in (list, dict))
+        if found is not None:
+            return found
+    return None
+
+
+def _without_union_tags(loc: tuple[str | int, ...]) -> tuple[str | int, ...]:
+    # pydantic names the union member (`str`, `list[str]`, `dict[str,SourceConfig]`) and validators in the location.
+    return tuple(p for p in loc if not (isinstance(p, str) and (p in ("str", "int", "float", "bool") or "[" in p)))
+
+
 def _error_to_recipe_error(err: ValidationError, source: str | None) -> RecipeError:
-    first = err.errors()[0]
-    loc = tuple(p for p in first["loc"] if p not in ("function-after[_cross_checks()]",))
+    # A key that takes one of several types (data.train: files or named sources) fails once per type; the error that
+    # reached deepest into the value is the one about what the user wrote.
+    # An unknown key explains a missing one beside it (`filez` for `files`), so it wins a tie.
+    first = max(err.errors(), key=lambda error: (len(_without_union_tags(error["loc"])),
+                                                 error["type"] == "extra_forbidden"))
+    loc = _without_union_tags(first["loc"])
     key = ".".join(str(p) for p in loc) or "recipe"
     more = len(err.errors()) - 1
     suffix = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""

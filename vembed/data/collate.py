@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -9,6 +10,8 @@ from vembed.data.records import Example
 from vembed.errors import DataError
 
 if TYPE_CHECKING:
+    import torch
+
     from vembed.models.base import EmbeddingAdapter
 
 
@@ -18,13 +21,17 @@ class PairCollator:
     {"query": preprocess(B queries), "positive": preprocess(B positives),
      "negative": preprocess(B*k negatives, row-major: example 0's k, then example 1's, ...)  # only when k > 0
      "num_negatives": k,
-     "labels": [B labels]}  # only when every example has a label
+     "labels": [B labels],                  # only when every example has a label
+     "label_ids": LongTensor (B,),           # the same, as ids equal on every rank (labels=True): the loss masks
+                                             # in-batch negatives that share the row's label
+     "source": name}                         # the named source every example of the batch came from, if any
 
     A plain object holding the adapter (only its `preprocess` is called), so DataLoader workers can pickle it.
     """
 
-    def __init__(self, adapter: "EmbeddingAdapter"):
+    def __init__(self, adapter: "EmbeddingAdapter", labels: bool = False):
         self.adapter = adapter
+        self.labels = labels
 
     def __call__(self, examples: Sequence[Example]) -> dict[str, Any]:
         if not examples:
@@ -48,4 +55,19 @@ class PairCollator:
             batch["negative"] = self.adapter.preprocess([side for example in examples for side in example.negatives])
         if all(example.label is not None for example in examples):
             batch["labels"] = [example.label for example in examples]
+            if self.labels:
+                batch["label_ids"] = label_ids(batch["labels"])
+        names = {example.source_name for example in examples}
+        if len(names) == 1 and None not in names:
+            batch["source"] = names.pop()
         return batch
+
+
+def label_ids(labels: Sequence[str]) -> "torch.Tensor":
+    """Labels as int64 ids that are equal on every rank for equal labels (a stable digest, not Python's salted
+    `hash`), so the loss can compare labels gathered from other ranks."""
+    import torch
+
+    ids = [int.from_bytes(hashlib.blake2b(label.encode(), digest_size=8).digest(), "little", signed=True)
+           for label in labels]
+    return torch.tensor(ids, dtype=torch.int64)

@@ -16,17 +16,19 @@ logger = logging.getLogger(__name__)
 
 
 class PairDataset(Dataset):
-    """`Example`s (from `load_examples`) whose `__getitem__` returns a copy with every image decoded to RGB PIL.
+    """`Example`s (a list, or the records `load_rows` makes on fetch) whose `__getitem__` returns a copy with every
+    image decoded to RGB PIL.
 
     A record whose image cannot be decoded (a corrupt or truncated file: missing files were already skipped by
     `load_examples`) is replaced by the next record that decodes, searching forward and wrapping around, at most
     `max_substitutions` records away; the substitute depends only on the index, so every epoch and every worker picks
     the same one. `decode_failures` counts the distinct bad records this process has met (each DataLoader worker
-    keeps its own count).
+    keeps its own count). `num_negatives`: the hard negatives each record keeps; None keeps what the records hold
+    (`load_rows` has already cut them to one number per source).
     """
 
-    def __init__(self, examples: Sequence[Example], num_negatives: int = 0, max_substitutions: int = 64):
-        for example in examples:
+    def __init__(self, examples: Sequence[Example], num_negatives: int | None = None, max_substitutions: int = 64):
+        for example in examples if num_negatives is not None else ():
             if len(example.negatives) < num_negatives:
                 raise DataError(
                     f"record has {len(example.negatives)} hard negatives, the dataset needs {num_negatives}; "
@@ -38,6 +40,11 @@ class PairDataset(Dataset):
         self.num_negatives = num_negatives
         self.max_substitutions = max_substitutions
         self._bad: set[int] = set()
+
+    def source_ranges(self) -> list[tuple[str | None, int, int]]:
+        """(name, first index, one past the last) of each named source; one unnamed range without named sources."""
+        ranges = getattr(self.examples, "source_ranges", None)
+        return ranges() if ranges is not None else [(None, 0, len(self.examples))]
 
     @property
     def decode_failures(self) -> int:
@@ -80,6 +87,7 @@ class PairDataset(Dataset):
             label=example.label,
             row=example.row,
             source=example.source,
+            source_name=example.source_name,
         )
 
 

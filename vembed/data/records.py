@@ -20,6 +20,9 @@ class Side:
     # "query" or "document" (positives and hard negatives); None when unknown (e.g. the Python API). Adapters with
     # per-side instructions (qwen_vl) read it; others ignore it.
     role: str | None = None
+    # The instruction this side is embedded with, by adapters that take one (qwen_vl's system turn); None: the
+    # adapter's own for the role. Set per named source (data.train.<name>.query_instruction).
+    instruction: str | None = None
 
     @property
     def images(self) -> list[ImageLike]:
@@ -43,3 +46,4 @@ class Example:
     label: str | None = None  # items sharing a label are relevant to each other in evaluation
     row: int | None = None  # row in the source file, for error messages
     source: str | None = None  # source file, for error messages
+    source_name: str | None = None  # the named source (data.train: {name: ...}) it came from; None: unnamed

@@ -1,29 +1,36 @@
-"""Data sources: find the files a recipe names and read them into `Example`s, skipping and counting unusable rows.
+"""Data sources: find the files a recipe names, check every row, and hand out the kept ones as records made on fetch.
 
-JSON Lines and JSON files are read with the standard library; CSV, Parquet and local `datasets` folders with
-`datasets`. Images stay as absolute paths here; they are decoded only when a record is fetched (see `PairDataset`),
-so memory stays small.
+Small JSON Lines/JSON files are read with the standard library (start-up stays fast for tiny data); larger ones, CSV,
+Parquet and local `datasets` folders through `datasets`, whose Arrow cache is memory-mapped: built once per node (one
+rank builds while the others wait on a file lock, then map it), shared by every rank. Rows are checked column by
+column (`vembed/data/checks.py`); unusable ones are skipped and counted, and records are made only when fetched
+(`vembed/data/rows.py`). Images stay as absolute paths here; they are decoded when a record is fetched by
+`PairDataset`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
-import io
+import hashlib
 import json
 import logging
-import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import zip_longest
 from typing import TYPE_CHECKING, Any
 
-from vembed.data.records import Example, ImageLike, Side
+import numpy as np
+
+from vembed.data.reader import SKIP_FIXES, RowReader, SourceSettings, Skipped
+from vembed.data.records import Example
 from vembed.errors import DataError, RecipeError, did_you_mean
 
 if TYPE_CHECKING:
     import datasets
 
+    from vembed.data.checks import RowChecks
+    from vembed.data.rows import PairRows
     from vembed.recipe import DataConfig
 
 logger = logging.getLogger(__name__)
@@ -39,15 +46,9 @@ EXTENSIONS_BY_FORMAT = {
 }
 HF_SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # written by `save_to_disk`
 MAX_BAD_ROWS_SHOWN = 5
-
-# Why a row was skipped, and what the user can do about it (used in the error when too many are).
-SKIP_FIXES = {
-    "empty_query": "give every row a query text or image",
-    "empty_positive": "give every row a positive text or image",
-    "missing_image": "check the image paths and data.image_root",
-    "bad_image": "give image columns file paths (or a datasets Image feature)",
-    "too_few_negatives": "lower data.num_hard_negatives or add negatives to those rows",
-}
+# JSON files up to this size are read with the standard library into memory (no `datasets` import, no Arrow cache:
+# the demo's start-up); larger ones are memory-mapped through `datasets`, whose cache a second launch reuses.
+SMALL_JSON_BYTES = 8 * 2**20
 
 
 # --- finding files -------------------------------------------------------------------------------------------------
@@ -131,7 +132,8 @@ def builder_for(path: str, format: str = "auto", key: str = "data.format") -> st
 
 @dataclass
 class Rows:
-    """Records read without `datasets`, offering the part of `datasets.Dataset` that `load_examples` reads."""
+    """Records of a small JSON file, read without `datasets`, offering the part of `datasets.Dataset` that
+    `load_rows` reads."""
 
     records: list[dict[str, Any]]
     column_names: list[str]
@@ -147,6 +149,10 @@ class Rows:
         for start in range(0, len(self.records), batch_size):
             part = self.records[start : start + batch_size]
             yield {name: [record.get(name) for record in part] for name in self.column_names}
+
+
+def _small(path: str) -> bool:
+    return os.path.isfile(path) and os.path.getsize(path) <= SMALL_JSON_BYTES
 
 
 def _read_json(path: str, split: str) -> Rows:
@@ -211,7 +217,7 @@ def _read_hf(path: str, split: str) -> "datasets.Dataset":
 
 # A small dict, not a registry: `data.format` is a Literal in the recipe, so the names are closed.
 READERS: dict[str, Callable[[str, str], "datasets.Dataset | Rows"]] = {
-    "json": _read_json,
+    "json": lambda path, split: _read_json(path, split) if _small(path) else _read_file(path, "json"),
     "csv": lambda path, split: _read_file(path, "csv"),
     "parquet": lambda path, split: _read_file(path, "parquet"),
     "hf": _read_hf,
@@ -263,7 +269,8 @@ class BadRow:
 
 @dataclass
 class DataReport:
-    """What `load_examples` read: rows seen, kept, skipped per reason, the first few bad rows."""
+    """What `load_rows` read of one split (or one named source of it): rows seen, kept, skipped per reason, the first
+    few bad rows."""
 
     split: str
     files: list[str]
@@ -272,6 +279,12 @@ class DataReport:
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> count
     bad_rows: list[BadRow] = field(default_factory=list)  # the first MAX_BAD_ROWS_SHOWN
     num_hard_negatives: int = 0  # negatives per kept record, after truncation
+    source: str | None = None  # the named source (data.train: {name: ...}), if any
+
+    @property
+    def key(self) -> str:
+        """The recipe key these rows came from: data.train, or data.train.<source>."""
+        return f"data.{self.split}" + (f".{self.source}" if self.source else "")
 
     @property
     def num_skipped(self) -> int:
@@ -284,7 +297,8 @@ class DataReport:
 
     def summary(self) -> str:
         files = f"{len(self.files)} files" if len(self.files) != 1 else self.files[0]
-        text = f"{self.split}: kept {self.kept} of {self.total} rows from {files}"
+        name = f"{self.split}/{self.source}" if self.source else self.split
+        text = f"{name}: kept {self.kept} of {self.total} rows from {files}"
         if self.skipped:
             text += " (skipped " + ", ".join(f"{n} {reason}" for reason, n in sorted(self.skipped.items())) + ")"
         return text + f"; {self.num_hard_negatives} hard negatives per record"
@@ -298,133 +312,174 @@ class DataReport:
             "skipped": dict(self.skipped),
             "bad_rows": [vars(bad).copy() for bad in self.bad_rows],
             "num_hard_negatives": self.num_hard_negatives,
+            **({"source": self.source} if self.source else {}),
         }
 
 
-# --- rows -> examples ----------------------------------------------------------------------------------------------
+# --- the entry points ----------------------------------------------------------------------------------------------
 
 
-class _UnusableImage(Exception):
-    """Raised while reading a row whose image cell cannot be used; the row is skipped under `reason`."""
+@dataclass
+class SourcesReport:
+    """What `load_rows` read from a split of named sources: one `DataReport` per source."""
 
-    def __init__(self, reason: str, detail: str):
-        self.reason, self.detail = reason, detail
+    split: str
+    sources: dict[str, "DataReport"]
 
+    @property
+    def num_skipped(self) -> int:
+        return sum(report.num_skipped for report in self.sources.values())
 
-def _is_null(value: Any) -> bool:
-    return value is None or (isinstance(value, float) and math.isnan(value))
+    @property
+    def kept(self) -> int:
+        return sum(report.kept for report in self.sources.values())
 
+    def summary(self) -> str:
+        return "; ".join(report.summary() for report in self.sources.values())
 
-def _text(value: Any) -> str | None:
-    if _is_null(value):
-        return None
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)  # CSV integer columns with gaps are read as floats: label 7.0 means "7"
-    text = value if isinstance(value, str) else str(value)
-    return text if text.strip() else None
-
-
-def _as_list(value: Any, builder: str) -> list[Any]:
-    if _is_null(value):
-        return []
-    if isinstance(value, (list, tuple)):
-        return list(value)
-    if builder == "csv" and isinstance(value, str) and value.lstrip().startswith("["):
-        try:  # a CSV cell cannot hold a list; accept one written as JSON
-            parsed = json.loads(value)
-        except ValueError:
-            parsed = None
-        if isinstance(parsed, list):
-            return parsed
-    return [value]
+    def to_dict(self) -> dict[str, Any]:
+        return {"split": self.split, "sources": {name: report.to_dict() for name, report in self.sources.items()}}
 
 
-class _RowReader:
-    """Turns the rows of one table into Examples; knows its file, column map and image base directory."""
+def load_rows(
+    data_cfg: "DataConfig", split: str, *, num_hard_negatives: int | None = None
+) -> "tuple[PairRows, DataReport | SourcesReport]":
+    """The kept rows of `data.<split>` as records made on fetch, with a report of what was skipped and why.
 
-    def __init__(self, file: str, builder: str, columns: dict[str, str], image_base: str):
-        self.file, self.builder, self.columns, self.image_base = file, builder, columns, image_base
+    Rows without query or positive content, or naming an image file that does not exist, are skipped and counted;
+    when their share exceeds `data.max_bad_fraction` a `DataError` names the counts and the first bad row.
+    `num_hard_negatives` (else `data.num_hard_negatives`, else the smallest count among the kept rows) is the number
+    of negatives each record keeps: longer lists are cut, rows with fewer are skipped as `too_few_negatives`.
+    For evaluation splits pass 0 when negatives are not used. A split of named sources gives their records one
+    source after another (`PairRows.source_ranges`), each source checked, counted and given negatives on its own.
+    """
+    from vembed.data.rows import PairRows
 
-    def image(self, value: Any) -> ImageLike | None:
-        if _is_null(value):
-            return None
-        if isinstance(value, dict):  # a datasets Image feature: {"path", "bytes"}
-            if value.get("bytes"):
-                from PIL import Image
+    value = getattr(data_cfg, split, None)
+    if value is None:
+        raise RecipeError(f"data.{split}", "is not set; point it at a JSONL/CSV/Parquet file, glob or directory")
+    sources = data_cfg.sources(split)
+    if sources is None:
+        wanted = num_hard_negatives if num_hard_negatives is not None else data_cfg.num_hard_negatives
+        return _load_source(value, split, data_cfg.format, data_cfg.columns.model_dump(), data_cfg.image_root,
+                            wanted, data_cfg.max_bad_fraction, SourceSettings())
+    loaded = {}
+    for name, source in sources.items():
+        wanted = num_hard_negatives if num_hard_negatives is not None else source.num_hard_negatives
+        settings = SourceSettings(name, source.query_prompt, source.query_instruction)
+        loaded[name] = _load_source(source.files, split, source.format, source.columns.model_dump(),
+                                    source.image_root, wanted, data_cfg.max_bad_fraction, settings)
+    rows = PairRows.concat([rows for rows, _ in loaded.values()])
+    return rows, SourcesReport(split, {name: report for name, (_, report) in loaded.items()})
 
-                try:  # opened lazily: only the compressed bytes are held until the record is fetched
-                    return Image.open(io.BytesIO(value["bytes"]))
-                except Exception as err:  # noqa: BLE001 - PIL raises several types for bad data
-                    raise _UnusableImage("bad_image", f"embedded image is not readable: {err}") from None
-            value = value.get("path")
-            if not value:
-                return None
-        if not isinstance(value, str):
-            from PIL import Image
 
-            if isinstance(value, Image.Image):
-                return value
-            raise _UnusableImage("bad_image", f"image cell holds {type(value).__name__} {value!r}, not a path")
-        if not value.strip():
-            return None
-        path = os.path.expanduser(value)
-        if not os.path.isabs(path):
-            path = os.path.join(self.image_base, path)
-        path = os.path.normpath(path)
-        if not os.path.isfile(path):
-            raise _UnusableImage("missing_image", f"image {path!r} not found")
-        return path
+def load_examples(
+    data_cfg: "DataConfig", split: str, *, num_hard_negatives: int | None = None
+) -> "tuple[list[Example], DataReport | SourcesReport]":
+    """`load_rows` with every record made now, as a list (evaluation splits, small data, the Python API)."""
+    rows, report = load_rows(data_cfg, split, num_hard_negatives=num_hard_negatives)
+    return list(rows), report
 
-    def side_images(self, value: Any) -> ImageLike | list[ImageLike] | None:
-        """One side's image cell: a path (or embedded image), or a list of them (several images per sample, e.g. a
-        JSON list, a parquet list column, a datasets List(Image), or a CSV cell holding a JSON list). A list of one is
-        that one image, so single-image adapters read it too."""
-        images = [image for image in map(self.image, _as_list(value, self.builder)) if image is not None]
-        if not images:
-            return None
-        return images[0] if len(images) == 1 else images
 
-    def example(self, row: dict[str, Any], number: int, report: DataReport) -> Example | None:
-        get = row.get
+def load_source_examples(
+    data_cfg: "DataConfig", split: str, *, num_hard_negatives: int | None = None
+) -> "dict[str | None, list[Example]]":
+    """The records of `data.<split>` per named source (one entry, keyed None, for a split without named sources)."""
+    rows, _ = load_rows(data_cfg, split, num_hard_negatives=num_hard_negatives)
+    return {name: rows[start:stop] for name, start, stop in rows.source_ranges()}
+
+
+def _load_source(value: Any, split: str, format: str, columns: dict[str, str], image_root: str | None,
+                 wanted: int | None, max_bad_fraction: float, settings: SourceSettings
+                 ) -> "tuple[PairRows, DataReport]":
+    from vembed.data.checks import check_rows
+    from vembed.data.rows import PairRows, TablePart
+
+    key = f"data.{split}.{settings.name}.files" if settings.name else f"data.{split}"
+    files = resolve_files(value, format, key=key)
+    report = DataReport(split=split, files=files, source=settings.name)
+    checked: list[tuple[RowReader, Any, "RowChecks"]] = []
+    for file in files:
+        builder = builder_for(file, format)
+        with _one_builder_per_node(file, builder):
+            table = read_table(file, builder, split)
+            if table.num_rows == 0:
+                logger.warning("%s: no rows, ignored", file)
+                continue
+            _check_columns(file, list(table.column_names), columns)
+            used = [name for name in dict.fromkeys(columns.values()) if name in table.column_names]
+            table = _undecoded_images(table.select_columns(used), used)
+            reader = RowReader(file, builder, columns, _image_base(file, image_root), settings)
+            checks = check_rows(table, reader)
+        report.total += table.num_rows
+        _count_skipped(report, reader, table, checks)
+        checked.append((reader, table, checks))
+
+    usable = [(reader, table, checks, checks.reason == 0) for reader, table, checks in checked]
+    if wanted is None:
+        wanted = min((int(checks.negatives[ok].min()) for _, _, checks, ok in usable if ok.any()), default=0)
+    parts = []
+    for reader, table, checks, ok in usable:
+        too_few = ok & (checks.negatives < wanted)
+        for position in np.flatnonzero(too_few)[: MAX_BAD_ROWS_SHOWN - len(report.bad_rows)]:
+            detail = f"has {int(checks.negatives[position])} hard negatives, {wanted} required"
+            report.bad_rows.append(BadRow(reader.file, int(position) + 1, "too_few_negatives", detail))
+        if too_few.any():
+            report.skipped["too_few_negatives"] = report.skipped.get("too_few_negatives", 0) + int(too_few.sum())
+        kept = np.flatnonzero(ok & ~too_few)
+        parts.append(TablePart(reader, table, kept, _select(checks, kept), wanted))
+    rows = PairRows(parts)
+    report.kept, report.num_hard_negatives = len(rows), wanted
+    _check_bad_fraction(report, max_bad_fraction)
+    logger.info(report.summary())
+    return rows, report
+
+
+def _select(checks: "RowChecks", positions: np.ndarray) -> "RowChecks":
+    from vembed.data.checks import FIELDS, RowChecks
+
+    return RowChecks(*(getattr(checks, name)[positions] for name in FIELDS))
+
+
+def _count_skipped(report: "DataReport", reader: RowReader, table: Any, checks: "RowChecks") -> None:
+    """Add a file's skip counts to the report, and the first bad rows with the reader's own words for them."""
+    from vembed.data.checks import REASONS
+    from vembed.data.rows import TablePart
+
+    bad = np.flatnonzero(checks.reason)
+    if not len(bad):
+        return
+    codes, counts = np.unique(checks.reason[bad], return_counts=True)
+    for code, count in zip(codes, counts):
+        report.skipped[REASONS[code]] = report.skipped.get(REASONS[code], 0) + int(count)
+    part = TablePart(reader, table, bad, checks, 0)
+    for position in bad[: max(0, MAX_BAD_ROWS_SHOWN - len(report.bad_rows))]:
+        reason, detail = REASONS[checks.reason[position]], "unusable row"
         try:
-            query = Side(_text(get("query")), self.side_images(get("query_image")), role="query")
-            positive = Side(_text(get("positive")), self.side_images(get("positive_image")), role="document")
-            if query.is_empty:
-                report.skip(self.file, number, "empty_query", "no query text or image")
-                return None
-            if positive.is_empty:
-                report.skip(self.file, number, "empty_positive", "no positive text or image")
-                return None
-            texts = _as_list(get("negatives"), self.builder)
-            images = _as_list(get("negative_images"), self.builder)
-            negatives = [Side(_text(t), self.side_images(i), role="document") for t, i in zip_longest(texts, images)]
-        except _UnusableImage as bad:
-            report.skip(self.file, number, bad.reason, bad.detail)
-            return None
-        return Example(
-            query=query,
-            positive=positive,
-            negatives=[side for side in negatives if not side.is_empty],
-            label=_text(get("label")),
-            row=number,
-            source=self.file,
-        )
+            reader.example(part._row(int(position)), int(position) + 1)
+        except Skipped as skipped:
+            reason, detail = skipped.reason, skipped.detail
+        report.bad_rows.append(BadRow(reader.file, int(position) + 1, reason, detail))
 
-    def examples(self, table: "datasets.Dataset", report: DataReport, batch_size: int = 1024) -> list[Example]:
-        names = {part: name for part, name in self.columns.items() if name in table.column_names}
-        table = table.select_columns(list(dict.fromkeys(names.values())))
-        out: list[Example] = []
-        number = 0
-        for batch in table.iter(batch_size=batch_size):
-            size = len(next(iter(batch.values())))
-            for i in range(size):
-                number += 1
-                row = {part: batch[name][i] for part, name in names.items()}
-                example = self.example(row, number, report)
-                if example is not None:
-                    out.append(example)
-        report.total += number
-        return out
+
+@contextlib.contextmanager
+def _one_builder_per_node(file: str, builder: str) -> Iterator[None]:
+    """Around reading a file through `datasets` and checking its rows: the first rank of a node to get here builds
+    the Arrow cache and the checks; the others wait, then find both built and map them. A file lock, not a barrier:
+    ranks read their data before the accelerator (and the process group) exists. Small JSON files need none."""
+    if builder == "json" and _small(file):
+        yield
+        return
+    import datasets
+    from filelock import FileLock
+
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        datasets.disable_progress_bars()  # one progress bar per node, not one per rank
+    locks = os.path.join(datasets.config.HF_DATASETS_CACHE, "vembed-locks")
+    os.makedirs(locks, exist_ok=True)
+    name = hashlib.sha256(os.path.abspath(file).encode()).hexdigest()[:24]
+    with FileLock(os.path.join(locks, f"{name}.lock")):
+        yield
 
 
 def _check_columns(file: str, present: list[str], columns: dict[str, str]) -> None:
@@ -452,69 +507,15 @@ def _image_base(file: str, image_root: str | None) -> str:
     return path if os.path.isdir(path) else os.path.dirname(path)
 
 
-# --- the entry point -----------------------------------------------------------------------------------------------
-
-
-def load_examples(
-    data_cfg: "DataConfig", split: str, *, num_hard_negatives: int | None = None
-) -> tuple[list[Example], DataReport]:
-    """Read the files of `data.<split>` into Examples, with a report of what was skipped and why.
-
-    Rows without query or positive content, or naming an image file that does not exist, are skipped and counted;
-    when their share exceeds `data.max_bad_fraction` a `DataError` names the counts and the first bad row.
-    `num_hard_negatives` (else `data.num_hard_negatives`, else the smallest count among the kept rows) is the number
-    of negatives each record keeps: longer lists are truncated, rows with fewer are skipped as `too_few_negatives`.
-    For evaluation splits pass the training report's `num_hard_negatives`, or 0 when negatives are not used.
-    """
-    value = getattr(data_cfg, split, None)
-    if value is None:
-        raise RecipeError(f"data.{split}", "is not set; point it at a JSONL/CSV/Parquet file, glob or directory")
-    files = resolve_files(value, data_cfg.format, key=f"data.{split}")
-    columns = data_cfg.columns.model_dump()
-    report = DataReport(split=split, files=files)
-    examples: list[Example] = []
-    for file in files:
-        builder = builder_for(file, data_cfg.format)
-        table = read_table(file, builder, split)
-        if table.num_rows == 0:
-            logger.warning("%s: no rows, ignored", file)
-            continue
-        _check_columns(file, list(table.column_names), columns)
-        used = [name for name in columns.values() if name in table.column_names]
-        table = _undecoded_images(table, used)
-        reader = _RowReader(file, builder, columns, _image_base(file, data_cfg.image_root))
-        examples.extend(reader.examples(table, report))
-
-    wanted = num_hard_negatives if num_hard_negatives is not None else data_cfg.num_hard_negatives
-    if wanted is None:
-        wanted = min((len(example.negatives) for example in examples), default=0)
-    else:
-        enough = []
-        for example in examples:
-            if len(example.negatives) < wanted:
-                detail = f"has {len(example.negatives)} hard negatives, {wanted} required"
-                report.skip(example.source or "?", example.row or 0, "too_few_negatives", detail)
-            else:
-                enough.append(example)
-        examples = enough
-    for example in examples:
-        del example.negatives[wanted:]
-    report.kept, report.num_hard_negatives = len(examples), wanted
-
-    _check_bad_fraction(report, data_cfg.max_bad_fraction)
-    logger.info(report.summary())
-    return examples, report
-
-
 def _check_bad_fraction(report: DataReport, max_bad_fraction: float) -> None:
     where = report.files[0] if len(report.files) == 1 else None
     if report.total == 0:
-        raise DataError(f"data.{report.split} has no rows", file=where)
+        raise DataError(f"{report.key} has no rows", file=where)
     first = report.bad_rows[0] if report.bad_rows else None
     counts = ", ".join(f"{n} {reason}" for reason, n in sorted(report.skipped.items()))
     if report.kept == 0:
         raise DataError(
-            f"no usable rows in data.{report.split}: all {report.total} skipped ({counts}); "
+            f"no usable rows in {report.key}: all {report.total} skipped ({counts}); "
             f"first bad row: {first.detail}; {SKIP_FIXES[first.reason]}",
             file=first.file,
             row=first.row,
@@ -522,7 +523,7 @@ def _check_bad_fraction(report: DataReport, max_bad_fraction: float) -> None:
     fraction = report.num_skipped / report.total
     if fraction > max_bad_fraction:
         raise DataError(
-            f"{report.num_skipped} of {report.total} rows of data.{report.split} are unusable ({counts}; "
+            f"{report.num_skipped} of {report.total} rows of {report.key} are unusable ({counts}; "
             f"{fraction:.1%} > data.max_bad_fraction={max_bad_fraction}); first bad row: {first.detail}; "
             f"{SKIP_FIXES[first.reason]}, or raise data.max_bad_fraction or fix the rows",
             file=first.file,

@@ -244,6 +244,8 @@ class QwenVLAdapter(EmbeddingAdapter):
 
     # --- the input format ------------------------------------------------------------------------------------------
     def instruction_for(self, side: "Side") -> str:
+        if side.instruction is not None:  # a named source's own (data.train.<name>.query_instruction)
+            return normalize_instruction(side.instruction)
         if side.role == "query" and self.query_instruction is not None:
             return normalize_instruction(self.query_instruction)
         return normalize_instruction(self.document_instruction)

@@ -9,6 +9,8 @@ from vembed.errors import DataError, RecipeError
 from vembed.tasks import TASKS, Task
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from accelerate import Accelerator
     from torch import nn
 
@@ -40,18 +42,18 @@ class ContrastiveTask(Task):
                                   f"{too_big} exceed the embedding size {dim} of this model; use dims <= {dim}")
 
     def load_train_data(self):
-        from vembed.data.sources import load_examples
+        from vembed.data.sources import load_rows
 
-        self.train_examples, report = load_examples(
-            self.recipe.data, "train", num_hard_negatives=self.recipe.data.num_hard_negatives
-        )
-        check_images_per_side(self.recipe.model_type, self.train_examples)
+        # Records are made when fetched; what is known of every row (images per side, modalities) comes from the
+        # checks, so nothing here walks a million rows in Python.
+        self.train_rows, report = load_rows(self.recipe.data, "train")
+        check_images_per_side(self.recipe.model_type, self.train_rows)
         return report
 
     def every_step_uses_every_parameter(self) -> bool:
         from vembed.models import MODELS
 
-        return every_step_uses_every_tower(MODELS.get(self.recipe.model_type).modalities, self.train_examples)
+        return self.train_rows.every_record_has(MODELS.get(self.recipe.model_type).modalities)
 
     def batch_lines(self, world_size: int) -> list[tuple[str, str]]:
         recipe = self.recipe
@@ -76,8 +78,8 @@ class ContrastiveTask(Task):
         from vembed.data.collate import PairCollator
         from vembed.data.dataset import PairDataset
 
-        self.num_negatives = min((len(e.negatives) for e in self.train_examples), default=0)
-        return PairDataset(self.train_examples, self.num_negatives), PairCollator(objective.adapter)
+        collate = PairCollator(objective.adapter, labels=self.recipe.data.mask_same_label)
+        return PairDataset(self.train_rows), collate
 
     def load_eval_split(self, split: str) -> "list[Example]":
         from vembed.data.sources import load_examples
@@ -116,24 +118,23 @@ class ContrastiveTask(Task):
             plot_recall_vs_dim(split, output_dir / "recall_vs_dim.png")
 
 
-def every_step_uses_every_tower(modalities: frozenset[str], examples: "list[Example]") -> bool:
-    """True when each record feeds every tower (e.g. text AND image for CLIP), so every batch gives every parameter a
-    gradient and DDP can skip its (costly) search for unused parameters."""
-    for example in examples:
-        sides = [example.query, example.positive, *example.negatives]
-        present = {"text" for s in sides if s.text} | {"image" for s in sides if s.image is not None}
-        if not modalities <= present:
-            return False
-    return True
-
-
-def check_images_per_side(model_type: str, examples: "list[Example]") -> None:
+def check_images_per_side(model_type: str, examples: "Sequence[Example]") -> None:
     """Refuse, before training, records with more images on one side than the model embeds (naming the row)."""
+    from vembed.data.rows import PairRows
     from vembed.models import MODELS
 
     limit = MODELS.get(model_type).max_images_per_side
     if limit is None:
         return
+    if isinstance(examples, PairRows):  # from the row checks: only the record with the most images is made ...
+        most, where = examples.most_images_per_side()
+        if most <= limit:
+            return
+        _check_images(model_type, limit, [examples[where]])
+    _check_images(model_type, limit, examples)  # ... unless its extra images were negatives it does not keep
+
+
+def _check_images(model_type: str, limit: int, examples: "Sequence[Example]") -> None:
     for example in examples:
         named = [("the query", example.query), ("the positive", example.positive)]
         named += [("a hard negative", negative) for negative in example.negatives]
