@@ -44,3 +44,26 @@ def test_uneven_negatives_are_a_data_error():
 def test_collator_pickles_for_dataloader_workers():
     collator = pickle.loads(pickle.dumps(PairCollator(CountingAdapter())))
     assert collator([_example(0, 1)])["negative"]["n"].item() == 1
+
+
+def test_label_ids_are_equal_for_equal_labels_in_any_process():
+    batch = PairCollator(CountingAdapter(), labels=True)([_example(0, 0, "a"), _example(1, 0, "b"), _example(2, 0, "a")])
+    ids = batch["label_ids"]
+    assert ids.dtype == torch.int64 and ids[0] == ids[2] and ids[0] != ids[1]
+    # a stable digest, not Python's per-process salted hash: another interpreter gives the same ids
+    import subprocess
+    import sys
+
+    code = "from vembed.data.collate import label_ids; print(label_ids(['a', 'b']).tolist())"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert other.stdout.strip() == str([ids[0].item(), ids[1].item()])
+    assert "label_ids" not in PairCollator(CountingAdapter())([_example(0, 0, "a")])  # masking off
+
+
+def test_a_batch_from_one_named_source_carries_its_name():
+    examples = [_example(i, 0) for i in range(2)]
+    for example in examples:
+        example.source_name = "captions"
+    assert PairCollator(CountingAdapter())(examples)["source"] == "captions"
+    examples[1].source_name = "shapes"
+    assert "source" not in PairCollator(CountingAdapter())(examples)

@@ -30,29 +30,35 @@ def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
     return sum(float(x) * float(y) for x, y in zip(a, b))
 
 
-def reference_infonce(q, p, n, temperature: float, symmetric: bool) -> float:
-    """Cross-entropy written out: row i's candidates are all positives, then every hard negative of every row."""
+def reference_infonce(q, p, n, temperature: float, symmetric: bool, labels=None) -> float:
+    """Cross-entropy written out: row i's candidates are all positives, then every hard negative of every row; with
+    labels, the other positives of row i's label are not candidates."""
     documents = list(p) + ([n[j, m] for j in range(n.shape[0]) for m in range(n.shape[1])] if n is not None else [])
+    same = (lambda i, j: j != i and j < len(p) and labels[i] == labels[j]) if labels is not None else (lambda i, j: False)
     forward = 0.0
     for i in range(len(q)):
-        logits = [_dot(q[i], d) / temperature for d in documents]
-        forward += -(logits[i] - math.log(sum(math.exp(x) for x in logits)))
+        logits = [_dot(q[i], d) / temperature for j, d in enumerate(documents) if not same(i, j)]
+        own = _dot(q[i], documents[i]) / temperature
+        forward += -(own - math.log(sum(math.exp(x) for x in logits)))
     forward /= len(q)
     if not symmetric:
         return forward
     backward = 0.0
     for i in range(len(p)):
-        logits = [_dot(p[i], query) / temperature for query in q]
-        backward += -(logits[i] - math.log(sum(math.exp(x) for x in logits)))
+        logits = [_dot(p[i], query) / temperature for j, query in enumerate(q) if not same(i, j)]
+        own = _dot(p[i], q[i]) / temperature
+        backward += -(own - math.log(sum(math.exp(x) for x in logits)))
     backward /= len(p)
     return (forward + backward) / 2
 
 
-def reference_siglip(q, p, n, scale: float, bias: float) -> float:
+def reference_siglip(q, p, n, scale: float, bias: float, labels=None) -> float:
     documents = list(p) + ([n[j, m] for j in range(n.shape[0]) for m in range(n.shape[1])] if n is not None else [])
     total = 0.0
     for i in range(len(q)):
         for j, d in enumerate(documents):
+            if labels is not None and j != i and j < len(p) and labels[i] == labels[j]:
+                continue
             z = 1.0 if j == i else -1.0
             total += -math.log(1.0 / (1.0 + math.exp(-z * (scale * _dot(q[i], d) + bias))))
     return total / len(q)
@@ -140,6 +146,38 @@ def test_siglip_matches_reference_sigmoid_loss(with_negatives):
     loss = loss_fn(q, p, n)
     assert loss.dtype == torch.float32 and loss.dim() == 0
     assert loss.item() == pytest.approx(reference_siglip(q, p, n, scale=10.0, bias=-3.0), rel=1e-5)
+
+
+LABELS = torch.tensor([3, 1, 3, 7, 1])  # rows 0 and 2 share a class, and rows 1 and 4
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("with_negatives", [False, True])
+def test_infonce_labels_drop_same_label_in_batch_negatives(symmetric, with_negatives):
+    q, p, n = _batch(with_negatives)
+    loss_fn = InfoNCELoss(temperature=0.1, symmetric=symmetric)
+    masked = loss_fn(q, p, n, labels=LABELS).item()
+    assert masked == pytest.approx(reference_infonce(q, p, n, 0.1, symmetric, LABELS.tolist()), rel=1e-5)
+    assert abs(masked - loss_fn(q, p, n).item()) > 1e-4  # it does drop something
+    # distinct labels drop nothing
+    assert loss_fn(q, p, n, labels=torch.arange(B)).item() == pytest.approx(loss_fn(q, p, n).item(), rel=1e-6)
+
+
+def test_infonce_labels_drop_same_label_query_query_and_document_document_columns():
+    q, p, _ = _batch(False)
+    plain = InfoNCELoss(temperature=0.1, symmetric=False, query_query=True, document_document=True)
+    # one label for all: every in-batch column but the row's own positive is dropped, in all three blocks
+    alone = plain(q, p, labels=torch.zeros(B, dtype=torch.int64))
+    assert alone.item() == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("with_negatives", [False, True])
+def test_siglip_labels_leave_same_label_pairs_out(with_negatives):
+    q, p, n = _batch(with_negatives)
+    loss_fn = SigLIPLoss(temperature=0.1, learnable_temperature=True, bias_init=-3.0)
+    masked = loss_fn(q, p, n, labels=LABELS).item()
+    assert masked == pytest.approx(reference_siglip(q, p, n, 10.0, -3.0, LABELS.tolist()), rel=1e-5)
+    assert abs(masked - loss_fn(q, p, n).item()) > 1e-4
 
 
 def test_siglip_bias_is_always_learned_and_scale_follows_learnable_temperature():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -44,7 +45,11 @@ def _infonce_qwen3_options() -> EmbeddingLoss:
 
 
 LOSS_BUILDERS = {"infonce": _infonce, "siglip": _siglip, "matryoshka_infonce": _matryoshka_infonce,
-                 "infonce_qwen3_options": _infonce_qwen3_options}
+                 "infonce_qwen3_options": _infonce_qwen3_options,
+                 "infonce_labels": _infonce, "infonce_qwen3_options_labels": _infonce_qwen3_options,
+                 "siglip_labels": _siglip}
+# Class ids of the global batch (rank 0's four pairs, then rank 1's): same-label pairs within a rank and across ranks.
+LABELS = torch.tensor([0, 1, 2, 0, 1, 3, 0, 4])
 
 
 class EncoderWithLoss(nn.Module):
@@ -69,9 +74,9 @@ def _global_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     )
 
 
-def _loss_and_gradients(model: nn.Module, forward: nn.Module, batch) -> dict:
+def _loss_and_gradients(model: nn.Module, forward: nn.Module, batch, labels=None) -> dict:
     model.zero_grad()
-    loss = model.loss(*forward(*batch))
+    loss = model.loss(*forward(*batch), labels=labels)
     loss.backward()
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     return {"loss": loss.detach(), "grads": grads}
@@ -84,7 +89,8 @@ def _rank_worker(case: str, out_dir: str) -> None:
     model = EncoderWithLoss(LOSS_BUILDERS[case]())
     ddp = nn.parallel.DistributedDataParallel(model)
     local = tuple(t[rank * B : (rank + 1) * B] for t in _global_batch())
-    torch.save(_loss_and_gradients(model, ddp, local), Path(out_dir) / f"rank{rank}.pt")
+    labels = LABELS[rank * B : (rank + 1) * B] if case.endswith("_labels") else None
+    torch.save(_loss_and_gradients(model, ddp, local, labels), Path(out_dir) / f"rank{rank}.pt")
 
 
 def _relative_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -96,7 +102,7 @@ def _assert_ddp_matches_single_process(case: str, tmp_path: Path) -> float:
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
 
     model = EncoderWithLoss(LOSS_BUILDERS[case]())
-    expected = _loss_and_gradients(model, model, _global_batch())
+    expected = _loss_and_gradients(model, model, _global_batch(), LABELS if case.endswith("_labels") else None)
 
     # The global loss is the mean of the per-rank losses.
     mean_loss = torch.stack([r["loss"] for r in ranks]).mean()
@@ -128,6 +134,12 @@ def test_matryoshka_infonce_ddp_gradients_match_single_process_full_batch(tmp_pa
 
 def test_infonce_false_negative_masking_and_qq_dd_terms_ddp_match_single_process_full_batch(tmp_path):
     _assert_ddp_matches_single_process("infonce_qwen3_options", tmp_path)
+
+
+@pytest.mark.parametrize("case", ["infonce_labels", "infonce_qwen3_options_labels", "siglip_labels"])
+def test_same_label_masking_ddp_gradients_match_single_process_full_batch(tmp_path, case):
+    # labels gathered across ranks: a rank-0 row's same-label record on rank 1 is dropped like a local one
+    _assert_ddp_matches_single_process(case, tmp_path)
 
 
 def test_loss_parameters_are_compared_in_ddp_checks():

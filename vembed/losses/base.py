@@ -16,10 +16,11 @@ if TYPE_CHECKING:
 
 
 class EmbeddingLoss(nn.Module):
-    """Base class. `forward(query, positive, negatives=None) -> scalar loss`.
+    """Base class. `forward(query, positive, negatives=None, labels=None) -> scalar loss`.
 
     Shapes: `query` and `positive` are `(B, d)` for this process's B local pairs; `negatives`, when given, is
-    `(B, k, d)` hard negatives. Under torch.distributed a loss gathers what it needs from other ranks itself and
+    `(B, k, d)` hard negatives; `labels`, when given, `(B,)` int64 class ids: pairs sharing one are not each
+    other's in-batch negatives (losses without in-batch negatives ignore them). Under torch.distributed a loss gathers what it needs from other ranks itself and
     returns this rank's share, scaled so that averaging gradients over ranks (what DDP does) gives the gradient of the
     loss on the concatenated global batch.
     """
@@ -29,7 +30,8 @@ class EmbeddingLoss(nn.Module):
         raise NotImplementedError
 
     def forward(
-        self, query: torch.Tensor, positive: torch.Tensor, negatives: torch.Tensor | None = None
+        self, query: torch.Tensor, positive: torch.Tensor, negatives: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vembed.distributed import gather_with_grad, rank_and_world
+from vembed.distributed import gather_no_grad, gather_with_grad, rank_and_world
 from vembed.errors import RecipeError
 from vembed.losses import LOSSES
 from vembed.losses.base import EmbeddingLoss
@@ -66,6 +66,21 @@ def _positive_columns(batch_size: int, device: torch.device) -> torch.Tensor:
     # columns line up with the local rows.
     rank, _ = rank_and_world()
     return rank * batch_size + torch.arange(batch_size, device=device)
+
+
+def _global_batch(query: torch.Tensor) -> int:
+    return query.shape[0] * rank_and_world()[1]
+
+
+def _same_label(labels: torch.Tensor | None, num_columns: int) -> torch.Tensor | None:
+    """(B, W*B) True where this rank's row i and the gathered in-batch column j share a label: a record of the same
+    class is not a negative. None without labels. The row's own positive is kept by the caller."""
+    if labels is None:
+        return None
+    everyone = gather_no_grad(labels.to(torch.int64))
+    if everyone.shape[0] != num_columns:
+        raise ValueError(f"labels must be one per pair: {everyone.shape[0]} gathered for {num_columns} pairs")
+    return labels.to(torch.int64).unsqueeze(1) == everyone.unsqueeze(0)
 
 
 def _value(param: torch.Tensor) -> float:
@@ -133,6 +148,12 @@ class InfoNCELoss(EmbeddingLoss):
 
     Under DDP the self columns to drop sit at ``rank * B + i`` of the gathered blocks, like the labels.
 
+    Labels (``labels``: one int64 id per pair, equal for pairs of the same class; the collator makes them from the
+    data's label column): an in-batch column whose record shares row i's label is not a negative of row i and is
+    dropped, in every in-batch block (gathered positives, query-query, document-document) and in the reverse
+    direction; the row's own positive stays. Labels are gathered from every rank, so this holds across the global
+    batch. Hard negatives carry no label and are never dropped for it.
+
     Args (defaults are the recipe's):
         temperature: divides the cosine similarities (initial value when learned). Must be >= 0.01 when learned.
         learnable_temperature: learn the temperature.
@@ -148,6 +169,7 @@ class InfoNCELoss(EmbeddingLoss):
         p = F.normalize(torch.randn(8, 64), dim=-1)
         n = F.normalize(torch.randn(8, 2, 64), dim=-1)  # 2 hard negatives per pair
         loss = loss_fn(q, p, n)  # scalar, float32
+        loss = loss_fn(q, p, n, labels=torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]))  # same-label pairs are not negatives
     """
 
     def __init__(
@@ -195,14 +217,15 @@ class InfoNCELoss(EmbeddingLoss):
         return self.log_scale.exp()
 
     def forward(
-        self, query: torch.Tensor, positive: torch.Tensor, negatives: torch.Tensor | None = None
+        self, query: torch.Tensor, positive: torch.Tensor, negatives: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         _check_shapes(query, positive, negatives)
         with _full_precision(query.device):
             query, positive = _upcast(query), _upcast(positive)
             negatives = _upcast(negatives) if negatives is not None else None
             scale = self.scale()
-            labels = _positive_columns(query.shape[0], query.device)
+            columns = _positive_columns(query.shape[0], query.device)
             all_queries = gather_with_grad(query) if (self.symmetric or self.query_query) else None
             blocks = [query @ _all_documents(positive, negatives).T]
             if self.query_query:
@@ -212,27 +235,36 @@ class InfoNCELoss(EmbeddingLoss):
             scores = torch.cat(blocks, dim=1)
             # Column offsets of the extra blocks, whose self similarity (at rank * B + i within a block) is dropped.
             self_blocks = [sum(block.shape[1] for block in blocks[:k]) for k in range(1, len(blocks))]
-            loss = F.cross_entropy(self._logits(scale, scores, labels, self_blocks), labels)
+            # In-batch blocks (gathered positives, and the query-query / document-document ones): W*B columns each,
+            # one per record, where a record sharing the row's label is dropped. Hard negatives carry no label.
+            same = _same_label(labels, _global_batch(query))
+            in_batch = [0, *self_blocks]
+            loss = F.cross_entropy(self._logits(scale, scores, columns, self_blocks, same, in_batch), columns)
             if self.symmetric:
-                reverse = self._logits(scale, positive @ all_queries.T, labels, [])
-                loss = (loss + F.cross_entropy(reverse, labels)) / 2
+                reverse = self._logits(scale, positive @ all_queries.T, columns, [], same, [0])
+                loss = (loss + F.cross_entropy(reverse, columns)) / 2
         return loss
 
     def _logits(
-        self, scale: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor, self_blocks: list[int]
+        self, scale: torch.Tensor, scores: torch.Tensor, columns: torch.Tensor, self_blocks: list[int],
+        same_label: torch.Tensor | None = None, in_batch: list[int] = (),
     ) -> torch.Tensor:
-        """`scale * scores` with dropped columns at -inf: each row's self similarity in the extra blocks, and
-        (masking on) negatives above the row's positive + margin. Filling after scaling keeps the gradient of the
-        scale finite (it would be inf * 0 otherwise); the mask is computed without gradient, it only selects."""
+        """`scale * scores` with dropped columns at -inf: each row's self similarity in the extra blocks, (labels
+        given) the records sharing the row's label in each in-batch block, and (masking on) negatives above the
+        row's positive + margin. Filling after scaling keeps the gradient of the scale finite (it would be inf * 0
+        otherwise); the mask is computed without gradient, it only selects. `columns`: each row's positive."""
         rows = torch.arange(scores.shape[0], device=scores.device)
         with torch.no_grad():
             dropped = torch.zeros_like(scores, dtype=torch.bool)
             for offset in self_blocks:
-                dropped[rows, offset + labels] = True
+                dropped[rows, offset + columns] = True
+            if same_label is not None:
+                for offset in in_batch:
+                    dropped[:, offset : offset + same_label.shape[1]] |= same_label
             if self.false_negative_margin is not None:
-                threshold = scores[rows, labels].unsqueeze(1) + self.false_negative_margin
+                threshold = scores[rows, columns].unsqueeze(1) + self.false_negative_margin
                 dropped |= scores > threshold
-            dropped[rows, labels] = False
+            dropped[rows, columns] = False
         return (scale * scores).masked_fill(dropped, float("-inf"))
 
     @property
@@ -272,7 +304,8 @@ class SigLIPLoss(EmbeddingLoss):
     The scale ``t`` starts at ``1 / temperature`` and is stored as ``log_scale``; it is learned when
     ``learnable_temperature`` is true and fixed otherwise, with no cap (the paper uses none). The bias ``b`` starts
     at ``bias_init`` (-10 in the paper, which offsets the heavy imbalance of one positive to many negatives) and is
-    always learned. As for InfoNCE: inputs already L2-normalised, logits in float32, equal B and k on every rank,
+    always learned. With ``labels`` (as for InfoNCE) a pair of two records of the same label is left out of the sum
+    (neither pushed apart nor pulled together), the record's own pair kept. As for InfoNCE: inputs already L2-normalised, logits in float32, equal B and k on every rank,
     and keep ``log_scale`` and ``bias`` out of weight decay.
 
     Args (defaults are the recipe's):
@@ -304,7 +337,8 @@ class SigLIPLoss(EmbeddingLoss):
             raise RecipeError("temperature", str(err)) from None
 
     def forward(
-        self, query: torch.Tensor, positive: torch.Tensor, negatives: torch.Tensor | None = None
+        self, query: torch.Tensor, positive: torch.Tensor, negatives: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         _check_shapes(query, positive, negatives)
         with _full_precision(query.device):
@@ -314,8 +348,16 @@ class SigLIPLoss(EmbeddingLoss):
             logits = self.log_scale.exp() * query @ documents.T + self.bias
             signs = -torch.ones_like(logits)
             rows = torch.arange(query.shape[0], device=query.device)
-            signs[rows, _positive_columns(query.shape[0], query.device)] = 1.0
-            loss = -F.logsigmoid(signs * logits).sum() / query.shape[0]
+            columns = _positive_columns(query.shape[0], query.device)
+            signs[rows, columns] = 1.0
+            terms = F.logsigmoid(signs * logits)
+            if labels is not None:  # pairs of the same label are neither negatives nor positives: left out
+                width = _global_batch(query)
+                keep = torch.ones_like(terms, dtype=torch.bool)
+                keep[:, :width] = ~_same_label(labels, width)
+                keep[rows, columns] = True
+                terms = terms * keep
+            loss = -terms.sum() / query.shape[0]
         return loss
 
     @property

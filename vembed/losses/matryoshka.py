@@ -58,7 +58,8 @@ class MatryoshkaLoss(EmbeddingLoss):
         self.weights = [float(w) for w in weights]
 
     def forward(
-        self, query: torch.Tensor, positive: torch.Tensor, negatives: torch.Tensor | None = None
+        self, query: torch.Tensor, positive: torch.Tensor, negatives: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         size = query.shape[-1]
         too_big = [d for d in self.dims if d > size]
@@ -70,6 +71,7 @@ class MatryoshkaLoss(EmbeddingLoss):
                 _truncate(query, dim),
                 _truncate(positive, dim),
                 _truncate(negatives, dim) if negatives is not None else None,
+                labels=labels,
             )
             total = term if total is None else total + term
         return total

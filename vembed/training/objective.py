@@ -49,7 +49,7 @@ class ContrastiveObjective(nn.Module):
         that DDP and other wrappers see it (GradCache's replays, vembed/training/grad_cache.py)."""
         if run_inside is not None:
             return run_inside(self)
-        return self.loss(*self.embed(batch))
+        return self.loss(*self.embed(batch), labels=batch.get("label_ids"))
 
 
 def parameter_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:

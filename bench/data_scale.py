@@ -1,0 +1,192 @@
+"""Training data at scale: time and memory to load a generated 1,000,000-row text-pair JSONL, vembed vs `datasets`.
+
+    python bench/data_scale.py                    # 1 M rows (~320 MB, made once under /tmp), 3 rounds
+    python bench/data_scale.py --rows 20000 --rounds 1 --smoke   # does it run?
+    python bench/data_scale.py --baseline DIR     # also the load of another checkout (e.g. `git archive` of main)
+
+Each measurement is a fresh Python process (so its RSS is its own), timed from just before the load call, after
+the imports (which cost the same to every system):
+- `datasets cold`: `datasets.load_dataset("json")` into an empty cache: what building the Arrow cache costs;
+- `vembed cold`: `load_rows(data.train)` into an empty cache: the Arrow cache plus the row checks;
+- `vembed warm`: the same again, as a second launch finds it: both caches mapped;
+- `vembed 2 ranks`: two processes (LOCAL_RANK 0 and 1) start the cold load together: one builds under the node's
+  file lock, the other waits and maps; the figure is the slower of the two;
+- `baseline` (with --baseline): `load_examples` of another checkout (the JSONL read into Python objects).
+
+RSS growth is VmRSS after the load minus before it, split into anonymous memory (the process's own: Python objects,
+arrays) and file-backed pages (the memory-mapped Arrow file; shared by every rank of a node, and dropped by the
+kernel when memory is short). After the load, 2,000 random records are fetched, as training would.
+Targets (issue 15): RSS growth per rank <= 300 MB; a second launch's load <= 3 s; the first <= 1.5x datasets' cold
+load; results in bench/results/data_scale.json and docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import string
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+WORKER = r'''
+import json, os, sys, time
+def memory():
+    found = {}
+    for line in open("/proc/self/status"):
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "RssFile"):
+            found[key] = int(value.split()[0]) / 1024
+    # File-backed pages of the memory-mapped Arrow files, apart from those of libraries' code
+    arrow, name = 0, ""
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5 and ":" in head[3]:
+            name = head[5] if len(head) > 5 else ""
+        elif head and head[0] == "Rss:" and name.endswith(".arrow"):
+            arrow += int(head[1])
+    found["ArrowMapped"] = arrow / 1024
+    return found
+mode, path, cache = sys.argv[1], sys.argv[2], sys.argv[3]
+os.environ["HF_DATASETS_CACHE"] = cache
+import datasets
+datasets.config.HF_DATASETS_CACHE = cache
+datasets.disable_progress_bars()
+if mode == "datasets":
+    before, start = memory(), time.perf_counter()
+    table = datasets.load_dataset("json", data_files=path, split="train", cache_dir=cache)
+    seconds, rows = time.perf_counter() - start, table.num_rows
+    fetch = lambda i: table[i]
+else:
+    from vembed.recipe import DataConfig
+    from vembed.data import sources
+    config = DataConfig(train=path)
+    load = sources.load_rows if hasattr(sources, "load_rows") else sources.load_examples
+    before, start = memory(), time.perf_counter()
+    table, report = load(config, "train")
+    seconds, rows = time.perf_counter() - start, len(table)
+    fetch = lambda i: table[i]
+after_load = memory()
+import random
+rng = random.Random(0)
+for _ in range(2000):
+    fetch(rng.randrange(rows))
+after = memory()
+print(json.dumps({"seconds": seconds, "rows": rows, "before": before, "after_load": after_load, "after_fetch": after}))
+'''
+
+
+def make_pairs(path: Path, rows: int, seed: int = 0) -> None:
+    """`rows` text pairs: an 8-word query and a 40-word document from a 20,000-word made-up vocabulary."""
+    if path.is_file() and path.with_suffix(".done").is_file():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    vocabulary = ["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 8))) for _ in range(20000)]
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as handle:
+        for _ in range(rows):
+            query, document = " ".join(rng.choices(vocabulary, k=8)), " ".join(rng.choices(vocabulary, k=40))
+            handle.write(json.dumps({"query": query, "positive": document}) + "\n")
+    tmp.replace(path)
+    path.with_suffix(".done").write_text(str(rows))
+
+
+def run(mode: str, data: Path, cache: Path, root: Path = ROOT, local_rank: int | None = None) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(root), HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
+    if local_rank is not None:
+        env["LOCAL_RANK"] = str(local_rank)
+    return subprocess.Popen([sys.executable, "-c", WORKER, mode, str(data), str(cache)], env=env, cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def result(process: subprocess.Popen) -> dict:
+    out, err = process.communicate(timeout=3600)
+    if process.returncode != 0:
+        raise RuntimeError(f"measurement failed ({process.returncode}):\n{err[-3000:]}")
+    found = json.loads(out.strip().splitlines()[-1])
+    for stage in ("after_load", "after_fetch"):
+        found[f"growth_{stage}"] = {key: found[stage][key] - found["before"][key] for key in found["before"]}
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--data", default=None, help="where the generated JSONL goes (default: /tmp)")
+    parser.add_argument("--baseline", help="another vembed checkout whose load_examples is timed alongside")
+    parser.add_argument("--smoke", action="store_true", help="write nothing under bench/results")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = parser.parse_args(argv)
+    data = Path(args.data or Path(tempfile.gettempdir()) / "vembed-data-scale" / f"pairs_{args.rows}.jsonl")
+    print(f"data: {data} ({args.rows} rows)", flush=True)
+    make_pairs(data, args.rows)
+    work = Path(tempfile.mkdtemp(prefix="vembed-data-scale-"))
+    measured: dict[str, list[dict]] = {}
+
+    def record(name: str, found: dict) -> None:
+        measured.setdefault(name, []).append(found)
+        for stage in ("after_load", "after_fetch"):
+            growth = found[f"growth_{stage}"]
+            print(f"  {name if stage == 'after_load' else '':<16} {stage:<11} "
+                  f"{found['seconds'] if stage == 'after_load' else float('nan'):7.2f} s  RSS +{growth['VmRSS']:6.1f} "
+                  f"MB (anonymous +{growth['RssAnon']:6.1f}, file-backed +{growth['RssFile']:6.1f}, of which mapped "
+                  f"Arrow +{growth['ArrowMapped']:6.1f})", flush=True)
+
+    try:
+        for round_index in range(args.rounds):
+            print(f"[round {round_index + 1}/{args.rounds}] load average {os.getloadavg()[0]:.2f}", flush=True)
+            cache = work / f"cache-{round_index}"
+            record("datasets cold", result(run("datasets", data, work / f"datasets-{round_index}")))
+            record("vembed cold", result(run("vembed", data, cache)))
+            record("vembed warm", result(run("vembed", data, cache)))
+            pair = [run("vembed", data, work / f"ranks-{round_index}", local_rank=rank) for rank in (0, 1)]
+            ranks = [result(process) for process in pair]
+            record("vembed 2 ranks", max(ranks, key=lambda found: found["seconds"]))
+            measured.setdefault("vembed 2 ranks, each", []).append(ranks)
+            if args.baseline:
+                record("baseline", result(run("vembed", data, work / f"base-{round_index}", Path(args.baseline))))
+            for path in work.iterdir():
+                shutil.rmtree(path, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    def median(name: str, key: str, field: str | None = None) -> float:
+        values = [m[key] if field is None else m[key][field] for m in measured[name]]
+        return statistics.median(values)
+
+    summary = {"rows": args.rows, "file_mb": data.stat().st_size / 2**20, "rounds": args.rounds,
+               "machine": {"cpus": os.cpu_count(), "load_average_after": os.getloadavg()},
+               "measured": measured,
+               "median_seconds": {name: median(name, "seconds") for name in measured if name != "vembed 2 ranks, each"},
+               "median_rss_growth_mb": {name: {field: median(name, "growth_after_fetch", field)
+                                               for field in ("VmRSS", "RssAnon", "RssFile", "ArrowMapped")}
+                                        for name in measured if name != "vembed 2 ranks, each"}}
+    seconds, growth = summary["median_seconds"], summary["median_rss_growth_mb"]
+    worst_growth = max(growth[name]["VmRSS"] for name in ("vembed cold", "vembed warm", "vembed 2 ranks"))
+    summary["targets"] = {
+        "rss_growth_per_rank_le_300mb": {"value": worst_growth, "met": worst_growth <= 300},
+        "second_launch_le_3s": {"value": seconds["vembed warm"], "met": seconds["vembed warm"] <= 3},
+        "first_launch_le_1.5x_datasets": {"value": seconds["vembed cold"] / seconds["datasets cold"],
+                                          "met": seconds["vembed cold"] <= 1.5 * seconds["datasets cold"]},
+    }
+    for name, target in summary["targets"].items():
+        print(f"{name}: {target['value']:.2f} -> {'met' if target['met'] else 'MISSED'}")
+    if not args.smoke:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "data_scale.json").write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
