@@ -571,7 +571,13 @@ def _check_data_paths(recipe: Recipe, splits: tuple[str, ...]) -> None:
         value = getattr(recipe.data, split)
         if value is None:
             continue
-        resolve_files(value, recipe.data.format, key=f"data.{split}")
+        sources = recipe.data.sources(split)
+        if sources is None:
+            resolve_files(value, recipe.data.format, key=f"data.{split}")
+        for name, source in (sources or {}).items():
+            resolve_files(source.files, source.format, key=f"data.{split}.{name}.files")
+            if source.image_root is not None and not Path(source.image_root).is_dir():
+                raise RecipeError(f"data.{split}.{name}.image_root", f"directory {source.image_root!r} not found")
     if recipe.data.image_root is not None and not Path(recipe.data.image_root).is_dir():
         raise RecipeError("data.image_root", f"directory {recipe.data.image_root!r} not found")
 

@@ -1,11 +1,17 @@
-"""The training order: a fresh, reproducible permutation each epoch, the same on every rank."""
+"""The training order: a fresh, reproducible permutation each epoch, the same on every rank; with named sources (or
+no duplicates in a batch), batches drawn one source at a time."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
+from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
+
+from vembed.errors import DataError
 
 
 class EpochShuffleSampler(Sampler[int]):
@@ -34,3 +40,131 @@ class EpochShuffleSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.num_samples
+
+
+class SourceBatchSampler:
+    """Per-rank batches for several named sources (and/or batches without duplicates), one source per step.
+
+    Each optimizer step's global batch (`batch_size × world_size` records) is drawn from ONE source, the same on
+    every rank, so in-batch negatives are same-task (as E5, BGE, GTE and Qwen3-Embedding train); each rank gets its
+    own disjoint slice of it. It yields the `world_size` slices of each global batch one after another, and
+    accelerate's `BatchSamplerShard` hands rank r the r-th of each group (the same sharding as for the plain
+    sampler).
+
+    An epoch has as many steps as the sources' records fill whole global batches (sum over sources of
+    records // global batch). Which source each step uses: by size (each source's full batches, every record once),
+    or by `weights` (steps apportioned by weight; a source drawn more often than its records fill starts a fresh
+    shuffle of them), in an order shuffled per epoch. Everything is a function of (seed, stage, epoch): the records
+    of a source are permuted by their own generator, so a resumed run that skips the first batches replays them.
+
+    `duplicate_keys` (offsets, keys), as `PairRows.duplicate_keys` gives: a record whose texts or images are already
+    in the global batch being filled waits for a later batch of the epoch (sentence-transformers' no-duplicates
+    sampler); batches stay full, so records left waiting at the end of an epoch are not seen in it.
+    """
+
+    drop_last = True
+
+    def __init__(self, sources: list[tuple[int, int]], batch_size: int, world_size: int, seed: int = 0, *,
+                 weights: list[float] | None = None, duplicate_keys: tuple[np.ndarray, np.ndarray] | None = None,
+                 stage: int = 0, names: list[str | None] | None = None):
+        self.sources, self.batch_size, self.world_size = list(sources), batch_size, world_size
+        self.seed, self.stage, self.epoch = seed, stage, 0
+        self.duplicate_keys = duplicate_keys
+        self.names = names or [None] * len(self.sources)
+        self.global_batch = batch_size * world_size
+        for name, (start, stop) in zip(self.names, self.sources):
+            if stop - start < self.global_batch:
+                raise DataError(f"source {name or 'train'!r} has {stop - start} records, fewer than one contrastive "
+                                f"batch ({batch_size} x {world_size} processes); lower batch_size or leave it out")
+        full = [(stop - start) // self.global_batch for start, stop in self.sources]
+        self.steps_per_source = full if weights is None else _apportion(sum(full), weights)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return sum(self.steps_per_source) * self.world_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        streams = [self._global_batches(number) for number in range(len(self.sources))]
+        size = self.batch_size
+        for number in self.step_sources():
+            batch = next(streams[number])
+            for rank in range(self.world_size):
+                yield batch[rank * size : (rank + 1) * size]
+
+    def step_sources(self) -> list[int]:
+        """The source (index into `sources`) of each step of the current epoch."""
+        order = np.repeat(np.arange(len(self.sources)), self.steps_per_source)
+        return self._generator(purpose=0).permutation(order).tolist()
+
+    def _generator(self, purpose: int, source: int = 0, cycle: int = 0) -> np.random.Generator:
+        # A fixed-length key: (seed, stage, epoch, what for, which source, which pass over it).
+        key = [self.seed % 2**63, self.stage, self.epoch, purpose, source, cycle]
+        return np.random.default_rng(key)
+
+    def _shuffled(self, number: int) -> Iterator[int]:
+        """The records of source `number`, in a fresh order each pass, for as long as needed."""
+        start, stop = self.sources[number]
+        for cycle in itertools.count():
+            yield from (start + self._generator(1, number, cycle).permutation(stop - start)).tolist()
+
+    def _global_batches(self, number: int) -> Iterator[list[int]]:
+        records = self._shuffled(number)
+        if self.duplicate_keys is None:
+            while True:
+                yield list(itertools.islice(records, self.global_batch))
+        offsets, keys = self.duplicate_keys
+        start, stop = self.sources[number]
+        waiting: list[int] = []
+        while True:
+            batch, seen, later = [], set(), []
+            for record in waiting:  # records held back earlier go first
+                found = keys[offsets[record] : offsets[record + 1]].tolist()
+                if len(batch) < self.global_batch and seen.isdisjoint(found):
+                    batch.append(record)
+                    seen.update(found)
+                else:
+                    later.append(record)
+            waiting, looked = later, 0
+            while len(batch) < self.global_batch:
+                record = next(records)
+                looked += 1
+                found = keys[offsets[record] : offsets[record + 1]].tolist()
+                if seen.isdisjoint(found):
+                    batch.append(record)
+                    seen.update(found)
+                else:
+                    waiting.append(record)
+                if looked > 2 * (stop - start) + self.global_batch:
+                    raise DataError(
+                        f"source {self.names[number] or 'train'!r} cannot fill a batch of {self.global_batch} records "
+                        f"without repeating a text or image (found {len(batch)} distinct); lower batch_size or set "
+                        "data.no_duplicates: false")
+            yield batch
+
+
+def _apportion(total: int, weights: list[float]) -> list[int]:
+    """`total` steps split in proportion to `weights` (largest remainders), so an epoch matches them exactly."""
+    shares = np.asarray(weights, dtype=np.float64) / float(sum(weights)) * total
+    counts = np.floor(shares).astype(np.int64)
+    for index in np.argsort(-(shares - counts), kind="stable")[: total - int(counts.sum())]:
+        counts[index] += 1
+    return counts.tolist()
+
+
+def build_batch_sampler(dataset: Any, batch_size: int, world_size: int, seed: int, *, stage: int = 0,
+                        weights: dict[str, float] | None = None, only: list[str] | None = None,
+                        no_duplicates: bool = False) -> SourceBatchSampler | None:
+    """The batch sampler for `dataset` (a `PairDataset`): None (the plain `EpochShuffleSampler` then) for one
+    unnamed source without no-duplicates; else a `SourceBatchSampler` over the named sources this stage uses
+    (`only`, or those with a weight > 0 in `weights`), by weight when weights are given, else by size."""
+    ranges = dataset.source_ranges() if hasattr(dataset, "source_ranges") else [(None, 0, len(dataset))]
+    named = [name for name, _, _ in ranges]
+    if named == [None] and not no_duplicates:
+        return None
+    chosen = [r for r in ranges if (only is None or r[0] in only) and (weights is None or weights.get(r[0], 0) > 0)]
+    keys = dataset.examples.duplicate_keys() if no_duplicates else None
+    return SourceBatchSampler([(start, stop) for _, start, stop in chosen], batch_size, world_size, seed,
+                              weights=[weights[name] for name, _, _ in chosen] if weights else None,
+                              duplicate_keys=keys, stage=stage, names=[name for name, _, _ in chosen])

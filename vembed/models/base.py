@@ -193,6 +193,11 @@ class EmbeddingAdapter(nn.Module, ABC):
         inject_lora(self.towers(), recipe, self.lora_target_modules(recipe),
                     strict=recipe.lora_target_modules is not None, model_type=self.model_type)
 
+    def set_pixel_budget(self, min_pixels: int | None, max_pixels: int | None) -> None:
+        """Resize images to hold between min and max pixels (a curriculum stage's image size). Adapters with a fixed
+        input resolution (CLIP, SigLIP, ViT towers) keep this refusal; qwen_vl overrides it."""
+        raise RecipeError("stages.max_pixels", f"{type(self).__name__} has a fixed image size; only qwen_vl changes it")
+
     # --- persistence -----------------------------------------------------------------------------------------------
     @abstractmethod
     def save(self, path: str | Path) -> None:

@@ -365,6 +365,13 @@ class QwenVLAdapter(EmbeddingAdapter):
         self.model.visual.requires_grad_(self.train_vision_tower)
 
     # --- persistence -----------------------------------------------------------------------------------------------
+    def set_pixel_budget(self, min_pixels: int | None, max_pixels: int | None) -> None:
+        """A curriculum stage's image size; None keeps the bound the model was built with."""
+        if getattr(self, "_built_size", None) is None:
+            self._built_size = dict(self.image_processor.size)
+        self.image_processor.size = dict(self._built_size)
+        set_pixel_budget(self.image_processor, min_pixels, max_pixels)
+
     def settings(self) -> dict[str, Any]:
         return {
             **super().settings(),

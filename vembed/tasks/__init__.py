@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from torch.utils.data import Dataset
 
     from vembed.recipe import Recipe
+    from vembed.training.stages import Stage
 
 TASKS: Registry[type["Task"]] = Registry(
     "task", modules=("vembed.tasks.contrastive", "vembed.tasks.flow_matching")
@@ -65,6 +66,9 @@ class Task:
     def train_dataset(self, objective: "nn.Module") -> tuple["Dataset", "Callable"]:
         """The map-style training dataset (the loop's sampler shuffles and shards it) and its collate function."""
         raise NotImplementedError
+
+    def enter_stage(self, objective: "nn.Module", stage: "Stage") -> None:
+        """Apply a curriculum stage's inputs to the model (tokens per text, image size) before its first batch."""
 
     def load_eval_split(self, split: str) -> Any:
         """Held-out data for `split` ("validation"/"test"), or something empty when the recipe has none."""

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
     from vembed.data.records import Example
     from vembed.recipe import Recipe
+    from vembed.training.stages import Stage
 
 
 @TASKS.register("contrastive")
@@ -34,6 +35,7 @@ class ContrastiveTask(Task):
         _check_data_paths(recipe, ("train", "validation", "test"))
         adapter_cls = MODELS.get(recipe.model_type)
         adapter_cls.check_recipe(recipe)
+        _check_source_and_stage_keys(recipe, adapter_cls)
         dim = adapter_cls.embedding_dim_for(recipe)  # reads the config only: a bad model_name fails here, cheaply
         if recipe.mrl_dims:
             too_big = [d for d in recipe.mrl_dims if d > dim]
@@ -81,17 +83,42 @@ class ContrastiveTask(Task):
         collate = PairCollator(objective.adapter, labels=self.recipe.data.mask_same_label)
         return PairDataset(self.train_rows), collate
 
-    def load_eval_split(self, split: str) -> "list[Example]":
-        from vembed.data.sources import load_examples
+    def enter_stage(self, objective: "nn.Module", stage: "Stage") -> None:
+        """A stage's max_length and image pixel budget (unset: the recipe's; for max_length, unset there too: the
+        model's own limit, as the adapter was built with)."""
+        adapter = objective.adapter
+        if not hasattr(self, "_built_max_length"):
+            self._built_max_length = adapter.max_length
+        adapter.max_length = stage.max_length if stage.max_length is not None else self._built_max_length
+        if any(config.min_pixels is not None or config.max_pixels is not None for config in self.recipe.stages or ()):
+            adapter.set_pixel_budget(stage.min_pixels, stage.max_pixels)
+
+    def load_eval_split(self, split: str) -> "list[Example] | dict[str, list[Example]]":
+        """The records of a held-out split; for named sources, a dict name -> records (evaluated one by one)."""
+        from vembed.data.sources import load_source_examples
 
         if getattr(self.recipe.data, split) is None:
             return []
-        examples, _ = load_examples(self.recipe.data, split, num_hard_negatives=0)
-        check_images_per_side(self.recipe.model_type, examples)
+        per_source = load_source_examples(self.recipe.data, split, num_hard_negatives=0)
         limit = self.recipe.data.eval_max_samples
-        return examples[:limit] if limit else examples
+        for name, examples in per_source.items():
+            check_images_per_side(self.recipe.model_type, examples)
+            per_source[name] = examples[:limit] if limit else examples
+        if list(per_source) == [None]:
+            return per_source[None]
+        return per_source
 
-    def evaluate(self, model: "nn.Module", data: "list[Example]", accelerator: "Accelerator") -> dict[str, float]:
+    def evaluate(self, model: "nn.Module", data: "list[Example] | dict[str, list[Example]]",
+                 accelerator: "Accelerator") -> dict[str, float]:
+        """Retrieval metrics; for named sources, each source's own (`<source>/q2d/recall@1`, its queries against its
+        documents, as MTEB scores each task apart) and, unprefixed, their mean over sources."""
+        if isinstance(data, dict):
+            per_source = {name: self.evaluate(model, examples, accelerator) for name, examples in data.items()}
+            metrics = {f"{name}/{key}": value for name, found in per_source.items() for key, value in found.items()}
+            shared = set.intersection(*(set(found) for found in per_source.values())) if per_source else set()
+            for key in sorted(shared):
+                metrics[key] = sum(found[key] for found in per_source.values()) / len(per_source)
+            return metrics
         from vembed.evaluation.retrieval import evaluate_retrieval
 
         if not data:
@@ -116,6 +143,25 @@ class ContrastiveTask(Task):
         split = metrics.get("test") or metrics.get("validation")
         if split and self.recipe.mrl_dims:
             plot_recall_vs_dim(split, output_dir / "recall_vs_dim.png")
+
+
+def _check_source_and_stage_keys(recipe: "Recipe", adapter_cls: type) -> None:
+    """Keys a model cannot honour are refused before training, naming them: a per-source instruction for a model
+    without instructions, a stage image size for a model with a fixed one."""
+    from vembed.models.base import EmbeddingAdapter
+
+    for split in ("train", "validation", "test"):
+        for name, source in (recipe.data.sources(split) or {}).items():
+            if source.query_instruction is not None and not hasattr(adapter_cls, "instruction_for"):
+                raise RecipeError(f"data.{split}.{name}.query_instruction",
+                                  f"model_type {recipe.model_type} takes no instruction; use query_prompt (text put "
+                                  "before each query) instead")
+    fixed = adapter_cls.set_pixel_budget is EmbeddingAdapter.set_pixel_budget
+    for number, stage in enumerate(recipe.stages or ()):
+        for key in ("min_pixels", "max_pixels"):
+            if getattr(stage, key) is not None and fixed:
+                raise RecipeError(f"stages.{number}.{key}", f"model_type {recipe.model_type} has a fixed image size; "
+                                                             "only qwen_vl changes it per stage")
 
 
 def check_images_per_side(model_type: str, examples: "Sequence[Example]") -> None:

@@ -29,8 +29,9 @@ class TrainerState:
     """Where training is, in JSON: enough to continue exactly."""
 
     global_step: int = 0  # optimizer steps taken
-    epoch: int = 0  # epoch in progress
+    epoch: int = 0  # epoch in progress (of the current curriculum stage)
     batches_in_epoch: int = 0  # micro-batches of `epoch` already consumed (per process)
+    stage: int = 0  # curriculum stage in progress (recipe `stages:`; 0 without them)
     samples_seen: int = 0  # across all processes
     best_metric: float | None = None
     best_checkpoint: str | None = None

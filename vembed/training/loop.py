@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from vembed.recipe import Recipe
+    from vembed.training.stages import Stage
 
 logger = logging.getLogger("vembed")
 
@@ -90,10 +91,9 @@ class Trainer:
         """Model, objective, data loader, optimizer and scheduler, prepared by the accelerator; `run` starts here.
         Tests and benchmarks call it to drive single steps (`train_on_batch`)."""
         from accelerate.utils import set_seed
-        from torch.utils.data import DataLoader
 
-        from vembed.data.sampler import EpochShuffleSampler
         from vembed.training.lr import learning_rate_for
+        from vembed.training.stages import stages_of, staged_scheduler
         from vembed.training.objective import parameter_groups
         from vembed.training.schedules import get_scheduler
         from vembed.training.deepspeed import configure_deepspeed, unsharded_construction
@@ -110,40 +110,29 @@ class Trainer:
         self.eval_examples = self.task.load_eval_split("validation")
         self.test_examples = self.task.load_eval_split("test")
 
-        self.dataset, collate = self.task.train_dataset(self.objective)
-        self.sampler = EpochShuffleSampler(len(self.dataset), seed=recipe.seed)
-        loader = DataLoader(
-            self.dataset,
-            batch_size=recipe.batch_size,
-            sampler=self.sampler,
-            collate_fn=collate,
-            drop_last=True,  # every rank must gather equally many embeddings
-            num_workers=recipe.data.num_workers,
-            persistent_workers=recipe.data.num_workers > 0,  # not re-forked (model and all) every epoch
-            pin_memory=torch.cuda.is_available(),
-        )
+        self.dataset, self.collate = self.task.train_dataset(self.objective)
+        self.stages = stages_of(recipe)
+        for stage in self.stages:
+            stage.loader, stage.batch_sampler = self._train_loader(stage)
         lr = learning_rate_for(recipe, acc.num_processes, log=acc.print)  # scale_lr_with_world_size, logged once
         optimizer = build_optimizer(parameter_groups(self.objective, recipe.weight_decay), lr)
-
-        self.batches_per_epoch = batches_per_process(len(loader), acc.num_processes)
-        if self.batches_per_epoch == 0:
-            from vembed.errors import DataError
-
-            raise DataError(
-                f"{len(self.dataset)} training records cannot fill one batch of {recipe.batch_size} on "
-                f"{acc.num_processes} process(es); lower batch_size or add data",
-                file=str(recipe.data.train),
+        first_step = 0
+        for stage in self.stages:
+            stage.plan(self._batches_per_epoch(stage), recipe.gradient_accumulation_steps, first_step)
+            first_step = stage.end_step
+        self.total_steps = first_step
+        if len(self.stages) == 1:
+            scheduler = get_scheduler(
+                recipe.scheduler_type,
+                optimizer,
+                num_warmup_steps=int(recipe.warmup_ratio * self.total_steps),
+                num_training_steps=self.total_steps,
             )
-        # accelerate also steps at the end of an epoch whose micro-batches do not fill the last accumulation.
-        self.steps_per_epoch = math.ceil(self.batches_per_epoch / recipe.gradient_accumulation_steps)
-        self.total_steps = recipe.max_steps or self.steps_per_epoch * recipe.epochs
-        self.num_epochs = math.ceil(self.total_steps / self.steps_per_epoch)
-        scheduler = get_scheduler(
-            recipe.scheduler_type,
-            optimizer,
-            num_warmup_steps=int(recipe.warmup_ratio * self.total_steps),
-            num_training_steps=self.total_steps,
-        )
+        else:
+            scheduler = staged_scheduler(optimizer, self.stages, recipe.scheduler_type, recipe.warmup_ratio,
+                                         recipe.learning_rate)
+        first = self.stages[0]
+        loader = first.loader
         configure_deepspeed(acc, recipe, self.objective)
         if plan.fsdp is None:
             self.model, self.optimizer, self.loader, self.scheduler = acc.prepare(
@@ -152,15 +141,80 @@ class Trainer:
         else:  # already sharded: accelerate prepares the rest and must not wrap the model again
             self.optimizer, self.loader, self.scheduler = acc.prepare(optimizer, loader, scheduler)
             self.model = self.objective
-        if len(self.loader) != self.batches_per_epoch:  # the schedule must count what each process really iterates
-            raise TrainingError(f"internal: the prepared loader yields {len(self.loader)} batches per process, the "
-                                f"schedule was planned for {self.batches_per_epoch}")
+        first.loader = self.loader
+        for stage in self.stages[1:]:
+            stage.loader = acc.prepare(stage.loader)
+        for stage in self.stages:
+            if len(stage.loader) != stage.batches_per_epoch:  # the schedule must count what each process iterates
+                raise TrainingError(f"internal: the prepared loader yields {len(stage.loader)} batches per process, "
+                                    f"the schedule was planned for {stage.batches_per_epoch}")
+        # The first stage's figures, under the names the single-stage loop always had.
+        self.batches_per_epoch, self.steps_per_epoch = first.batches_per_epoch, first.steps_per_epoch
+        self.num_epochs = first.num_epochs
         sharded = (self.model, self.optimizer, self.scheduler) if plan.fsdp is not None else None
         self.checkpoints = CheckpointManager(acc, self.output_dir, recipe.save_total_limit, recipe.persistent_dir,
                                              sharded=sharded)
         from vembed.training.grad_cache import build_train_step
 
         self.train_step = build_train_step(acc, self.model, plan.grad_cache)
+
+    def _train_loader(self, stage: "Stage") -> tuple[Any, Any]:
+        """The (unprepared) training DataLoader of a stage, and its batch sampler when it needs one: named sources
+        (one source per step, the same on every rank) or data.no_duplicates; else the plain per-epoch shuffle."""
+        from torch.utils.data import DataLoader
+
+        from vembed.data.sampler import EpochShuffleSampler, build_batch_sampler
+
+        recipe, acc = self.recipe, self.accelerator
+        batch_sampler = build_batch_sampler(self.dataset, recipe.batch_size, acc.num_processes, recipe.seed,
+                                            stage=stage.index, weights=stage.weights, only=stage.only,
+                                            no_duplicates=recipe.data.no_duplicates)
+        common = dict(collate_fn=self.collate, num_workers=recipe.data.num_workers,
+                      persistent_workers=recipe.data.num_workers > 0,  # not re-forked (model and all) every epoch
+                      pin_memory=torch.cuda.is_available())
+        if batch_sampler is not None:
+            return DataLoader(self.dataset, batch_sampler=batch_sampler, **common), batch_sampler
+        sampler = EpochShuffleSampler(len(self.dataset), seed=recipe.seed)
+        # drop_last: every rank must gather equally many embeddings
+        return DataLoader(self.dataset, batch_size=recipe.batch_size, sampler=sampler, drop_last=True, **common), None
+
+    def _batches_per_epoch(self, stage: "Stage") -> int:
+        acc, recipe = self.accelerator, self.recipe
+        batches = batches_per_process(len(stage.loader), acc.num_processes)
+        if batches == 0:
+            from vembed.errors import DataError
+
+            raise DataError(
+                f"{len(self.dataset)} training records cannot fill one batch of {recipe.batch_size} on "
+                f"{acc.num_processes} process(es); lower batch_size or add data",
+                file=str(recipe.data.train),
+            )
+        return batches
+
+    def _enter_stage(self, state: TrainerState) -> "Stage":
+        """Make stage `state.stage` the current one: its loader, its inputs (max_length, image size)."""
+        stage = self.stages[state.stage]
+        if state.stage > 0:
+            previous = self.stages[state.stage - 1].loader
+            # A finished stage's persistent DataLoader workers are let go (torch shuts them down with the iterator).
+            for loader in (previous, getattr(previous, "base_dataloader", None)):
+                if loader is not None and getattr(loader, "_iterator", None) is not None:
+                    loader._iterator = None
+        self.loader = stage.loader
+        self.task.enter_stage(self.objective, stage)
+        if len(self.stages) > 1:
+            self.accelerator.print(f"stage {stage.index + 1}/{len(self.stages)} {stage.name}: steps "
+                                   f"{stage.first_step + 1}-{stage.end_step}, {stage.num_epochs} epoch(s), peak "
+                                   f"learning rate {stage.learning_rate:g}")
+        return stage
+
+    def _set_epoch(self, stage: "Stage", epoch: int) -> None:
+        # The prepared loader hands its own epoch counter to a plain sampler on every pass; set it explicitly so a
+        # resumed run replays the same order as an uninterrupted one. A batch sampler under accelerate's shard is
+        # not reached that way: it is set directly.
+        stage.loader.set_epoch(epoch)
+        if stage.batch_sampler is not None:
+            stage.batch_sampler.set_epoch(epoch)
 
     @property
     def adapter(self):
@@ -229,39 +283,49 @@ class Trainer:
     def _train(self, state: TrainerState, progress) -> None:
         acc = self.accelerator
         meter = _Meter(samples_per_batch=self.recipe.batch_size * acc.num_processes,
-                       throughput=ThroughputMeter(self.adapter, acc, acc.mixed_precision))
+                       throughput=ThroughputMeter(self.adapter, acc, acc.mixed_precision),
+                       sources=self._source_names())
         self.model.train()
         done = state.global_step >= self.total_steps
-        while not done and state.epoch < self.num_epochs:
-            # The prepared loader hands its own epoch counter to the sampler on every pass; set it explicitly so a
-            # resumed run replays the same permutation as an uninterrupted one.
-            self.loader.set_epoch(state.epoch)
-            loader = self.loader
-            if state.batches_in_epoch:
-                loader = acc.skip_first_batches(self.loader, state.batches_in_epoch)
-            for batch in loader:
-                loss = self.train_on_batch(batch, state)
-                state.batches_in_epoch += 1
-                state.samples_seen += meter.samples_per_batch
-                meter.add(loss, batch)
-                self._profiler.step()
-                if not acc.sync_gradients:
-                    continue
-                self.scheduler.step()
-                state.global_step += 1
-                progress.update(1)
-                if state.global_step % self.recipe.logging_steps == 0 or state.global_step == self.total_steps:
-                    self._log(state, meter, progress)
-                done = state.global_step >= self.total_steps
-                self._maybe_evaluate_and_save(state, end_of_epoch=False, done=done)
-                if done:
-                    break
-            # Without `done` the loader ran out; with it, the last step may also have been the epoch's last batch.
-            if not done or state.batches_in_epoch >= self.batches_per_epoch:
-                state.epoch += 1
-                state.batches_in_epoch = 0
-                if not done:
-                    self._maybe_evaluate_and_save(state, end_of_epoch=True, done=False)
+        while not done and state.stage < len(self.stages):
+            stage = self._enter_stage(state)
+            stage_done = state.global_step >= stage.end_step
+            while not stage_done and state.epoch < stage.num_epochs:
+                self._set_epoch(stage, state.epoch)
+                loader = stage.loader
+                if state.batches_in_epoch:
+                    loader = acc.skip_first_batches(stage.loader, state.batches_in_epoch)
+                for batch in loader:
+                    loss = self.train_on_batch(batch, state)
+                    state.batches_in_epoch += 1
+                    state.samples_seen += meter.samples_per_batch
+                    meter.add(loss, batch)
+                    self._profiler.step()
+                    if not acc.sync_gradients:
+                        continue
+                    self.scheduler.step()
+                    state.global_step += 1
+                    progress.update(1)
+                    if state.global_step % self.recipe.logging_steps == 0 or state.global_step == self.total_steps:
+                        self._log(state, meter, progress)
+                    done = state.global_step >= self.total_steps
+                    stage_done = state.global_step >= stage.end_step
+                    self._maybe_evaluate_and_save(state, end_of_epoch=False, done=done)
+                    if stage_done:
+                        break
+                # Without `stage_done` the loader ran out; with it, the last step may also have been the epoch's end.
+                if not stage_done or state.batches_in_epoch >= stage.batches_per_epoch:
+                    state.epoch += 1
+                    state.batches_in_epoch = 0
+                    if not done:
+                        self._maybe_evaluate_and_save(state, end_of_epoch=True, done=False)
+            if not done:
+                state.stage, state.epoch, state.batches_in_epoch = state.stage + 1, 0, 0
+
+    def _source_names(self) -> list[str]:
+        """The named training sources, whose losses are logged apart; none for a split without names."""
+        ranges = self.dataset.source_ranges() if hasattr(self.dataset, "source_ranges") else []
+        return [name for name, _, _ in ranges if name is not None]
 
     def train_on_batch(self, batch: dict[str, Any], state: TrainerState) -> torch.Tensor:
         """Forward and backward of one batch, then (once gradients are accumulated) the checked, clipped optimizer
@@ -280,6 +344,7 @@ class Trainer:
         record = {
             "step": state.global_step,
             "loss": acc.reduce(meter.mean_loss(acc.device), "mean").item(),  # averaged over ranks
+            **meter.source_losses(acc),  # loss/<source>: every rank drew the same sources, so the reduce lines up
             "lr": self.scheduler.get_last_lr()[0],
             "samples_per_second": meter.samples_per_second(),
             **meter.throughput_record(),  # tokens/s, peak memory, MFU
@@ -374,7 +439,7 @@ class Trainer:
             metrics["test"] = self.evaluate(self.test_examples)
         metrics["train"] = {
             "steps": state.global_step,
-            "epochs_completed": state.epoch,
+            "epochs_completed": sum(stage.num_epochs for stage in self.stages[: state.stage]) + state.epoch,
             "samples_seen": state.samples_seen,
             "world_size": acc.num_processes,
             "final_loss": state.loss_history[-1]["loss"] if state.loss_history else None,
@@ -411,23 +476,40 @@ class Trainer:
 
 class _Meter:
     """Loss and throughput since the last log line; the loss stays on the device until it is logged (no host sync
-    per step)."""
+    per step). With named sources, also the loss of each source's batches."""
 
-    def __init__(self, samples_per_batch: int, throughput: "ThroughputMeter"):
+    def __init__(self, samples_per_batch: int, throughput: "ThroughputMeter", sources: list[str] | None = None):
         self.samples_per_batch = samples_per_batch
         self.throughput = throughput
+        self.sources = {name: number for number, name in enumerate(sources or [])}
         self.reset()
 
     def reset(self) -> None:
         self.started, self.samples, self.batches = time.perf_counter(), 0, 0
         self.loss_sum: torch.Tensor | float = 0.0
+        self.source_sums: list[torch.Tensor | float] = [0.0] * len(self.sources)
+        self.source_batches = [0] * len(self.sources)
         self.throughput.reset()
 
     def add(self, loss: torch.Tensor, batch: dict[str, Any]) -> None:
         self.loss_sum = self.loss_sum + loss.detach().float()
+        number = self.sources.get(batch.get("source"))
+        if number is not None:
+            self.source_sums[number] = self.source_sums[number] + loss.detach().float()
+            self.source_batches[number] += 1
         self.throughput.add(batch)
         self.batches += 1
         self.samples += self.samples_per_batch
+
+    def source_losses(self, accelerator: "Accelerator") -> dict[str, float]:
+        """`loss/<source>`: the mean loss of each source's batches in the window, averaged over ranks."""
+        if not self.sources:
+            return {}
+        sums = torch.stack([torch.as_tensor(value, device=accelerator.device, dtype=torch.float32)
+                            for value in self.source_sums])
+        means = accelerator.reduce(sums, "mean").tolist()
+        return {f"loss/{name}": means[number] / self.source_batches[number]
+                for name, number in self.sources.items() if self.source_batches[number]}
 
     def mean_loss(self, device: torch.device) -> torch.Tensor:
         return torch.as_tensor(self.loss_sum, device=device) / max(self.batches, 1)

@@ -32,9 +32,12 @@ def _linear(step: int, *, warmup: int, total: int) -> float:
     return max(0.0, float(total - step) / float(max(1, total - warmup)))
 
 
-def _constant(step: int) -> float:
+def _constant(step: int, **_: int) -> float:
     # As transformers' "constant": no warm-up, whatever warmup_ratio says.
     return 1.0
+
+
+SHAPES = {"cosine": _cosine, "linear": _linear, "constant": _constant}  # step -> factor of the peak learning rate
 
 
 def get_scheduler(name: str, optimizer: Optimizer, *, num_warmup_steps: int, num_training_steps: int) -> LambdaLR:
