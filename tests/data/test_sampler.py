@@ -74,3 +74,96 @@ def test_accelerate_shards_are_disjoint_and_cover_the_epoch_order(num_samples):
 def test_accelerate_shards_change_with_the_epoch_and_repeat_for_the_same_epoch():
     assert _rank_batches(24, 4, 7, 0, 2) == _rank_batches(24, 4, 7, 0, 2)
     assert _rank_batches(24, 4, 7, 0, 2) != _rank_batches(24, 4, 7, 1, 2)
+
+
+# --- several sources, one per step ------------------------------------------------------------------------------------
+
+import numpy as np  # noqa: E402
+
+from vembed.data.sampler import SourceBatchSampler  # noqa: E402
+
+SOURCES = [(0, 40), (40, 64), (64, 100)]  # three sources of 40, 24 and 36 records
+
+
+def _source_of(index):
+    return next(number for number, (start, stop) in enumerate(SOURCES) if start <= index < stop)
+
+
+def _sharded(make_sampler, epoch, world_size):
+    """Each rank's batches, as accelerate shards the batch sampler for `world_size` processes."""
+    from accelerate.data_loader import prepare_data_loader
+
+    shards = []
+    for rank in range(world_size):
+        sampler = make_sampler()
+        loader = DataLoader(list(range(100)), batch_sampler=sampler)
+        prepared = prepare_data_loader(loader, num_processes=world_size, process_index=rank, put_on_device=False)
+        sampler.set_epoch(epoch)
+        shards.append([batch.tolist() for batch in prepared])
+    return shards
+
+
+def test_every_step_draws_one_source_on_every_rank_with_disjoint_rows():
+    make = lambda: SourceBatchSampler(SOURCES, batch_size=4, world_size=2, seed=5)  # noqa: E731
+    ranks = _sharded(make, epoch=1, world_size=2)
+    assert len(ranks[0]) == len(ranks[1]) == 5 + 3 + 4  # whole global batches of 8 per source: 40/8, 24/8, 36/8
+    for step, (mine, theirs) in enumerate(zip(*ranks)):
+        sources = {_source_of(i) for i in mine + theirs}
+        assert len(sources) == 1, f"step {step} mixes sources {sources}"  # homogeneous, the same on both ranks
+        assert not set(mine) & set(theirs)  # each rank its own rows
+    seen = [i for shard in ranks for batch in shard for i in batch]
+    assert len(seen) == len(set(seen)) == 96  # by size: every record once, but 4 of source 3 (36 = 4 x 8 + 4)
+    assert set(range(64)) <= set(seen)
+    # a function of (seed, epoch): again the same, another epoch or seed differs
+    assert _sharded(make, epoch=1, world_size=2) == ranks
+    assert _sharded(make, epoch=2, world_size=2) != ranks
+    other = lambda: SourceBatchSampler(SOURCES, batch_size=4, world_size=2, seed=6)  # noqa: E731
+    assert _sharded(other, epoch=1, world_size=2) != ranks
+
+
+def test_weights_apportion_the_steps_of_an_epoch_exactly():
+    sampler = SourceBatchSampler(SOURCES, batch_size=4, world_size=1, seed=0, weights=[2.0, 1.0, 1.0])
+    steps = sampler.step_sources()
+    assert len(steps) == len(sampler) == 10 + 6 + 9  # an epoch keeps the by-size length
+    counts = np.bincount(steps, minlength=3).tolist()
+    assert counts == [13, 6, 6]  # 25 steps split 2:1:1 (12.5, 6.25, 6.25), largest remainder first
+    batches = list(sampler)
+    assert all(len({_source_of(i) for i in batch}) == 1 for batch in batches)
+    firsts = [i for batch, s in zip(batches, steps) if s == 0 for i in batch]
+    assert len(firsts) == 13 * 4 and sorted(set(firsts)) == list(range(40))  # 52 draws of 40: a second pass began
+
+
+def test_a_source_smaller_than_one_global_batch_is_refused_by_name():
+    from vembed.errors import DataError
+
+    with pytest.raises(DataError, match="source 'tiny' has 6 records, fewer than one contrastive batch"):
+        SourceBatchSampler([(0, 40), (40, 46)], batch_size=4, world_size=2, names=["big", "tiny"])
+
+
+def _keys_from_texts(texts):
+    ids = {text: n for n, text in enumerate(dict.fromkeys(t for row in texts for t in row))}
+    offsets = np.cumsum([0] + [len(row) for row in texts])
+    return offsets, np.asarray([ids[t] for row in texts for t in row])
+
+
+def test_no_duplicates_keeps_equal_texts_out_of_one_global_batch():
+    # 60 records over 12 distinct queries and 60 distinct positives: every batch of 8 (2 ranks x 4) has 8 queries
+    texts = [[f"query {i % 12}", f"positive {i}"] for i in range(60)]
+    keys = _keys_from_texts(texts)
+    make = lambda: SourceBatchSampler([(0, 60)], batch_size=4, world_size=2, seed=1, duplicate_keys=keys)  # noqa
+    ranks = _sharded(make, epoch=0, world_size=2)
+    assert len(ranks[0]) == 60 // 8
+    for mine, theirs in zip(*ranks):
+        queries = [texts[i][0] for i in mine + theirs]
+        assert len(queries) == len(set(queries)) == 8
+    plain = SourceBatchSampler([(0, 60)], batch_size=4, world_size=2, seed=1)
+    assert any(len({texts[i][0] for i in a + b}) < 8 for a, b in zip(*[iter(list(plain))] * 2))  # it would repeat
+    assert _sharded(make, epoch=0, world_size=2) == ranks
+
+
+def test_no_duplicates_that_cannot_fill_a_batch_is_a_data_error():
+    from vembed.errors import DataError
+
+    keys = _keys_from_texts([[f"query {i % 3}"] for i in range(30)])  # 3 distinct texts, batches of 4
+    with pytest.raises(DataError, match="cannot fill a batch of 4 records without repeating"):
+        list(SourceBatchSampler([(0, 30)], batch_size=4, world_size=1, duplicate_keys=keys))

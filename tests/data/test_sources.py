@@ -19,6 +19,14 @@ def _private_datasets_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf_cache")))
 
 
+@pytest.fixture(params=["small", "mapped"])
+def json_reading(request, monkeypatch):
+    """JSON read both ways: with the standard library (small files) and memory-mapped through datasets (large)."""
+    if request.param == "mapped":
+        monkeypatch.setattr("vembed.data.sources.SMALL_JSON_BYTES", 0)
+    return request.param
+
+
 def _png(path, colour=(255, 0, 0)):
     from PIL import Image
 
@@ -55,7 +63,7 @@ def _write(tmp_path, fmt, rows=ROWS):
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet"])
-def test_each_format_reads_the_same_examples(tmp_path, fmt):
+def test_each_format_reads_the_same_examples(tmp_path, fmt, json_reading):
     path = _write(tmp_path, fmt)
     examples, report = load_examples(DataConfig(train=str(path)), "train")
     assert [e.query.text for e in examples] == ["a red square", "a blue circle", "a green triangle"]
@@ -100,7 +108,7 @@ def test_relative_images_resolve_against_the_file_directory_or_image_root(tmp_pa
     assert all(os.path.isabs(e.positive.image) for e in examples)
 
 
-def test_negative_texts_and_images_pair_by_position(tmp_path):
+def test_negative_texts_and_images_pair_by_position(tmp_path, json_reading):
     _png(tmp_path / "n1.png")
     _png(tmp_path / "n2.png")
     path = _jsonl(
@@ -117,7 +125,7 @@ def test_negative_texts_and_images_pair_by_position(tmp_path):
     assert report.num_hard_negatives == 1
 
 
-def test_explicit_num_hard_negatives_skips_rows_with_fewer(tmp_path):
+def test_explicit_num_hard_negatives_skips_rows_with_fewer(tmp_path, json_reading):
     rows = [{"query": f"q{i}", "positive": "p", "negatives": ["a", "b", "c"]} for i in range(9)]
     rows.append({"query": "short", "positive": "p", "negatives": ["a"]})
     path = _jsonl(tmp_path / "pairs.jsonl", rows)
@@ -129,7 +137,7 @@ def test_explicit_num_hard_negatives_skips_rows_with_fewer(tmp_path):
     assert len(examples) == 10 and report.num_hard_negatives == 0 and all(e.negatives == [] for e in examples)
 
 
-def test_empty_rows_and_missing_images_are_skipped_and_counted(tmp_path):
+def test_empty_rows_and_missing_images_are_skipped_and_counted(tmp_path, json_reading):
     _png(tmp_path / "ok.png")
     rows = [{"query": f"q{i}", "positive_image": "ok.png"} for i in range(7)]
     rows += [
@@ -149,7 +157,7 @@ def test_empty_rows_and_missing_images_are_skipped_and_counted(tmp_path):
     assert "kept 7 of 11" in report.summary() and "2 missing_image" in report.summary()
 
 
-def test_too_many_bad_rows_raise_naming_file_row_and_fix(tmp_path):
+def test_too_many_bad_rows_raise_naming_file_row_and_fix(tmp_path, json_reading):
     rows = [{"query": "q", "positive": "p"}] * 8 + [{"query": "", "positive": "p"}] * 2
     path = _jsonl(tmp_path / "pairs.jsonl", rows)
     with pytest.raises(DataError) as err:
@@ -166,7 +174,7 @@ def test_a_split_whose_rows_are_all_bad_raises(tmp_path):
         load_examples(DataConfig(train=str(path), max_bad_fraction=1.0), "train")
 
 
-def test_several_files_with_different_columns(tmp_path):
+def test_several_files_with_different_columns(tmp_path, json_reading):
     a = _jsonl(tmp_path / "d" / "a.jsonl", [{"query": "qa", "positive": "pa"}])
     _jsonl(tmp_path / "d" / "b.jsonl", [{"query": "qb", "positive": "pb", "label": "x"}])
     (tmp_path / "d" / "notes.txt").write_text("ignored")
@@ -343,3 +351,129 @@ def test_hf_list_of_images_column_gives_one_side_several_embedded_images(tmp_pat
     two, one = examples[0].query.image, examples[1].query.image
     assert [load_image(image).getpixel((0, 0)) for image in two] == [(200, 0, 0), (0, 200, 0)]
     assert load_image(one).getpixel((0, 0)) == (0, 200, 0)
+
+
+# --- rows checked column by column, records made on fetch -------------------------------------------------------------
+
+TRICKY_ROWS = [
+    {"query": "fine", "positive": "doc", "negatives": ["a", "", "b"]},  # 1: an empty negative is not one
+    {"query": "\u3000 \t", "positive": "doc"},  # 2: only (unicode) whitespace: empty query
+    {"query": None, "query_image": "ok.png", "positive": "doc"},  # 3: an image query
+    {"query": "q", "positive": "", "positive_image": ["ok.png", "ok.png"]},  # 4: two images
+    {"query": "q", "positive": None},  # 5: empty positive
+    {"query": "q", "query_image": "gone.png", "positive": ""},  # 6: missing image wins over empty positive
+    {"query": "q", "positive": "p", "negatives": ["n1", "n2"], "negative_images": [None, "gone.png"]},  # 7
+    {"query": 7, "positive": 3.0, "negatives": [None, "x"]},  # 8: numbers are text
+    {"query": "", "positive": "p", "query_image": ""},  # 9: empty query
+    {"query": "q", "positive": "p", "negatives": "just one"},  # 10
+]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_column_checks_agree_with_the_row_reader_on_every_row(tmp_path, fmt, json_reading):
+    """The vectorised checks (what is skipped, usable negatives, modalities, images) match RowReader row by row."""
+    import pandas as pd
+
+    from vembed.data.checks import IMAGE, REASONS, TEXT, check_rows
+    from vembed.data.reader import RowReader, Skipped
+    from vembed.data.sources import _json_parts, _undecoded_images, builder_for, read_table
+
+    _png(tmp_path / "ok.png")
+    if fmt == "jsonl":
+        path = _jsonl(tmp_path / "rows.jsonl", TRICKY_ROWS)
+    else:
+        path = tmp_path / "rows.parquet"
+        frame = pd.DataFrame([{**row, "query": None if row.get("query") is None else str(row["query"]),
+                               "positive": None if row.get("positive") is None else str(row["positive"]),
+                               "negatives": row.get("negatives") if isinstance(row.get("negatives"), list)
+                               else [row["negatives"]] if row.get("negatives") else None} for row in TRICKY_ROWS])
+        frame.to_parquet(path)
+    columns = DataConfig().columns.model_dump()
+    table = read_table(str(path), builder_for(str(path)), "train")
+    table = _undecoded_images(table.select_columns([c for c in columns.values() if c in table.column_names]), [])
+    reader = RowReader(str(path), builder_for(str(path)), columns, str(tmp_path),
+                       json_parts=_json_parts(table, columns))  # mixed list/string negatives: datasets stores JSON
+    checks = check_rows(table, reader)
+    for position in range(len(TRICKY_ROWS)):
+        if hasattr(table, "records"):
+            raw = {part: table.records[position].get(name) for part, name in columns.items()}
+        else:
+            raw = {part: table[position].get(name) for part, name in columns.items()}
+        try:
+            example = reader.example(raw, position + 1)
+        except Skipped as skipped:
+            assert REASONS[checks.reason[position]] == skipped.reason, f"row {position + 1}"
+            continue
+        assert checks.reason[position] == 0, f"row {position + 1}: checks say {REASONS[checks.reason[position]]}"
+        assert checks.negatives[position] == len(example.negatives), f"row {position + 1}"
+        sides = [example.query, example.positive]
+        bits = (TEXT if any(side.text for side in sides) else 0) | (IMAGE if any(side.images for side in sides) else 0)
+        assert checks.modalities[position] == bits, f"row {position + 1}"
+        most = max(len(side.images) for side in sides + example.negatives)
+        assert checks.max_images[position] == most, f"row {position + 1}"
+    assert sorted(REASONS[code] for code in checks.reason if code) == sorted(
+        ["empty_query", "empty_positive", "missing_image", "missing_image", "empty_query"])
+
+
+def test_large_files_are_memory_mapped_and_records_are_made_on_fetch(tmp_path, monkeypatch):
+    import datasets
+
+    from vembed.data.rows import PairRows
+    from vembed.data.sources import load_rows
+
+    monkeypatch.setattr("vembed.data.sources.SMALL_JSON_BYTES", 0)
+    path = _jsonl(tmp_path / "pairs.jsonl", ROWS * 4)
+    rows, report = load_rows(DataConfig(train=str(path)), "train")
+    assert isinstance(rows, PairRows) and len(rows) == 12 and report.kept == 12
+    (part,) = rows.parts
+    assert isinstance(part.table, datasets.Dataset) and part.table.cache_files  # on disk, mapped
+    assert rows[4].query.text == "a blue circle" and rows[-1].positive.text == "doc three"
+    assert [n.text for n in rows[1].negatives] == ["n3", "n4"]  # cut to the split's count on fetch
+
+
+def test_a_second_load_maps_the_cached_checks_instead_of_checking_again(tmp_path, monkeypatch):
+    from vembed.data import checks
+    from vembed.data.sources import load_rows
+
+    monkeypatch.setattr("vembed.data.sources.SMALL_JSON_BYTES", 0)
+    path = _jsonl(tmp_path / "pairs.jsonl", ROWS + [{"query": "", "positive": "p"}])
+    calls = []
+    original = checks.BatchChecker.__call__
+    monkeypatch.setattr(checks.BatchChecker, "__call__", lambda self, batch: calls.append(1) or original(self, batch))
+    config = DataConfig(train=str(path), max_bad_fraction=0.5)
+    first, report = load_rows(config, "train")
+    assert calls and report.skipped == {"empty_query": 1}
+    calls.clear()
+    second, again = load_rows(config, "train")
+    assert calls == [] and again.to_dict() == report.to_dict() and len(second) == len(first) == 3
+    # a changed file is checked again
+    _jsonl(path, ROWS)
+    third, _ = load_rows(DataConfig(train=str(path)), "train")
+    assert calls and len(third) == 3
+
+
+@pytest.mark.slow
+def test_one_rank_per_node_builds_the_cache_the_others_wait_and_map_it(tmp_path):
+    """Two processes (local ranks 0 and 1) load the same large file at once: one checks the rows, the other waits on
+    the node's file lock and finds the checks built."""
+    import subprocess
+    import sys
+
+    path = _jsonl(tmp_path / "pairs.jsonl", [{"query": f"q{i}", "positive": f"p{i}"} for i in range(3000)])
+    code = (
+        "import sys, time, vembed.data.sources as s, vembed.data.checks as c; s.SMALL_JSON_BYTES = 0; calls = []; "
+        "original = c.BatchChecker.__call__; "  # slow checks: the other rank surely arrives while they run
+        "c.BatchChecker.__call__ = lambda self, batch: calls.append(1) or time.sleep(3) or original(self, batch); "
+        "from vembed.recipe import DataConfig; "
+        f"rows, _ = s.load_rows(DataConfig(train={str(path)!r}), 'train'); "
+        "print(len(rows), len(calls))"
+    )
+    env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache")}
+    ranks = [subprocess.Popen([sys.executable, "-c", code], env={**env, "LOCAL_RANK": str(rank)}, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in (0, 1)]
+    results = []
+    for process in ranks:
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err[-2000:]
+        results.append(tuple(int(x) for x in out.split()))
+    assert sorted(results) == [(3000, 0), (3000, 1)]  # both have every row; exactly one checked them

@@ -67,8 +67,12 @@ class BatchChecker:
         def column(part: str) -> Any:
             name = columns[part]
             if hasattr(batch, "column_names"):
-                return batch.column(name) if name in batch.column_names else None
-            return batch.get(name)
+                values = batch.column(name) if name in batch.column_names else None
+            else:
+                values = batch.get(name)
+            if values is not None and part in self.reader.json_parts:
+                return [self.reader.cell(part, value) for value in _python(values)]
+            return values
 
         query_text, positive_text = _texts_present(column("query"), size), _texts_present(column("positive"), size)
         query_images, query_error = self._image_cells(column("query_image"), size)

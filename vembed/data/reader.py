@@ -84,9 +84,18 @@ class RowReader:
     """Turns the rows of one table into Examples; knows its file, column map, image base directory and source."""
 
     def __init__(self, file: str, builder: str, columns: dict[str, str], image_base: str,
-                 source: SourceSettings | None = None):
+                 source: SourceSettings | None = None, json_parts: frozenset[str] = frozenset()):
         self.file, self.builder, self.columns, self.image_base = file, builder, columns, image_base
         self.source = source or SourceSettings()
+        # Parts whose column `datasets` stores as JSON text (its `Json` feature: cells of mixed types, e.g. a list in
+        # one row and a string in the next); their cells are decoded before use.
+        self.json_parts = json_parts
+
+    def cell(self, part: str, value: Any) -> Any:
+        """A stored cell as the row holds it (JSON-stored columns decoded)."""
+        if part in self.json_parts and isinstance(value, str):
+            return json.loads(value)
+        return value
 
     def image(self, value: Any) -> ImageLike | None:
         if is_null(value):

@@ -51,7 +51,8 @@ class TablePart:
         if hasattr(self.table, "records"):
             record = self.table.records[position]
             return {part: record.get(name) for part, name in self._columns.items()}
-        return {part: column[position].as_py() for part, column in self._columns.items()}
+        cell = self.reader.cell
+        return {part: cell(part, column[position].as_py()) for part, column in self._columns.items()}
 
     def __getstate__(self) -> dict[str, Any]:
         # DataLoader workers get the table by reference (datasets pickles a memory-mapped table as its path);

@@ -236,6 +236,21 @@ def read_table(path: str, builder: str, split: str) -> "datasets.Dataset | Rows"
         raise DataError(f"cannot read as {builder}: {type(cause).__name__}: {first_line}", file=path) from err
 
 
+def _json_parts(table: "datasets.Dataset | Rows", columns: dict[str, str]) -> frozenset[str]:
+    """The parts whose column `datasets` stores as JSON text (its Json feature, for cells of mixed types)."""
+    features = getattr(table, "features", None)
+    json_feature = _datasets_json_feature() if features is not None else None
+    if json_feature is None:
+        return frozenset()
+    return frozenset(part for part, name in columns.items() if isinstance(features.get(name), json_feature))
+
+
+def _datasets_json_feature() -> type | None:
+    import datasets
+
+    return getattr(datasets, "Json", None)  # datasets >= 4.1
+
+
 def _undecoded_images(table: "datasets.Dataset | Rows", columns: list[str]) -> "datasets.Dataset | Rows":
     """Image features come back as {path, bytes} dicts instead of decoded pictures (memory stays small)."""
     if isinstance(table, Rows):  # no typed columns: image columns hold paths
@@ -409,7 +424,8 @@ def _load_source(value: Any, split: str, format: str, columns: dict[str, str], i
             _check_columns(file, list(table.column_names), columns)
             used = [name for name in dict.fromkeys(columns.values()) if name in table.column_names]
             table = _undecoded_images(table.select_columns(used), used)
-            reader = RowReader(file, builder, columns, _image_base(file, image_root), settings)
+            reader = RowReader(file, builder, columns, _image_base(file, image_root), settings,
+                               json_parts=_json_parts(table, columns))
             checks = check_rows(table, reader)
         report.total += table.num_rows
         _count_skipped(report, reader, table, checks)
