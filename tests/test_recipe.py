@@ -125,3 +125,52 @@ def test_mrl_dims_above_embedding_size_rejected_before_building(tmp_path, tiny_t
     with pytest.raises(RecipeError) as info:
         check_recipe(recipe)
     assert info.value.key == "mrl_dims" and "32" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "raw, key, hint",
+    [
+        ({"data": {"train": {"a": {"filez": "x.jsonl"}}}}, "data.train.a.filez", "did you mean files?"),
+        ({"data": {"train": {"a": {"files": "x", "weight": 1}, "b": "y"}}}, "data.train.b.weight",
+         "set a weight on every source or on none"),
+        ({"data": {"train": {}}}, "data.train", "empty mapping"),
+        ({"data": {"train": "x", "validation": {"a": {"files": "v", "weight": 2}}}}, "data.validation.a.weight",
+         "only training sources"),
+        ({"data": {"train": {"a": "x"}}, "stages": [{"sources": ["b"]}]}, "stages.0.sources", "data.train names ['a']"),
+        ({"data": {"train": "x"}, "stages": [{"sources": ["a"]}]}, "stages.0.sources", "not a mapping of named"),
+        ({"stages": [{"epoch": 2}]}, "stages.0.epoch", "did you mean epochs?"),
+        ({"stages": []}, "stages", "empty list"),
+        ({"stages": [{"sources": {"a": 0}}], "data": {"train": {"a": "x"}}}, "stages.0.sources", "above 0"),
+    ],
+)
+def test_source_and_stage_mistakes_name_the_key(raw, key, hint):
+    err = _error(raw)
+    assert err.key == key and hint in str(err), str(err)
+
+
+def test_named_sources_inherit_data_settings_and_the_training_source_s(tmp_path):
+    recipe = recipe_from_dict({"data": {
+        "columns": {"query": "q"}, "num_hard_negatives": 2,
+        "train": {"a": {"files": "a.jsonl", "query_prompt": "query: ", "columns": {"query": "question"}},
+                  "b": "b.jsonl"},
+        "validation": {"a": "a-val.jsonl", "c": {"files": "c.jsonl", "num_hard_negatives": 0}}}})
+    train, validation = recipe.data.sources("train"), recipe.data.sources("validation")
+    assert train["a"].columns.query == "question" and train["b"].columns.query == "q"
+    assert train["b"].num_hard_negatives == 2 and train["b"].query_prompt is None
+    assert validation["a"].query_prompt == "query: " and validation["a"].columns.query == "question"
+    assert validation["c"].columns.query == "q" and validation["c"].num_hard_negatives == 0
+    assert recipe.data.sources("test") is None
+
+
+def test_keys_a_model_cannot_honour_are_refused_before_training(tmp_path, tiny_clip_recipe):
+    raw = dict(tiny_clip_recipe)
+    train = raw["data"]["train"]
+    with pytest.raises(RecipeError) as err:
+        check_recipe(recipe_from_dict(dict(raw, data={"train": {"a": {"files": train, "query_instruction": "x"}}})))
+    assert err.value.key == "data.train.a.query_instruction" and "query_prompt" in str(err.value)
+    with pytest.raises(RecipeError) as err:
+        check_recipe(recipe_from_dict(dict(raw, stages=[{"max_pixels": 4096}])))
+    assert err.value.key == "stages.0.max_pixels" and "fixed image size" in str(err.value)
+    with pytest.raises(RecipeError) as err:
+        check_recipe(recipe_from_dict(dict(raw, data={"train": {"a": str(tmp_path / "nope.jsonl")}})))
+    assert err.value.key == "data.train.a.files"

@@ -70,6 +70,17 @@ class FlowMatchingTask(Task):
                 raise RecipeError(key, "is not supported for blip3o_dit; set it to false")
         if recipe.mrl_dims:
             raise RecipeError("mrl_dims", "applies to contrastive losses only; remove it for blip3o_dit")
+        for split in ("train", "validation", "test"):
+            if isinstance(getattr(recipe.data, split), dict):
+                raise RecipeError(f"data.{split}", "named sources are for pair data; blip3o_dit trains on shard "
+                                                   "directories (a path or a list of them)")
+        if recipe.data.no_duplicates:
+            raise RecipeError("data.no_duplicates", "applies to pair data only; remove it for blip3o_dit")
+        for number, stage in enumerate(recipe.stages or ()):
+            for key in ("sources", "max_length", "min_pixels", "max_pixels"):
+                if getattr(stage, key) is not None:
+                    raise RecipeError(f"stages.{number}.{key}", "is for contrastive models; blip3o_dit stages set "
+                                                                "epochs, max_steps and learning_rate")
         if recipe.metric_for_best_model not in METRICS:
             raise RecipeError("metric_for_best_model",
                               f"{recipe.metric_for_best_model!r} is not a flow-matching metric; use one of: "
