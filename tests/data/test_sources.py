@@ -477,3 +477,27 @@ def test_one_rank_per_node_builds_the_cache_the_others_wait_and_map_it(tmp_path)
         assert process.returncode == 0, err[-2000:]
         results.append(tuple(int(x) for x in out.split()))
     assert sorted(results) == [(3000, 0), (3000, 1)]  # both have every row; exactly one checked them
+
+
+def test_image_rows_are_checked_in_worker_processes_with_the_same_result(tmp_path, monkeypatch):
+    """Cells that need Python per row (image paths) go to `Dataset.map(num_proc=...)` workers on large tables; the
+    verdicts and the cache are those of the in-process checks."""
+    from vembed.data import checks
+    from vembed.data.sources import load_rows
+
+    _png(tmp_path / "ok.png")
+    rows = [{"query": f"q{i}", "positive_image": "ok.png" if i % 7 else "gone.png"} for i in range(40)]
+    path = _jsonl(tmp_path / "pairs.jsonl", rows)
+    config = DataConfig(train=str(path), max_bad_fraction=0.2)
+    monkeypatch.setattr("vembed.data.sources.SMALL_JSON_BYTES", 0)
+    in_process, report = load_rows(config, "train")
+    used = []
+    original = checks._check_processes
+    monkeypatch.setattr(checks, "MIN_ROWS_FOR_PROCESSES", 10)
+    monkeypatch.setattr(checks.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(checks, "_check_processes", lambda table, reader: used.append(original(table, reader)) or 2)
+    monkeypatch.setattr(checks, "CHECKS_VERSION", checks.CHECKS_VERSION + 1000)  # not the cached in-process run
+    in_workers, again = load_rows(config, "train")
+    assert used == [2]
+    assert again.to_dict() == report.to_dict() and report.skipped == {"missing_image": 6}
+    assert [e.query.text for e in in_workers] == [e.query.text for e in in_process]

@@ -417,16 +417,16 @@ def _load_source(value: Any, split: str, format: str, columns: dict[str, str], i
     for file in files:
         builder = builder_for(file, format)
         with _one_builder_per_node(file, builder):
-            table = read_table(file, builder, split)
-            if table.num_rows == 0:
-                logger.warning("%s: no rows, ignored", file)
+            table = _open_table(file, builder, split, columns)
+            if table is None:
                 continue
-            _check_columns(file, list(table.column_names), columns)
-            used = [name for name in dict.fromkeys(columns.values()) if name in table.column_names]
-            table = _undecoded_images(table.select_columns(used), used)
             reader = RowReader(file, builder, columns, _image_base(file, image_root), settings,
                                json_parts=_json_parts(table, columns))
             checks = check_rows(table, reader)
+            if checks.read_the_table:
+                # Checking read every page of the text columns into this process's memory map; training reads
+                # rows from a fresh mapping of the same file, and the old one (and its pages) is let go.
+                table = _open_table(file, builder, split, columns)
         report.total += table.num_rows
         _count_skipped(report, reader, table, checks)
         checked.append((reader, table, checks))
@@ -449,6 +449,17 @@ def _load_source(value: Any, split: str, format: str, columns: dict[str, str], i
     _check_bad_fraction(report, max_bad_fraction)
     logger.info(report.summary())
     return rows, report
+
+
+def _open_table(file: str, builder: str, split: str, columns: dict[str, str]) -> Any:
+    """A file's table with only the columns used, image features undecoded; None (and a warning) when it is empty."""
+    table = read_table(file, builder, split)
+    if table.num_rows == 0:
+        logger.warning("%s: no rows, ignored", file)
+        return None
+    _check_columns(file, list(table.column_names), columns)
+    used = [name for name in dict.fromkeys(columns.values()) if name in table.column_names]
+    return _undecoded_images(table.select_columns(used), used)
 
 
 def _select(checks: "RowChecks", positions: np.ndarray) -> "RowChecks":
