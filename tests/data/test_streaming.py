@@ -20,6 +20,7 @@ from vembed.data.streaming import (
 from vembed.errors import DataError, RecipeError
 from vembed.recipe import ColumnMap, DataConfig, recipe_from_dict
 
+
 def _stream(train: str, batch_size: int = 4, shuffle_buffer: int = 8, seed: int = 0, **data) -> ShardStream:
     cfg = DataConfig(train=train, **data)
     backend, shards = open_stream(cfg)

@@ -164,3 +164,35 @@ def test_two_ranks_read_disjoint_samples_deterministically_and_stop_together(tmp
         assert runs[0]["planned"][epoch] == 6
         assert len(batches[0]) == len(batches[1]) == 4
     assert runs[0]["skipped"] == runs[1]["skipped"] == {"bad_image": 5}  # every rank's counts, summed
+
+
+# --- the loop's checks and the shipped example ---------------------------------------------------------------------
+
+
+def test_too_many_corrupt_samples_stop_the_run_naming_the_shard(tiny_clip_recipe, dummy_data_dir, tmp_path):
+    from vembed.errors import DataError
+
+    shards = tar_shards(dummy_data_dir, tmp_path / "shards")
+    write_tar(tmp_path / "shards" / "train-00099.tar", {f"bad{i}": {"png": b"corrupt", "txt": b"x"} for i in range(10)})
+    sizes = json.loads((tmp_path / "shards" / "sizes.json").read_text())
+    (tmp_path / "shards" / "sizes.json").write_text(json.dumps({**sizes, "train-00099.tar": 10}))
+    raw = _streamed_recipe(tiny_clip_recipe, shards, 0)
+    with pytest.raises(DataError, match=r"train-00099.tar, row \d+: .*bad_image.*data.max_bad_fraction=0.05"):
+        _train(dict(raw, max_steps=None, epochs=1))
+    assert not (Path(raw["output_dir"]) / "final").exists()
+
+
+def test_the_webdataset_example_recipe_trains_on_generated_shards(tmp_path):
+    from vembed.data.shard_writer import write_webdataset
+    from vembed.recipe import check_recipe, load_recipe
+
+    made = write_webdataset(tmp_path / "wds", "dummy", num_samples=80, shard_size=8)
+    recipe = load_recipe(Path(__file__).resolve().parents[2] / "configs" / "clip_webdataset.yaml", [
+        f"data.train={made['train']}", f"data.validation={made['validation']}", "data.test=null",
+        f"tokenizer_name={made['tokenizer']}", f"output_dir={tmp_path / 'run'}", "batch_size=8", "epochs=2",
+        "data.shuffle_buffer=16"])
+    check_recipe(recipe)
+    trainer = Trainer(recipe)
+    result = trainer.run()
+    assert trainer.steps_per_epoch == 56 // 8 and result.metrics["train"]["steps"] == 2 * 7
+    assert result.metrics["train"]["data"]["total"] == 56 and "q2d/recall@1" in result.metrics["validation"]

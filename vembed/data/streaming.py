@@ -184,7 +184,8 @@ def shards_of_slot(shards: Sequence[Shard], seed: int, epoch: int, slot: int, nu
     return epoch_shards(shards, seed, epoch)[slot::num_slots]
 
 
-def planned_batches(shards: Sequence[Shard], seed: int, epoch: int, layout: StreamLayout, batch_size: int) -> int | None:
+def planned_batches(shards: Sequence[Shard], seed: int, epoch: int, layout: StreamLayout,
+                    batch_size: int) -> int | None:
     """Batches every rank can take in `epoch` (the fewest any rank has), from the shard sizes; None if a size is
     unknown. Each slot batches its own samples, so each slot's last incomplete batch is dropped."""
     if any(shard.num_samples is None for shard in shards):

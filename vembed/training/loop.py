@@ -93,10 +93,10 @@ class Trainer:
         from accelerate.utils import set_seed
         from torch.utils.data import IterableDataset
 
+        from vembed.training.deepspeed import configure_deepspeed, unsharded_construction
         from vembed.training.lr import learning_rate_for
         from vembed.training.objective import parameter_groups
         from vembed.training.schedules import get_scheduler
-        from vembed.training.deepspeed import configure_deepspeed, unsharded_construction
 
         recipe, acc, plan = self.recipe, self.accelerator, self.plan
         set_seed(recipe.seed)
