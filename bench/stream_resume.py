@@ -27,7 +27,8 @@ def _stream(data: dict, batch_size: int):
     import yaml
 
     from vembed.data.collate import PairCollator
-    from vembed.data.streaming import SampleDecoder, ShardStream, open_stream
+    from vembed.data.stream_samples import SampleDecoder
+    from vembed.data.streaming import ShardStream, open_stream
     from vembed.models import MODELS
     from vembed.recipe import recipe_from_dict
 

@@ -10,13 +10,8 @@ from pathlib import Path
 import pytest
 from streams import jsonl_shards, png_bytes, tar_shards, write_tar
 
-from vembed.data.streaming import (
-    SampleDecoder,
-    ShardStream,
-    SlotPosition,
-    StreamLayout,
-    open_stream,
-)
+from vembed.data.stream_samples import SampleDecoder
+from vembed.data.streaming import ShardStream, SlotPosition, StreamLayout, open_stream
 from vembed.errors import DataError, RecipeError
 from vembed.recipe import ColumnMap, DataConfig, recipe_from_dict
 

@@ -113,7 +113,8 @@ def _read_two_epochs(shards: str, out: str) -> None:
     import torch.distributed as dist
     from accelerate import Accelerator
 
-    from vembed.data.streaming import SampleDecoder, ShardStream, StreamReport, open_stream
+    from vembed.data.stream_samples import SampleDecoder
+    from vembed.data.streaming import ShardStream, StreamReport, open_stream
     from vembed.training.streamed import StreamedEpochs
 
     # DataLoader workers fork, as under torchrun and accelerate launch (run_on_ranks' ranks are spawned, and their

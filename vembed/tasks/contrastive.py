@@ -104,7 +104,8 @@ class ContrastiveTask(Task):
 
     def _train_stream(self, objective: "nn.Module"):
         from vembed.data.collate import PairCollator
-        from vembed.data.streaming import SampleDecoder, ShardStream
+        from vembed.data.stream_samples import SampleDecoder
+        from vembed.data.streaming import ShardStream
         from vembed.models import MODELS
 
         recipe, data = self.recipe, self.recipe.data
