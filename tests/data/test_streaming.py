@@ -8,6 +8,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+
+pytest.importorskip("webdataset")  # the streaming extra (in dev)
+
 from streams import jsonl_shards, png_bytes, tar_shards, write_tar
 
 from vembed.data.stream_samples import SampleDecoder

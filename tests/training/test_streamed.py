@@ -8,7 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
-from ranks import run_on_ranks
+
+pytest.importorskip("webdataset")  # the streaming extra (in dev)
+
+from ranks import run_on_ranks  # noqa: E402
 from streams import jsonl_shards, png_bytes, tar_shards, write_tar
 
 from vembed.recipe import recipe_from_dict
@@ -41,18 +44,19 @@ def _streamed_recipe(tiny_clip_recipe: dict, train: str, workers: int) -> dict:
 
 
 # 68 samples in 7 shards of <= 10, batches of 4: 17 batches per epoch with one reader (16 with two, each batching its
-# own shards). Interrupts: after an odd number of batches (the next batch is the other worker's) and mid second epoch.
-@pytest.mark.parametrize("kind, workers, interrupts", [
-    ("tar", 0, (5,)),
-    ("tar", 2, (5, 19)),
-    ("jsonl", 2, (7,)),
+# own shards). Interrupts: after an odd number of batches (the next batch is the other worker's) and mid second epoch;
+# with accumulation over 2 batches, an epoch is 8 optimizer steps.
+@pytest.mark.parametrize("kind, workers, accumulation, interrupts", [
+    ("tar", 0, 1, (5,)),
+    ("tar", 2, 1, (5, 19)),
+    ("jsonl", 2, 2, (7, 13)),
 ])
 def test_resumed_stream_ends_with_the_same_weights(tiny_clip_recipe, dummy_data_dir, tmp_path, monkeypatch, kind,
-                                                   workers, interrupts):
+                                                   workers, accumulation, interrupts):
     shards = (tar_shards if kind == "tar" else jsonl_shards)(dummy_data_dir, tmp_path / "shards")
-    raw = _streamed_recipe(tiny_clip_recipe, shards, workers)
+    raw = dict(_streamed_recipe(tiny_clip_recipe, shards, workers), gradient_accumulation_steps=accumulation)
     reference = _train(dict(raw, output_dir=str(tmp_path / "reference")))
-    assert reference.steps_per_epoch < 19 < reference.total_steps, "the test must cross an epoch boundary"
+    assert reference.steps_per_epoch < interrupts[-1] < reference.total_steps, "the test must cross an epoch boundary"
 
     original_save = checkpoint_module.CheckpointManager.save
     run = tmp_path / "interrupted"
