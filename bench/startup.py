@@ -2,7 +2,7 @@
 
     python bench/startup.py                 # both launches, 3 interleaved rounds, median
     python bench/startup.py --profile       # also: where the time goes (cProfile of the one-process launch)
-    python bench/startup.py --smoke         # one round of the one-process launch: checks that it runs
+    python bench/startup.py --smoke         # one round of the one-process launch, into a temp folder: does it run?
     python bench/startup.py --baseline DIR  # also the one-process launch of another checkout (before/after)
 
 - `python -m vembed.entrypoints.train configs/demo_clip.yaml` (one process, no launcher);
@@ -27,6 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "VEMBED_BENCH_FIRST_STEP"
+sys.path.insert(0, str(ROOT / "bench"))
+from outputs import output_dir  # noqa: E402
 
 SITECUSTOMIZE = '''
 import os, sys
@@ -125,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="write a cProfile of the one-process launch")
     parser.add_argument("--smoke", action="store_true", help="one round of the one-process launch")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    parser.add_argument("--out", help="where JSON, plot and profile go (default: bench/results, or a temporary folder "
+                                      "for --smoke)")
     parser.add_argument("--baseline", help="another vembed checkout (e.g. `git archive` of main) to time alongside")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -159,18 +162,16 @@ def main(argv: list[str] | None = None) -> int:
         time_to_first_step([*LAUNCHES["one process"], recipe, "--config_override", *overrides], work, profile=stats)
         import pstats
 
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+        out = output_dir(args.out, args.smoke)
         with open(out / "startup_profile.txt", "w") as handle:
             pstats.Stats(str(stats), stream=handle).sort_stats("cumulative").print_stats(45)
         summary["profile"] = str(out / "startup_profile.txt")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if not args.smoke:
-        (out / "startup.json").write_text(json.dumps(summary, indent=2))
-        plot(summary, out / "startup.png")
+    out = output_dir(args.out, args.smoke)
+    (out / "startup.json").write_text(json.dumps(summary, indent=2))
+    plot(summary, out / "startup.png")
     for name, median in summary["median_seconds"].items():
         print(f"{name}: median {median:.2f} s (target ≤ 5 s), {summary['median_cpu_seconds'][name]:.2f} CPU s")
+    print(f"results in {out}")
     return 0
 
 

@@ -2,7 +2,7 @@
 
     python bench/step_overhead.py --scenario clip     # tiny CLIP, batch 64 (the scenarios of throughput.py)
     python bench/step_overhead.py --scenario vit      # ViT-B/16-sized vision tower, batch 8
-    python bench/step_overhead.py --smoke             # tiny, checks that it runs
+    python bench/step_overhead.py --smoke             # tiny, into a temp folder: checks that it runs
 
 `throughput.py` compares whole runs in separate processes. On a shared VM whose speed drifts in phases lasting
 seconds (steps 20-50% slower for a while, then not), three rounds of that leave ratios uncertain by ~15%. Here vembed
@@ -30,6 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import throughput  # noqa: E402  (the shared scenarios, data and minimal loop)
+from outputs import output_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,12 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-workers", type=int, default=0,
                         help="vembed's data.num_workers (>0: collation in worker processes, overlapping the step)")
     parser.add_argument("--smoke", action="store_true", help="tiny models and two short blocks: checks that it runs")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results"), help="where the JSON result goes")
+    parser.add_argument("--out", help="where the JSON result goes (default: bench/results, or a temporary folder for "
+                                      "--smoke)")
     args = parser.parse_args(argv)
     blocks, block_steps = (1, 2) if args.smoke else (args.blocks, args.block_steps)
     result = measure(args.scenario, blocks, block_steps, args.smoke, args.num_workers)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(args.out, args.smoke)
     suffix = f"_workers{args.num_workers}" if args.num_workers else ""
     (out / f"step_overhead_{args.scenario}{suffix}.json").write_text(json.dumps(result, indent=2))
     print(f"{args.scenario}, batch {result['batch_size']}, data.num_workers {args.num_workers}, "
@@ -112,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
           f"  minimal loop step        {result['minimal_step_ms']:8.1f} ms\n"
           f"  vembed / minimal throughput: {result['vembed_vs_minimal']:.2f}x "
           f"(model step alone {result['model_step_vs_minimal']:.2f}x)")
+    print(f"result in {out}")
     return 0
 
 

@@ -3,7 +3,7 @@
     python bench/throughput.py --scenario text      # vembed vs sentence-transformers (MNRL) vs a minimal loop
     python bench/throughput.py --scenario clip      # tiny CLIP (the demo's shape): vembed vs a minimal loop
     python bench/throughput.py --scenario vit       # a ViT-B/16-sized vision tower: vembed vs a minimal loop
-    python bench/throughput.py --smoke              # every scenario, tiny and in-process: checks that it runs
+    python bench/throughput.py --smoke              # every scenario, tiny, in-process, into a temp folder: does it run?
 
 Every system trains the same model (same initial weights), the same data, batch, steps and learning rate, with no
 gradient clipping, no weight decay and a constant schedule. Each run is its own process (so peak RSS is its own), and
@@ -35,6 +35,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from outputs import output_dir  # noqa: E402
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -415,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenario", choices=[*SCENARIOS, "all"], default="all")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the median is reported)")
     parser.add_argument("--smoke", action="store_true", help="tiny models, one round, in-process: checks it runs")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results"), help="where JSON and PNG results go")
+    parser.add_argument("--out", help="where JSON and PNG results go (default: bench/results, or a temporary folder "
+                                      "for --smoke)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -423,11 +427,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(worker(json.loads(Path(args.spec).read_text()), args.worker)))
         return 0
     scenarios = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    out = output_dir(args.out, args.smoke)
     for scenario in scenarios:
-        summary = compare(scenario, 1 if args.smoke else args.rounds, args.smoke, Path(args.out))
+        summary = compare(scenario, 1 if args.smoke else args.rounds, args.smoke, out)
         ratios = ", ".join(f"{r:.2f}× {peer}" for peer, r in summary["vembed_ratio"].items())
         cpu_ratios = ", ".join(f"{r:.2f}× {peer}" for peer, r in summary["vembed_cpu_ratio"].items())
         print(f"{scenario}: vembed = {ratios} (per CPU second: {cpu_ratios})")
+    print(f"results in {out}")
     return 0
 
 

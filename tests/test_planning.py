@@ -17,6 +17,7 @@ from vembed.planning import (
     STRATEGY_BY_NAME,
     EncoderShape,
     estimate,
+    format_plan,
     make_plan,
     measure_model,
     usable_bytes,
@@ -338,3 +339,120 @@ def test_qwen_plan_without_max_pixels_names_the_key(qwen_tokenizer):
 
     with pytest.raises(RecipeError, match="max_pixels"):
         measure_model(_qwen_recipe(qwen_tokenizer, "min_pixels=null", "max_pixels=null"))
+
+
+# --- every shipped recipe plans ---------------------------------------------------------------------------------------
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED_RECIPES = sorted([*(REPO / "configs").glob("*.yaml"), *(REPO / "examples").rglob("*.yaml")])
+# Hub checkpoints the shipped recipes name -> their architecture config in bench/configs/ (README there: sources), which
+# the planner reads instead, offline. A new recipe naming another checkpoint needs its config added here.
+ARCHITECTURES = {
+    "openai/clip-vit-base-patch32": "clip_vit_base_patch32.json",
+    "google/siglip-base-patch16-224": "siglip_base_patch16_224.json",
+    "sentence-transformers/all-MiniLM-L6-v2": "all_minilm_l6_v2.json",
+    "bert-base-uncased": "bert_base_uncased.json",
+    "facebook/dinov2-small": "dinov2_small.json",
+    "Qwen/Qwen3-VL-Embedding-2B": "qwen3_vl_2b.json",
+    "Qwen/Qwen3-VL-Embedding-8B": "qwen3_vl_8b.json",
+}
+NAME_KEYS = {"model_name": "model_config", "text_model_name": "text_model_config",
+             "vision_model_name": "vision_model_config"}
+
+
+@pytest.fixture(scope="module")
+def stand_in_shards(tmp_path_factory) -> Path:
+    """One pair of the tiny teachers' shapes (tests/teachers.py), as `vembed extract` writes it: what a DiT recipe
+    that states no token shapes reads them from."""
+    from teachers import CLIP_DIM, EVA_DIM, NUM_TOKENS
+
+    from vembed.data.embedding_shards import shard_name, write_index, write_shard
+
+    directory = tmp_path_factory.mktemp("shards")
+    shard = directory / shard_name(0)
+    write_shard(shard, torch.zeros(1, NUM_TOKENS, EVA_DIM), torch.zeros(1, NUM_TOKENS, CLIP_DIM), ["stand-in.png"],
+                [], writer_rank=0)
+    write_index(directory, [shard], {"teachers": {"a": "stand-in", "b": "stand-in"}})
+    return directory
+
+
+def _offline_overrides(path: Path, shards: Path) -> list[str]:
+    raw = yaml.safe_load(path.read_text())
+    overrides = []
+    for name_key, config_key in NAME_KEYS.items():
+        hub_id = raw.get(name_key)
+        if hub_id is None or Path(hub_id).exists():
+            continue
+        assert hub_id in ARCHITECTURES, f"{path.name} names {hub_id}: add its architecture to bench/configs/"
+        config = (REPO / "bench" / "configs" / ARCHITECTURES[hub_id]).read_text()
+        overrides += [f"{name_key}=null", f"{config_key}={config}"]
+    if overrides and "tokenizer_name" not in raw:  # a model_config needs one named; the planner never reads it
+        overrides.append("tokenizer_name=unused")
+    dit = raw.get("dit", {})
+    if raw.get("model_type") == "blip3o_dit" and not all(dit.get(k) for k in ("eva_dim", "clip_dim", "num_tokens")):
+        overrides.append(f"data.train={shards}")
+    return overrides
+
+
+@pytest.mark.parametrize("path", SHIPPED_RECIPES, ids=[p.name for p in SHIPPED_RECIPES])
+def test_every_shipped_recipe_plans(path, stand_in_shards, capsys):
+    from vembed.cli import main
+    from vembed.planning import estimate_line
+    from vembed.recipe import load_recipe
+
+    overrides = _offline_overrides(path, stand_in_shards)
+    code = main(["plan", str(path), "--gpus", "8", "--gpu-memory", "80", *(["--config_override", *overrides]
+                                                                            if overrides else [])])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "recommendation: " in out and "none fits" not in out.split("recommendation: ")[1][:9]
+    plan = make_plan(load_recipe(path, overrides), gpus=8, gpu_memory_gib=80)
+    assert plan.model.total > 0
+    for e in plan.estimates:
+        assert e.total(False) > 0 and e.activations > 0, e.strategy.name
+    # The start block of a training run prints the same estimate, not "unavailable".
+    assert estimate_line(load_recipe(path, overrides), "ddp", 8).startswith("memory estimate     ")
+
+
+def test_the_recipes_are_all_found():
+    names = {p.name for p in SHIPPED_RECIPES}
+    assert {"blip3o_dit_base.yaml", "blip3o_dit_fsdp.yaml", "qwen3_vl_embedding_8b_fsdp.yaml"} <= names
+
+
+# --- the BLIP3-o DiT: its own blocks, no LoRA or GradCache ------------------------------------------------------------
+DIT = {"model_type": "blip3o_dit", "loss_type": "flow_matching", "data": {"format": "shards", "train": "none"},
+       "dit": {"size": None, "hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+               "eva_adapter_layers": 1, "eva_dim": 48, "clip_dim": 24, "num_tokens": 16},
+       "batch_size": 8, "metric_for_best_model": "image_cosine"}
+
+
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_dit_plan_counts_its_state_and_its_blocks_activations(precision):
+    from vembed.models.blip3o_dit import Blip3oDiT
+
+    recipe = recipe_from_dict({**DIT, "mixed_precision": precision})
+    size = measure_model(recipe)
+    real = Blip3oDiT(Blip3oDiT.on_meta(recipe).config)
+    assert size.total == size.trainable == size.trainable_lora == sum(p.numel() for p in real.parameters())
+    plan = make_plan(recipe, gpus=4, gpu_memory_gib=80)
+    names = [e.strategy.name for e in plan.estimates]
+    assert names == ["single", "ddp", "fsdp", "zero2", "zero3", "zero3+offload"]  # no LoRA, no GradCache
+    single = plan.estimates[0]
+    wide, narrow = real.activation_elements(autocast=precision == "bf16", cosine_loss=False)
+    element = 2 if precision == "bf16" else 4
+    assert single.activations == 8 * (4 * wide + element * narrow)  # no contrastive loss matrix on top
+    assert single.activations_checkpointed == single.activations  # the DiT trains without checkpointing
+    assert single.parameters == (6 if precision == "bf16" else 4) * size.total
+    assert (single.gradients, single.optimizer) == (4 * size.trainable, 8 * size.trainable)
+    fsdp = plan.estimates[names.index("fsdp")]
+    block = sum(p.numel() for p in real.blocks[0].parameters())
+    assert fsdp.parameters == pytest.approx(4 * size.total / 4 + GATHERED_LAYERS * block * element)
+    assert "1 sample → dit 16 tokens" in format_plan(plan) and "no LoRA for this model" in format_plan(plan)
+
+
+def test_dit_that_does_not_fit_is_sharded_without_lora():
+    recipe = recipe_from_dict({**DIT, "batch_size": 1})
+    probe = make_plan(recipe, gpus=8, gpu_memory_gib=80)
+    by_name = {e.strategy.name: e for e in probe.estimates}
+    between = (by_name["fsdp"].total(False) + by_name["ddp"].total(False)) / 2
+    plan = make_plan(recipe, gpus=8, gpu_memory_gib=_memory_for(between))
+    assert plan.recommendation == "FSDP" and "with LoRA" not in plan.reason

@@ -30,6 +30,10 @@ sides) plus fp32 embeddings and their gradients for the whole gathered contrasti
 negatives. Queries are embedded by the text encoder and documents by the image encoder when the adapter has one;
 an adapter can route sides otherwise (`EmbeddingAdapter.planning_tokens`): Qwen-VL passes every side through its
 language model and a document's image also through the vision tower, with sequence lengths from max_pixels.
+Models that are not transformer encoders with an HF config (the BLIP3-o DiT: one pass per sample, its own
+flow-matching loss) count what autograd keeps themselves (`CountedShape`): fp32 and 16-bit elements per sample, since
+under autocast their residual stream and norms stay fp32; LoRA and GradCache strategies are left out for them when
+they train without (`ModelSize.lora`, `.gradient_cache`), and there is no contrastive loss matrix.
 
 The total (a steady-state step's peak) is parameters + optimizer state + persistent gradient buffers (DDP buckets,
 DeepSpeed partitions) + max(activations, gradients): gradients are freed by zero_grad(set_to_none=True) and, during
@@ -203,15 +207,43 @@ class EncoderShape:
 
 
 @dataclass(frozen=True)
+class CountedShape:
+    """A model that counts its own activations (`activation_elements`, e.g. the BLIP3-o DiT): per sample, in an fp32
+    run, and under 16-bit autocast as (fp32, 16-bit) elements. No checkpointing term: such models train without it."""
+
+    layers: int
+    hidden: int
+    tokens: int  # per sample (shown in the table)
+    block_parameters: int  # weights of one repeated block: what FSDP/ZeRO-3 gather at a time
+    fp32_elements: int  # per sample, fp32 run
+    autocast_elements: tuple[int, int]  # per sample under autocast: (fp32, 16-bit)
+
+    def activation_bytes(
+        self, samples: int, element: int, kernels: Kernels, eager: bool, checkpointing: bool
+    ) -> float:
+        if element == FP32:
+            return samples * FP32 * self.fp32_elements
+        wide, narrow = self.autocast_elements
+        return samples * (FP32 * wide + element * narrow)
+
+    def layer_parameters(self) -> int:
+        return self.block_parameters
+
+
+@dataclass(frozen=True)
 class ModelSize:
     total: int  # every parameter
     trainable: int  # trainable when fully fine-tuned (frozen poolers / loss scalars excluded)
     trainable_lora: int  # trainable with the recipe's LoRA settings (adapters + whatever stays trainable outside)
-    encoders: dict[str, EncoderShape]
+    encoders: dict[str, EncoderShape | CountedShape]
     embedding_dim: int
-    # role ("query", "document") -> encoder -> tokens per side: which encoders each side passes through, and how
-    # long its sequence is there (see EmbeddingAdapter.planning_tokens)
+    # role ("query", "document"; "sample" for a model without sides) -> encoder -> tokens per side: which encoders
+    # each side passes through, and how long its sequence is there (see EmbeddingAdapter.planning_tokens)
     routes: dict[str, dict[str, int]] = field(default_factory=dict)
+    contrastive: bool = True  # the loss scores a batch × batch matrix (gathered across devices)
+    lora: bool = True  # the model can train with LoRA (else LoRA strategies are not planned)
+    gradient_cache: bool = True  # the model can train with GradCache
+    checkpointing: bool = True  # the model can train with gradient checkpointing (else its ckpt column repeats acts)
 
 
 def default_routes(encoders: dict[str, EncoderShape]) -> dict[str, dict[str, int]]:
@@ -235,6 +267,8 @@ def measure_model(recipe: "Recipe", with_lora: bool = True) -> ModelSize:
     adapter: EmbeddingAdapter = adapter_cls.on_meta(recipe)
     total = sum(p.numel() for p in adapter.parameters()) + loss_parameters
     trainable = sum(p.numel() for p in adapter.parameters() if p.requires_grad) + loss_parameters
+    if hasattr(adapter, "activation_elements"):
+        return _counted_model(adapter, recipe, total, trainable)
     routes = adapter.planning_tokens(recipe)
     # An encoder's shape carries the longest sequence any side gives it (what the table shows); the activations
     # use each route's own length.
@@ -250,6 +284,22 @@ def measure_model(recipe: "Recipe", with_lora: bool = True) -> ModelSize:
         adapter.apply_lora(recipe)
         lora = sum(p.numel() for p in adapter.parameters() if p.requires_grad) + loss_parameters
     return ModelSize(total, trainable, lora, encoders, embedding_dim, routes or default_routes(encoders))
+
+
+def _counted_model(model, recipe: "Recipe", total: int, trainable: int) -> ModelSize:
+    """The BLIP3-o DiT: one pass per sample through its blocks, activations counted by the model itself; it trains
+    without LoRA, GradCache or checkpointing (FlowMatchingTask.check_recipe refuses them)."""
+    config = model.config
+    cosine = recipe.flow.cosine_weight > 0
+    shape = CountedShape(
+        layers=config.num_layers, hidden=config.hidden_size, tokens=config.num_tokens,
+        block_parameters=sum(p.numel() for p in model.blocks[0].parameters()) if config.num_layers else 0,
+        fp32_elements=model.activation_elements(autocast=False, cosine_loss=cosine)[0],
+        autocast_elements=model.activation_elements(autocast=True, cosine_loss=cosine),
+    )
+    return ModelSize(total, trainable, trainable, {"dit": shape}, config.clip_dim,
+                     routes={"sample": {"dit": config.num_tokens}}, contrastive=False, lora=False,
+                     gradient_cache=False, checkpointing=False)
 
 
 @dataclass(frozen=True)
@@ -273,9 +323,10 @@ class Workload:
 
 
 def workload_for(recipe: "Recipe", model: ModelSize, gpus: int, device: str = "cuda") -> Workload:
-    """Each example is one query and 1 + hard negatives documents, routed through the encoders by `model.routes`."""
-    negatives = recipe.data.num_hard_negatives or 0
-    roles = {"query": 1, "document": 1 + negatives}
+    """Each example is one query and 1 + hard negatives documents (or, for a model without sides, one sample),
+    routed through the encoders by `model.routes`."""
+    negatives = (recipe.data.num_hard_negatives or 0) if model.contrastive else 0
+    roles = {role: 1 + negatives if role == "document" else 1 for role in model.routes}
     sides = dict.fromkeys(model.encoders, 0)
     for role, count in roles.items():
         for name in model.routes[role]:
@@ -408,7 +459,7 @@ def estimate(
         examples = min(chunk_size or work.batch_size, work.batch_size)
         sides = sum(work.roles.values())
         cache = 2 * FP32 * work.contrastive_batch * sides * model.embedding_dim  # embeddings and their gradients
-    extra = cache + _loss_bytes(work)
+    extra = cache + (_loss_bytes(work) if model.contrastive else 0.0)  # a counted model includes its own loss
     return Estimate(
         strategy=strategy,
         parameters=parameters,
@@ -450,7 +501,10 @@ class Plan:
 
 def _largest_fitting_chunk(model: ModelSize, work: Workload, lora: bool, usable: float,
                            checkpointing: bool) -> int | None:
-    """The largest power-of-two chunk below the per-device batch whose GradCache step fits, or None."""
+    """The largest power-of-two chunk below the per-device batch whose GradCache step fits, or None (also when the
+    model cannot train with GradCache)."""
+    if not model.gradient_cache:
+        return None
     strategy = STRATEGY_BY_NAME["ddp+gradcache"]
     chunk = 1
     best = None
@@ -501,17 +555,28 @@ def _recommend(plan: Plan) -> tuple[str, str]:
                 f"the model fits but a batch of {plan.work.batch_size} does not; chunks of {chunk} keep the "
                 f"contrastive batch of {plan.work.contrastive_batch}")
 
-    for name, label in (("fsdp+lora", "FSDP + LoRA"), ("zero3+lora", "ZeRO-3 + LoRA"),
-                        ("fsdp+lora+offload", "FSDP + LoRA + CPU offload"), ("zero3+offload", "ZeRO-3 + CPU offload")):
+    if plan.model.lora:
+        sharded = (("fsdp+lora", "FSDP + LoRA"), ("zero3+lora", "ZeRO-3 + LoRA"),
+                   ("fsdp+lora+offload", "FSDP + LoRA + CPU offload"), ("zero3+offload", "ZeRO-3 + CPU offload"))
+    else:  # a model that trains without LoRA shards its full state
+        sharded = (("fsdp", "FSDP"), ("zero3", "ZeRO-3"), ("zero3+offload", "ZeRO-3 + CPU offload"))
+    with_lora = " with LoRA" if plan.model.lora else ""
+    for name, label in sharded:
         hit = first_fit(name)
         if hit:
             total = by_name[name].total(plan.checkpointing or hit[1])
             return with_ckpt(label, hit[1]), (
-                f"the full model does not fit on one device; sharded over {plan.gpus} with LoRA it takes "
+                f"the full model does not fit on one device; sharded over {plan.gpus}{with_lora} it takes "
                 f"{_gib(total)} of {usable}")
+    last = "FSDP + LoRA + CPU offload with checkpointing" if plan.model.lora else "ZeRO-3 + CPU offload"
     return "none fits", (
-        f"even FSDP + LoRA + CPU offload with checkpointing needs more than {usable} per device; lower batch_size, "
-        "use more or larger GPUs, or a smaller model")
+        f"even {last} needs more than {usable} per device; lower batch_size, use more or larger GPUs, or a smaller "
+        "model")
+
+
+def planned_strategies(model: ModelSize) -> list[Strategy]:
+    """The strategies the model can train with: all of them, less LoRA and GradCache ones where it has neither."""
+    return [s for s in STRATEGIES if (model.lora or not s.lora) and (model.gradient_cache or not s.gradient_cache)]
 
 
 def make_plan(recipe: "Recipe", gpus: int, gpu_memory_gib: float, recipe_path: str = "") -> Plan:
@@ -527,7 +592,7 @@ def make_plan(recipe: "Recipe", gpus: int, gpu_memory_gib: float, recipe_path: s
     chunk = recipe.gradient_cache_chunk_size
     if chunk is None:  # no chunk in the recipe: show the one we would recommend (1 when none fits)
         chunk = _largest_fitting_chunk(model, work, recipe.use_lora, plan.usable, recipe.gradient_checkpointing) or 1
-    plan.estimates = [estimate(strategy, model, work, recipe.use_lora, chunk) for strategy in STRATEGIES]
+    plan.estimates = [estimate(strategy, model, work, recipe.use_lora, chunk) for strategy in planned_strategies(model)]
     plan.recommendation, plan.reason = _recommend(plan)
     return plan
 
@@ -540,12 +605,13 @@ def format_plan(plan: Plan) -> str:
         f"{work.roles[role]} {role} → " + " + ".join(f"{name} {tokens} tokens" for name, tokens in route.items())
         for role, route in model.routes.items())
     shapes = ", ".join(f"{m} {e.layers} layers × {e.hidden}" for m, e in model.encoders.items())
+    batch = "contrastive" if model.contrastive else "global"
+    lora = f"{model.trainable_lora:,} with LoRA (r={plan.lora_r})" if model.lora else "no LoRA for this model"
     lines = [
         f"vembed plan {plan.recipe_path}: {plan.gpus} GPU(s) × {plan.gpu_memory_gib:g} GiB "
         f"(usable {_gib(plan.usable)}: {USABLE_FRACTION:.0%} less {CUDA_CONTEXT_GIB} GiB CUDA context)",
-        f"parameters   {model.total:,} total, {model.trainable:,} trainable, {model.trainable_lora:,} with LoRA "
-        f"(r={plan.lora_r})",
-        f"batch        {work.batch_size} per device × {plan.gpus} = {work.contrastive_batch} contrastive; sides per "
+        f"parameters   {model.total:,} total, {model.trainable:,} trainable, {lora}",
+        f"batch        {work.batch_size} per device × {plan.gpus} = {work.contrastive_batch} {batch}; sides per "
         f"example: {sides}; {shapes}; {precision}",
         "",
         f"{'GiB per device':<26}{'params':>8}{'grads':>8}{'optim':>8}{'acts':>8}{'ckpt':>8}"
@@ -559,7 +625,8 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"{name:<26}" + "".join(f"{v / GIB:>8.2f}" for v in values) + f"  {fits}")
     lines += [
         "",
-        "fits: yes; ckpt = only with gradient_checkpointing; no. acts/ckpt: activations without/with checkpointing.",
+        "fits: yes; ckpt = only with gradient_checkpointing; no. acts/ckpt: activations without/with checkpointing"
+        + ("." if model.checkpointing else " (this model trains without checkpointing: the same)."),
         f"recommendation: {plan.recommendation} — {plan.reason}",
     ]
     return "\n".join(lines)

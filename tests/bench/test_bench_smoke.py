@@ -1,14 +1,42 @@
-"""The benchmark scripts run (tiny models, one round); what they measure is for docs/benchmarks.md, not for tests."""
+"""The benchmark scripts run (tiny models, one round); what they measure is for docs/benchmarks.md, not for tests.
+
+Each smoke run is started as a user starts it, without `--out`: it must write into a temporary folder and leave the
+committed results in bench/results/ byte for byte as they were."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
+RESULTS = BENCH / "results"
+
+
+def _snapshot() -> dict[str, tuple[str, int]]:
+    return {str(path.relative_to(RESULTS)): (hashlib.sha256(path.read_bytes()).hexdigest(), path.stat().st_mtime_ns)
+            for path in sorted(RESULTS.rglob("*")) if path.is_file()}
+
+
+@pytest.fixture
+def smoke_dir(tmp_path, monkeypatch):
+    """Where the smoke run's temporary folder is made (tempfile's default directory, pointed here); checks after the
+    test that bench/results/ is untouched."""
+    before = _snapshot()
+    assert before, "bench/results/ holds the committed figures"
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    yield tmp_path
+    assert _snapshot() == before, "a smoke run changed bench/results/"
+
+
+def _written(smoke_dir: Path, name: str) -> Path:
+    found = list(smoke_dir.glob(f"vembed-bench-smoke-*/{name}"))
+    assert len(found) == 1, f"{name} not in a vembed-bench-smoke-* folder under {smoke_dir}"
+    return found[0]
 
 
 def _load(name: str):
@@ -19,28 +47,44 @@ def _load(name: str):
 
 
 @pytest.mark.slow  # in-process, but it builds and trains with three frameworks (sentence-transformers' import alone)
-def test_throughput_bench_smoke_compares_every_system(tmp_path):
+def test_throughput_bench_smoke_compares_every_system(smoke_dir):
     bench = _load("throughput")
-    assert bench.main(["--smoke", "--scenario", "text", "--out", str(tmp_path)]) == 0
-    summary = json.loads((tmp_path / "throughput_text.json").read_text())
+    assert bench.main(["--smoke", "--scenario", "text"]) == 0
+    summary = json.loads(_written(smoke_dir, "throughput_text.json").read_text())
     peers = {"sentence-transformers"} if bench.available("sentence-transformers") else set()
     expected = {"vembed", "minimal"} | peers
     assert set(summary["systems"]) == expected
     for result in summary["systems"].values():
         assert result["samples_per_second"] > 0 and result["peak_rss_mb"] > 0
     assert set(summary["vembed_ratio"]) == expected - {"vembed"}
-    assert (tmp_path / "throughput_text.png").stat().st_size > 0
+    assert _written(smoke_dir, "throughput_text.png").stat().st_size > 0
 
 
 @pytest.mark.slow
-def test_startup_bench_smoke_reaches_the_first_optimizer_step(tmp_path, capsys):
-    assert _load("startup").main(["--smoke", "--out", str(tmp_path)]) == 0
+def test_startup_bench_smoke_reaches_the_first_optimizer_step(smoke_dir, capsys):
+    assert _load("startup").main(["--smoke"]) == 0
     assert "to the first optimizer step" in capsys.readouterr().out
+    assert json.loads(_written(smoke_dir, "startup.json").read_text())["rounds"] == 1
 
 
 @pytest.mark.slow
-def test_step_overhead_bench_smoke_splits_vembed_step_and_times_the_minimal_loop(tmp_path):
-    assert _load("step_overhead").main(["--smoke", "--scenario", "clip", "--out", str(tmp_path)]) == 0
-    result = json.loads((tmp_path / "step_overhead_clip.json").read_text())
+def test_step_overhead_bench_smoke_splits_vembed_step_and_times_the_minimal_loop(smoke_dir):
+    assert _load("step_overhead").main(["--smoke", "--scenario", "clip"]) == 0
+    result = json.loads(_written(smoke_dir, "step_overhead_clip.json").read_text())
     assert result["data_ms"] > 0 and result["model_step_ms"] > 0 and result["minimal_step_ms"] > 0
     assert result["vembed_step_ms"] >= result["model_step_ms"]
+
+
+def test_only_smoke_runs_leave_bench_results(tmp_path, monkeypatch):
+    """The rule itself, without running a bench: real runs write the committed folder, smoke runs a fresh one."""
+    import sys
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    from outputs import output_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert output_dir(None, smoke=False) == RESULTS
+    smoke = output_dir(None, smoke=True)
+    assert smoke.parent == tmp_path and smoke != output_dir(None, smoke=True)
+    assert output_dir(str(tmp_path / "mine"), smoke=True) == tmp_path / "mine"
+    sys.modules.pop("outputs", None)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from vembed.entrypoints.bench_strategies import available_launches, format_table
+from vembed.strategy_bench import available_launches, format_table
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 from vembed.evaluation.plots import plot_loss_curve, plot_recall_vs_dim
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -43,6 +41,12 @@ def test_loss_curve_without_history_draws_nothing(tmp_path):
 
 
 def test_plots_leave_pyplot_alone(tmp_path):
+    """The plots use the object API: pyplot's figure list and backend are as they were, whatever else imported it."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    backend, figures = matplotlib.get_backend(), plt.get_fignums()
     plot_loss_curve([{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}], tmp_path / "loss.png")
-    if "matplotlib.pyplot" in sys.modules:  # imported by something else: our figures must not be in its list
-        assert sys.modules["matplotlib.pyplot"].get_fignums() == []
+    plot_recall_vs_dim({"q2d/dim8/recall@1": 0.5, "q2d/dim16/recall@1": 0.7}, tmp_path / "recall.png")
+    assert plt.get_fignums() == figures
+    assert matplotlib.get_backend() == backend

@@ -106,3 +106,72 @@ def test_dims_that_disagree_with_the_shards_name_the_key_and_the_file():
     message = str(info.value)
     assert "dit.eva_dim" in message and "shards/index.json" in message and "24" in message
     assert len(message.splitlines()) == 1
+
+
+# --- what the planner reads (vembed/planning.py) --------------------------------------------------------------------
+def _saved_elements(model: Blip3oDiT, *, autocast: bool, cosine: float, samples: int = 2) -> tuple[float, float]:
+    """Independent reference: the (fp32, 16-bit) elements per sample autograd saves for backward in a forward and the
+    flow-matching loss on CPU (saved-tensor hooks, storages counted once; weights and autocast's weight copies out)."""
+    from vembed.losses.flow_matching import FlowMatchingLoss, interpolate
+
+    parameters = {id(p) for p in model.parameters()}
+    constants = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    storages: dict[int, tuple[int, torch.dtype]] = {}
+
+    def weight_copy(tensor: torch.Tensor) -> bool:
+        node = (tensor._base if tensor._base is not None else tensor).grad_fn
+        if node is None or node.name() != "ToCopyBackward0":
+            return False
+        source = node.next_functions[0][0]
+        return id(getattr(source, "variable", None)) in parameters
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in constants and not weight_copy(tensor):
+            storages[storage.data_ptr()] = (storage.nbytes(), tensor.dtype)
+        return tensor
+
+    c = model.config
+    generator = torch.Generator().manual_seed(0)
+    data = torch.randn(samples, c.num_tokens, c.clip_dim, generator=generator)
+    noise = torch.randn(samples, c.num_tokens, c.clip_dim, generator=generator)
+    eva = torch.randn(samples, c.eva_tokens or c.num_tokens, c.eva_dim, generator=generator)
+    t = torch.rand(samples, generator=generator)
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor), \
+            torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        FlowMatchingLoss(cosine)(model(interpolate(noise, data, t), t, eva), noise, data, t)
+    wide = sum(n for n, dtype in storages.values() if dtype == torch.float32) / 4 / samples
+    narrow = sum(n for n, dtype in storages.values() if dtype == torch.bfloat16) / 2 / samples
+    return wide, narrow
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("config", [
+    CONFIG,
+    DiTConfig(eva_dim=48, clip_dim=24, num_tokens=16, eva_tokens=9, hidden_size=64, num_layers=2, num_heads=4,
+              num_kv_heads=2, mlp_ratio=2.0, eva_adapter_layers=1),
+    DiTConfig(eva_dim=64, clip_dim=64, num_tokens=25, eva_tokens=36, hidden_size=64, num_layers=3, num_heads=4,
+              num_kv_heads=4, eva_adapter_layers=2),
+], ids=["gqa-adapter3", "fewer-eva-tokens", "no-gqa-identity-adapter"])
+def test_activation_count_matches_the_tensors_autograd_keeps(config, autocast):
+    torch.manual_seed(0)
+    model = Blip3oDiT(config).train()
+    for cosine in (0.0, 0.1):
+        wide, narrow = _saved_elements(model, autocast=autocast, cosine=cosine)
+        counted_wide, counted_narrow = model.activation_elements(autocast=autocast, cosine_loss=cosine > 0)
+        assert counted_wide == pytest.approx(wide, rel=0.06) and counted_narrow == pytest.approx(narrow, rel=0.02)
+        assert 4 * counted_wide + 2 * counted_narrow == pytest.approx(4 * wide + 2 * narrow, rel=0.03)
+
+
+def test_on_meta_takes_shapes_from_the_recipe_without_shards_or_names_the_missing_key(tmp_path):
+    stated = {"model_type": "blip3o_dit", "loss_type": "flow_matching", "data": {"train": str(tmp_path / "none")},
+              "dit": {"size": "tiny", "eva_dim": 24, "clip_dim": 12, "num_tokens": 16}}
+    model = Blip3oDiT.on_meta(recipe_from_dict(stated))
+    assert all(p.is_meta for p in model.parameters())
+    assert (model.config.eva_dim, model.config.clip_dim, model.config.num_tokens) == (24, 12, 16)
+    real = Blip3oDiT(model.config)
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in real.parameters())
+    with pytest.raises(RecipeError, match="needed to plan without shards") as info:
+        Blip3oDiT.on_meta(recipe_from_dict({**stated, "dit": {"size": "tiny", "eva_dim": 24}}))
+    assert info.value.key == "dit.clip_dim"

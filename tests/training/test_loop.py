@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from ranks import run_on_ranks
+from tiny_models import TINY_CLIP_CONFIG
 
 from vembed.errors import TrainingError
 from vembed.recipe import recipe_from_dict
@@ -47,11 +48,47 @@ def test_checkpoints_are_mirrored_to_persistent_dir(tiny_clip_recipe, tmp_path):
     assert sorted(p.name for p in mirrored.iterdir()) == sorted(p.name for p in original.iterdir())
 
 
-def test_gradient_accumulation_takes_fewer_optimizer_steps(tiny_clip_recipe):
-    trainer = Trainer(recipe_from_dict(dict(tiny_clip_recipe, gradient_accumulation_steps=2)))
-    result = trainer.run()
-    assert result.state.global_step == trainer.steps_per_epoch
-    assert trainer.steps_per_epoch == (len(trainer.dataset) // 8) // 2
+def test_gradient_accumulation_steps_once_on_the_average_of_the_batches_gradients(tiny_clip_recipe):
+    """Two accumulated batches of 4: the optimizer steps once, after the second, on the mean of the two batches' own
+    gradients (computed by hand below). Not the gradient of one batch of 8: a contrastive loss over 8 also scores
+    each pair against the other batch's 4, the negatives that accumulation does not add."""
+    from accelerate.utils import send_to_device
+
+    from vembed.training.checkpoint import TrainerState
+
+    config = {**TINY_CLIP_CONFIG, **{tower: {**TINY_CLIP_CONFIG[tower], "dropout": 0.0}  # same masks both ways
+                                     for tower in ("text_config", "vision_config")}}
+    raw = dict(tiny_clip_recipe, model_config=config, batch_size=4, gradient_accumulation_steps=2,
+               learnable_temperature=True, max_grad_norm=None)  # clipping would rescale what the step sees
+    trainer = Trainer(recipe_from_dict(raw))
+    trainer.build()
+    batches = [send_to_device(trainer.loader.collate_fn([trainer.dataset[i] for i in rows]),
+                              trainer.accelerator.device) for rows in (range(0, 4), range(4, 8))]
+    parameters = dict(trainer.objective.named_parameters())
+
+    by_hand = []
+    for batch in batches:
+        trainer.objective.zero_grad(set_to_none=True)
+        trainer.objective(batch).backward()
+        by_hand.append({n: p.grad.clone() for n, p in parameters.items() if p.grad is not None})
+    trainer.objective.zero_grad(set_to_none=True)
+    expected = {n: (by_hand[0][n] + by_hand[1][n]) / 2 for n in by_hand[0]}
+
+    stepped_on = []
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    optimizer.register_step_pre_hook(lambda *_: stepped_on.append(
+        {n: p.grad.clone() for n, p in parameters.items() if p.grad is not None}))
+    initial = {n: p.detach().clone() for n, p in parameters.items()}
+    state = TrainerState()
+    trainer.train_on_batch(batches[0], state)
+    assert stepped_on == [] and all(torch.equal(initial[n], p) for n, p in parameters.items())
+    trainer.train_on_batch(batches[1], state)
+    assert len(stepped_on) == 1
+    assert stepped_on[0].keys() == expected.keys() and any(n.startswith("loss.") for n in expected)
+    reference = torch.cat([g.flatten() for g in expected.values()])
+    actual = torch.cat([stepped_on[0][n].flatten() for n in expected])
+    assert ((actual - reference).norm() / reference.norm()).item() <= 1e-6
+    assert not all(torch.equal(initial[n], p) for n, p in parameters.items())  # and then it stepped
 
 
 def test_collation_in_worker_processes_trains_exactly_as_in_process(tiny_clip_recipe, tmp_path):

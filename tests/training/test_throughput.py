@@ -54,6 +54,43 @@ def test_cpu_matmul_ceiling_is_measured_once_then_read_from_the_cache(fresh_cach
     assert (peak, source) == (first, "measured") and len(calls) == 1
 
 
+def test_a_cached_ceiling_too_low_is_measured_again_and_replaced(tiny_clip_recipe, fresh_cache, monkeypatch):
+    """A ceiling cached while the machine was busy reads as MFU above 100%; the meter measures again (once) and both
+    the run's figure and the cache get the new one."""
+    calls = []
+    original = throughput._time_matmul
+
+    def counting(device, dtype, repeats=5):
+        calls.append(dtype)
+        return original(device, dtype, repeats=2)
+
+    monkeypatch.setattr(throughput, "_time_matmul", counting)
+    key = throughput._cache_key(torch.device("cpu"), torch.float32)
+    fresh_cache.parent.mkdir(parents=True)
+    fresh_cache.write_text(json.dumps({key: 1e6}))  # 1 MFLOP/s: any real run beats it
+    raw = dict(tiny_clip_recipe, max_steps=3, logging_steps=1, mixed_precision="no",
+               data={"train": tiny_clip_recipe["data"]["train"]})
+    history = Trainer(recipe_from_dict(raw)).run().metrics["loss_history"]
+    assert all(0 < record["mfu"] <= 1 for record in history), [record["mfu"] for record in history]
+    assert calls == [torch.float32]  # measured again once, not at every log line
+    replaced = json.loads(fresh_cache.read_text())[key]
+    assert replaced > 1e8 and replaced == throughput._measured[key]
+
+
+def test_cache_key_names_the_cpu_threads_dtype_and_torch_version():
+    cpu = torch.device("cpu")
+    threads = torch.get_num_threads()
+    key = throughput._cache_key(cpu, torch.float32)
+    assert throughput._cpu_model() in key and torch.__version__ in key
+    assert throughput._cache_key(cpu, torch.bfloat16) != key
+    try:
+        torch.set_num_threads(threads + 1)
+        assert throughput._cache_key(cpu, torch.float32) != key
+    finally:
+        torch.set_num_threads(threads)
+    assert throughput.matmul_dtype("bf16") == torch.bfloat16 and throughput.matmul_dtype(None) == torch.float32
+
+
 def test_known_accelerators_come_from_the_table_most_specific_first():
     assert throughput.table_peak_flops("NVIDIA H100 80GB HBM3", "half") == 989.4e12
     assert throughput.table_peak_flops("NVIDIA H100 PCIe", "half") == 756.0e12

@@ -6,53 +6,27 @@ launch runs the same contrastive batch in one process (per-device batch x proces
 the same thing, so their final losses agree, which the table makes visible. Reported per launch: steady-state
 samples/s (the median of the logged windows after the first, which holds start-up), peak memory per process as logged
 by rank 0, the final loss, and wall time. Writes strategies.json, strategies.md and strategies.png under `--out`. On
-CPU the multi-process launches use 2 processes over gloo; on GPUs one process per GPU over NCCL.
+CPU the multi-process launches use 2 processes over gloo; on GPUs one process per GPU over NCCL. The launches offered,
+the result rows, table and plot are vembed.strategy_bench; this module starts the launches.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from vembed.entrypoints import run_cli
 from vembed.resources import accelerate_configs
+from vembed.strategy_bench import Launch, available_launches, format_table, plot, result_row
 
 CONFIGS = accelerate_configs()
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "train.py"
-
-
-@dataclass
-class Launch:
-    name: str
-    config: str  # one of the shipped accelerate configs (vembed/accelerate_configs/)
-    processes: int
-    overrides: list[str] = field(default_factory=list)
-
-
-def available_launches(gpus: int, batch_size: int, chunk: int | None) -> list[Launch]:
-    """What this machine can run: multi-process launches need 2+ GPUs, or run 2 CPU processes when there is none."""
-    processes = gpus if gpus > 1 else 2 if gpus == 0 else 1
-    ddp = "ddp.yaml" if gpus > 1 else "ddp_cpu.yaml"
-    gradcache = ["use_gradient_cache=true", f"gradient_cache_chunk_size={chunk or max(batch_size // 4, 1)}"]
-    launches = [Launch("single", "single.yaml", 1)]
-    if processes > 1:
-        same_batch = f"single-batch-x{processes}"  # the contrastive batch of the multi-process launches, in one
-        launches += [Launch(same_batch, "single.yaml", 1, [f"batch_size={batch_size * processes}"]),
-                     Launch("ddp", ddp, processes), Launch("ddp+gradcache", ddp, processes, gradcache),
-                     Launch("fsdp", "fsdp.yaml", processes)]
-        if importlib.util.find_spec("deepspeed") is not None:
-            launches += [Launch("zero2", "deepspeed_zero2.yaml", processes),
-                         Launch("zero3", "deepspeed_zero3.yaml", processes)]
-    return launches
 
 
 def run_launch(launch: Launch, recipe: str, steps: int, out: Path, extra: list[str], cpu: bool) -> dict:
@@ -73,57 +47,7 @@ def run_launch(launch: Launch, recipe: str, steps: int, out: Path, extra: list[s
     env = dict(os.environ, VEMBED_EXPECTED_WORLD_SIZE=str(launch.processes))
     started = time.perf_counter()
     result = subprocess.run(command, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - started
-    row = {**asdict(launch), "wall_s": round(wall, 1), "ok": result.returncode == 0}
-    if result.returncode != 0:
-        lines = [line for line in result.stderr.splitlines() if "error" in line.lower()]
-        row["error"] = (lines[-1] if lines else result.stderr.strip().splitlines()[-1:] or ["failed"])[0][:300]
-        return row
-    metrics = json.loads((run_dir / "metrics.json").read_text())
-    history = metrics.get("loss_history", [])
-    steady = history[1:] or history  # the first window holds start-up and warm-up
-    row["samples_per_second"] = statistics.median(r["samples_per_second"] for r in steady) if steady else None
-    peaks = [r["peak_memory_mb"] for r in history if r.get("peak_memory_mb") is not None]
-    row["peak_memory_mb"] = max(peaks) if peaks else None
-    row["final_loss"] = metrics["train"]["final_loss"]
-    return row
-
-
-def format_table(rows: list[dict]) -> str:
-    lines = ["| launch | processes | samples/s | peak memory / process (MiB) | final loss | wall (s) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
-    for row in rows:
-        if not row["ok"]:
-            failed = f"failed: {row.get('error', '')}"
-            lines.append(f"| {row['name']} | {row['processes']} | {failed} | | | {row['wall_s']} |")
-            continue
-
-        def number(key: str, fmt: str) -> str:
-            return format(row[key], fmt) if row.get(key) is not None else "-"
-
-        lines.append(f"| {row['name']} | {row['processes']} | {number('samples_per_second', '.0f')} | "
-                     f"{number('peak_memory_mb', '.0f')} | {number('final_loss', '.4f')} | {row['wall_s']} |")
-    return "\n".join(lines)
-
-
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in rows if r["ok"]]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    for axis, key, title in zip(axes, ("samples_per_second", "peak_memory_mb", "final_loss"),
-                                ("samples/s", "peak memory per process (MiB)", "final loss")):
-        values = [r.get(key) or 0 for r in ok]
-        bars = axis.bar([r["name"] for r in ok], values, color="tab:blue")
-        axis.bar_label(bars, labels=[f"{v:.4g}" for v in values], fontsize=8)
-        axis.set_title(title)
-        plt.setp(axis.get_xticklabels(), rotation=30, ha="right")
-        axis.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return result_row(launch, time.perf_counter() - started, result.returncode, result.stderr, run_dir)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

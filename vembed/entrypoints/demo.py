@@ -3,7 +3,8 @@
 `vembed demo` makes the data (scikit-learn's digits, captions from templates, a tokenizer trained on them), trains
 with `configs/demo_clip.yaml` (shipped in the package, so an installed vembed runs it from any directory) through the
 same launcher users run, then prints before/after retrieval metrics and zero-shot digit accuracy on the held-out test
-split, and exports the model for sentence-transformers.
+split, and exports the model for sentence-transformers (final-st/, when sentence-transformers is installed: the
+`demo` extra installs it).
 """
 
 from __future__ import annotations
@@ -104,13 +105,18 @@ def _export(final_dir: Path) -> Path | None:
 
 def _print_table(summary: dict, output_dir: str) -> None:
     zs, r1 = summary["zero_shot_accuracy"], summary["test_text_to_image_recall@1"]
+    if "sentence_transformers_export" in summary:
+        outputs = "final/, final-st/, metrics.json, loss_curve.png, demo_summary.json"
+    else:
+        outputs = ("final/, metrics.json, loss_curve.png, demo_summary.json; no final-st/: sentence-transformers is "
+                   "not installed (pip install -e .[demo])")
     lines = [
         "",
         "digits demo — held-out test split",
         f"{'metric':<34}{'before':>10}{'after':>10}",
         f"{'zero-shot digit accuracy':<34}{zs['before']:>10.3f}{zs['after']:>10.3f}",
         f"{'text→image recall@1 (same digit)':<34}{r1['before']:>10.3f}{r1['after']:>10.3f}",
-        f"outputs: {output_dir}/ (final/, metrics.json, loss_curve.png, demo_summary.json)",
+        f"outputs: {output_dir}/ ({outputs})",
     ]
     print("\n".join(lines))
 

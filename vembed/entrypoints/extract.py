@@ -4,192 +4,21 @@ Runs both vision encoders over every image and writes their patch tokens in shar
 Under `accelerate launch` each process takes shards round-robin (shard i → rank i mod world), so no two processes
 ever write one file; shards already complete are skipped, so an interrupted extraction resumes where it stopped.
 Images that cannot be read are skipped and counted. Any transformers vision model (or the vision tower of a
-CLIP-like model) can be a teacher.
+CLIP-like model) can be a teacher. The work is `vembed.extraction.extract`; this module parses and reports.
 """
 
 from __future__ import annotations
 
 import argparse
-import io
 import sys
-import tarfile
-from dataclasses import dataclass
-from pathlib import Path
-
-import torch
 
 try:
-    from vembed.data.images import IMAGE_EXTENSIONS
-    from vembed.errors import DataError, RecipeError
+    from vembed.errors import RecipeError
+    from vembed.extraction import DTYPES, extract  # the extraction itself: vembed/extraction.py
 except ModuleNotFoundError as missing:  # this file run from a clone whose vembed was never installed
     if missing.name != "vembed":
         raise
     sys.exit(f"vembed is not installed for {sys.executable}: run `pip install -e .` in the repository root first")
-
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-@dataclass(frozen=True)
-class ImageRef:
-    """One image: a file, or a member of a tar archive (`archive.tar::member`)."""
-
-    source: str
-    path: str
-    member: str | None = None
-
-    def load(self):
-        from PIL import Image
-
-        from vembed.data.images import load_image
-
-        if self.member is None:
-            return load_image(self.path)
-        with tarfile.open(self.path) as archive:
-            data = archive.extractfile(self.member).read()
-        try:
-            image = Image.open(io.BytesIO(data))
-        except Exception as err:  # noqa: BLE001 - PIL raises many types for bad data
-            raise DataError(f"cannot decode image: {type(err).__name__}: {err}", file=self.source) from err
-        image.filename = self.source
-        return load_image(image)
-
-
-def list_images(inputs: list[str]) -> list[ImageRef]:
-    """Every image under the given directories (recursively) and inside the given .tar files, in a fixed order."""
-    refs: list[ImageRef] = []
-    for item in inputs:
-        path = Path(item)
-        if path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
-            tars = sorted(p for p in path.rglob("*.tar") if p.is_file())
-            refs += [ImageRef(str(p.relative_to(path)), str(p)) for p in files]
-            for tar in tars:
-                refs += _tar_members(tar)
-        elif path.is_file() and path.suffix == ".tar":
-            refs += _tar_members(path)
-        else:
-            raise RecipeError("--images", f"{item!r} is neither a directory nor a .tar file")
-    if not refs:
-        raise DataError("no images found (looked for " + ", ".join(IMAGE_EXTENSIONS) + " and .tar)",
-                        file=", ".join(inputs))
-    return refs
-
-
-def _tar_members(tar: Path) -> list[ImageRef]:
-    with tarfile.open(tar) as archive:
-        names = sorted(m.name for m in archive.getmembers() if m.isfile() and m.name.lower().endswith(IMAGE_EXTENSIONS))
-    return [ImageRef(f"{tar.name}::{name}", str(tar), name) for name in names]
-
-
-class Teacher:
-    """A vision encoder and its image processor; `encode(images)` → (n, tokens, dim) patch tokens (float32).
-
-    `tokens="patch"` drops the tokens before the patch grid (CLS, registers) when the config tells the grid size.
-    """
-
-    def __init__(self, name: str, device: torch.device, tokens: str = "patch", trust_remote_code: bool = False):
-        from transformers import AutoImageProcessor, AutoModel
-
-        self.name = name
-        try:
-            self.processor = AutoImageProcessor.from_pretrained(name, trust_remote_code=trust_remote_code)
-            model = AutoModel.from_pretrained(name, trust_remote_code=trust_remote_code)
-        except OSError as err:
-            raise RecipeError("--teacher", f"cannot load {name!r}: {str(err).splitlines()[0]}") from None
-        # A CLIP/SigLIP-style dual encoder: keep only its vision tower.
-        self.model = getattr(model, "vision_model", model).to(device).eval()
-        self.device = device
-        self.tokens = tokens
-        config = getattr(self.model, "config", None)
-        image, patch = getattr(config, "image_size", None), getattr(config, "patch_size", None)
-        as_int = (lambda v: v if isinstance(v, int) else v[0]) if image and patch else None
-        self.num_patches = (as_int(image) // as_int(patch)) ** 2 if as_int else None
-
-    @torch.no_grad()
-    def encode(self, images: list) -> torch.Tensor:
-        pixels = self.processor(images=images, return_tensors="pt")["pixel_values"].to(self.device)
-        hidden = self.model(pixel_values=pixels).last_hidden_state.float()
-        if self.tokens == "patch" and self.num_patches and hidden.shape[1] > self.num_patches:
-            hidden = hidden[:, hidden.shape[1] - self.num_patches :]
-        return hidden.cpu()
-
-
-def extract(
-    *,
-    teacher_a: str,
-    teacher_b: str,
-    images: list[str],
-    out: str | Path,
-    shard_size: int = 1000,
-    batch_size: int = 32,
-    dtype: str = "float16",
-    tokens: str = "patch",
-    trust_remote_code: bool = False,
-) -> dict:
-    """Extract on this process's shards; the main process writes `index.json` once every process is done.
-
-    Returns this process's counts: `{"written": [...], "skipped_finished": [...], "skipped_images": n}`.
-    """
-    import os
-
-    from accelerate import PartialState
-
-    from vembed.data.embedding_shards import shard_name, write_index
-
-    # As the training launch does: CPU when there is no GPU or the launcher asked for it (PartialState() alone
-    # misses the CPU process group that `accelerate launch` with use_cpu prepared, and every rank thinks it is 0).
-    on_cpu = not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
-    state = PartialState(cpu=on_cpu)
-    out = Path(out)
-    refs = list_images(images)
-    groups = [refs[i : i + shard_size] for i in range(0, len(refs), shard_size)]
-    mine = [i for i in range(len(groups)) if i % state.num_processes == state.process_index]
-    if state.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-    state.wait_for_everyone()
-    todo = [i for i in mine if not (out / shard_name(i)).is_file()]  # complete shards exist under the final name
-    result = {"written": [], "skipped_finished": [i for i in mine if i not in todo], "skipped_images": 0}
-    if todo:
-        a = Teacher(teacher_a, state.device, tokens, trust_remote_code)
-        b = Teacher(teacher_b, state.device, tokens, trust_remote_code)
-        for i in todo:
-            result["skipped_images"] += _extract_shard(groups[i], a, b, out / shard_name(i), batch_size,
-                                                       DTYPES[dtype], state.process_index)
-            result["written"].append(i)
-    state.wait_for_everyone()
-    if state.is_main_process:
-        index = write_index(out, [out / shard_name(i) for i in range(len(groups))],
-                            {"teacher_a": teacher_a, "teacher_b": teacher_b, "sources": list(images),
-                             "shard_size": shard_size, "tokens": tokens})
-        result["index"] = index
-    state.wait_for_everyone()
-    return result
-
-
-def _extract_shard(refs: list[ImageRef], a: Teacher, b: Teacher, path: Path, batch_size: int, dtype: torch.dtype,
-                   rank: int) -> int:
-    from vembed.data.embedding_shards import write_shard
-
-    eva, clip, sources, skipped = [], [], [], []
-    for start in range(0, len(refs), batch_size):
-        loaded = []
-        for ref in refs[start : start + batch_size]:
-            try:
-                loaded.append((ref, ref.load()))
-            except DataError:
-                skipped.append(ref.source)
-        if not loaded:
-            continue
-        pictures = [img for _, img in loaded]
-        eva.append(a.encode(pictures).to(dtype))
-        clip.append(b.encode(pictures).to(dtype))
-        sources += [ref.source for ref, _ in loaded]
-    if eva:
-        eva_t, clip_t = torch.cat(eva), torch.cat(clip)
-    else:  # every image of the shard was unreadable: an empty shard still records what was skipped
-        eva_t, clip_t = torch.zeros(0, 0, 0, dtype=dtype), torch.zeros(0, 0, 0, dtype=dtype)
-    write_shard(path, eva_t, clip_t, sources, skipped, rank)
-    return len(skipped)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

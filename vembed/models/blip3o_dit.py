@@ -267,6 +267,62 @@ class Blip3oDiT(nn.Module):
 
         return cls(config_from_recipe(recipe, read_index(recipe.data.train)))
 
+    # --- sizes for the memory planner (vembed/planning.py) ---------------------------------------------------------
+    @classmethod
+    def on_meta(cls, recipe: "Recipe") -> "Blip3oDiT":
+        """This recipe's DiT on the meta device (shapes, no storage). Token shapes come from the shard index of
+        data.train when there is one (as in training), else from dit.eva_dim / clip_dim / num_tokens (EVA tokens then
+        taken as many as CLIP tokens), so a recipe that states them plans without any data."""
+        from vembed.data.embedding_shards import read_index
+
+        dit = recipe.dit
+        try:
+            index = read_index(recipe.data.train)
+        except RecipeError:
+            missing = [k for k in ("eva_dim", "clip_dim", "num_tokens") if getattr(dit, k) is None]
+            if missing:
+                raise RecipeError(f"dit.{missing[0]}", "is needed to plan without shards: set dit.eva_dim, "
+                                  "dit.clip_dim and dit.num_tokens, or point data.train at shards from "
+                                  "`vembed extract`") from None
+            index = {"eva_shape": [dit.num_tokens, dit.eva_dim], "clip_shape": [dit.num_tokens, dit.clip_dim],
+                     "path": "the recipe"}
+        with torch.device("meta"):
+            return cls(config_from_recipe(recipe, index))
+
+    def activation_elements(self, *, autocast: bool, cosine_loss: bool) -> tuple[int, int]:
+        """Elements autograd keeps for backward per sample, forward and flow-matching loss: (fp32, 16-bit). In fp32
+        everything is fp32. Under bf16/fp16 autocast the residual stream, RMSNorm's input and output and the loss stay
+        fp32, while every matmul keeps its own 16-bit copy of its input (two of the same tensor when two projections
+        read it) and attention keeps 16-bit tensors; autocast's 16-bit weight copies are not counted (the planner
+        counts them with the parameters). Counted tensor by tensor from the code below and checked against
+        saved-tensor hooks on CPU (tests/models/test_blip3o_dit.py). Attention is fused (flash on CUDA under
+        autocast, and on CPU): it keeps its output and log-sum-exp, no N×N matrix."""
+        c = self.config
+        n, m, h, a = c.num_tokens, c.eva_tokens or c.num_tokens, c.hidden_size, c.num_heads
+        d = h // a
+        kv, f = c.num_kv_heads * d, _mlp_hidden(c)
+        widths = _eva_widths(c.eva_dim, h, c.eva_adapter_layers)
+        steps = list(zip(widths[:-1], widths[1:]))
+        # Self-attention, cross-attention and MLP sublayers: each keeps its pre-norm's input and output, the modulated
+        # input, the post-norm's input, output and scaled output; attention its rotated q/k, the k/v projection, the
+        # output and log-sum-exp, the output projection's input; the MLP its gate/up output, SiLU and product.
+        rows = 6 * n  # RMSNorm keeps one 1/rms per token; six norms per block
+        if not autocast:
+            block = 27 * n * h + 3 * n * kv + 3 * m * kv + 4 * n * f + 2 * a * n + rows + 10 * h
+            eva = sum((m * i if i != o else 0) + 12 * m * o + m + 2 * o for i, o in steps)
+            ends = n * c.clip_dim + 4 * n * h + n + m * h  # input projection; output norm and projection; context
+            loss = 2 * n * c.clip_dim + (2 * n * c.clip_dim + 2 * n if cosine_loss else 0)
+            return c.num_layers * block + eva + ends + loss, 0
+        block32 = 15 * n * h + 2 * a * n + rows + 3 * h
+        # 16-bit: the copies matmuls and attention keep; the context is cast again by every block's k/v projection,
+        # and the rotary tables by every rotation.
+        block16 = 13 * n * h + 3 * n * kv + 3 * m * kv + m * h + 4 * n * f + 3 * n * d + m * d + 4 * h
+        eva32 = sum(2 * m * o + m + o for _, o in steps)
+        eva16 = sum((m * i if i != o else 0) + 10 * m * o for i, o in steps)
+        ends32 = 3 * n * h + n + 2 * n * c.clip_dim + (2 * n * c.clip_dim + 2 * n if cosine_loss else 0)
+        ends16 = n * c.clip_dim + n * h + 256 + 2 * h  # input and output projections' inputs; timestep features
+        return (c.num_layers * block32 + eva32 + ends32, c.num_layers * block16 + eva16 + ends16)
+
     def forward(self, noisy_clip: torch.Tensor, t: torch.Tensor, eva: torch.Tensor) -> torch.Tensor:
         context = self.eva_adapter(eva)
         time = self.time_embed(t)

@@ -64,7 +64,8 @@ class Task:
         raise NotImplementedError
 
     def train_dataset(self, objective: "nn.Module") -> tuple["Dataset", "Callable"]:
-        """The map-style training dataset (the loop's sampler shuffles and shards it) and its collate function."""
+        """The training dataset and its collate function: map-style (the loop's sampler shuffles and shards it), or
+        a `vembed.data.streaming.ShardStream` (streamed; it shards, shuffles and collates itself)."""
         raise NotImplementedError
 
     def enter_stage(self, objective: "nn.Module", stage: "Stage") -> None:

@@ -32,7 +32,13 @@ class ContrastiveTask(Task):
         if recipe.data.format == "shards":
             raise RecipeError("data.format", f"shards hold teacher embeddings for blip3o_dit; model_type "
                                              f"{recipe.model_type!r} trains on JSONL/CSV/Parquet/hf pairs")
-        _check_data_paths(recipe, ("train", "validation", "test"))
+        from vembed.data.streaming import check_stream_recipe, wants_streaming
+
+        streamed = wants_streaming(recipe.data)
+        if streamed and for_training:
+            _check_not_streamed(recipe)
+            check_stream_recipe(recipe.data, recipe.max_steps)
+        _check_data_paths(recipe, ("validation", "test") if streamed else ("train", "validation", "test"))
         adapter_cls = MODELS.get(recipe.model_type)
         adapter_cls.check_recipe(recipe)
         _check_source_and_stage_keys(recipe, adapter_cls)
@@ -45,7 +51,10 @@ class ContrastiveTask(Task):
 
     def load_train_data(self):
         from vembed.data.sources import load_rows
+        from vembed.data.streaming import wants_streaming
 
+        if wants_streaming(self.recipe.data):
+            return self._open_train_stream()
         # Records are made when fetched; what is known of every row (images per side, modalities) comes from the
         # checks, so nothing here walks a million rows in Python.
         self.train_rows, report = load_rows(self.recipe.data, "train")
@@ -55,6 +64,8 @@ class ContrastiveTask(Task):
     def every_step_uses_every_parameter(self) -> bool:
         from vembed.models import MODELS
 
+        if self.train_rows is None:
+            return False  # streamed: the records are not known before training, so DDP searches
         return self.train_rows.every_record_has(MODELS.get(self.recipe.model_type).modalities)
 
     def batch_lines(self, world_size: int) -> list[tuple[str, str]]:
@@ -80,6 +91,8 @@ class ContrastiveTask(Task):
         from vembed.data.collate import PairCollator
         from vembed.data.dataset import PairDataset
 
+        if self.train_rows is None:
+            return self._train_stream(objective), None
         collate = PairCollator(objective.adapter, labels=self.recipe.data.mask_same_label)
         return PairDataset(self.train_rows), collate
 
@@ -92,6 +105,30 @@ class ContrastiveTask(Task):
         adapter.max_length = stage.max_length if stage.max_length is not None else self._built_max_length
         if any(config.min_pixels is not None or config.max_pixels is not None for config in self.recipe.stages or ()):
             adapter.set_pixel_budget(stage.min_pixels, stage.max_pixels)
+
+    # --- streamed training data (vembed/data/streaming.py) ----------------------------------------------------------
+    def _open_train_stream(self):
+        from vembed.data.streaming import StreamReport, open_stream
+
+        self.train_rows = None
+        self.stream_backend, self.stream_shards = open_stream(self.recipe.data)
+        sizes = [shard.num_samples for shard in self.stream_shards]
+        return StreamReport(split="train", files=[shard.path for shard in self.stream_shards],
+                            backend=self.stream_backend, num_hard_negatives=self.recipe.data.num_hard_negatives or 0,
+                            planned_samples=None if None in sizes else sum(sizes))
+
+    def _train_stream(self, objective: "nn.Module"):
+        from vembed.data.collate import PairCollator
+        from vembed.data.stream_samples import SampleDecoder
+        from vembed.data.streaming import ShardStream
+        from vembed.models import MODELS
+
+        recipe, data = self.recipe, self.recipe.data
+        decoder = SampleDecoder(data.columns.model_dump(), data.image_root, data.num_hard_negatives or 0,
+                                MODELS.get(recipe.model_type).max_images_per_side)
+        collate = PairCollator(objective.adapter, labels=data.mask_same_label)
+        return ShardStream(self.stream_backend, self.stream_shards, decoder, collate,
+                           batch_size=recipe.batch_size, seed=recipe.seed, shuffle_buffer=data.shuffle_buffer)
 
     def load_eval_split(self, split: str) -> "list[Example] | dict[str, list[Example]]":
         """The records of a held-out split; for named sources, a dict name -> records (evaluated one by one)."""
@@ -143,6 +180,20 @@ class ContrastiveTask(Task):
         split = metrics.get("test") or metrics.get("validation")
         if split and self.recipe.mrl_dims:
             plot_recall_vs_dim(split, output_dir / "recall_vs_dim.png")
+
+
+def _check_not_streamed(recipe: "Recipe") -> None:
+    """What needs the whole training split up front (its sources' sizes, every record's texts, each stage's length)
+    is refused for streamed data, naming the key."""
+    if isinstance(recipe.data.train, dict):
+        raise RecipeError("data.streaming", "named sources are read memory-mapped, not streamed; set "
+                                            "data.streaming: false, or stream one source (data.train: its files)")
+    if recipe.data.no_duplicates:
+        raise RecipeError("data.no_duplicates", "compares every record of the split before an epoch; not available "
+                                                "for streamed data")
+    if recipe.stages:
+        raise RecipeError("stages", "are not available for streamed data yet; train the stages as separate runs "
+                                    "(model_name: the previous run's final/ folder)")
 
 
 def _check_source_and_stage_keys(recipe: "Recipe", adapter_cls: type) -> None:

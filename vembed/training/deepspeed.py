@@ -16,12 +16,16 @@ if TYPE_CHECKING:
 
 
 def configure_deepspeed(accelerator: "Accelerator", recipe: "Recipe", model: torch.nn.Module) -> None:
-    """Fill the DeepSpeed config's "auto" values accelerate cannot: clipping from the recipe, and the bucket sizes
-    it would read from `model.config` (our objective wraps several models, so it has none)."""
+    """Fill the DeepSpeed config's "auto" values accelerate cannot: the micro-batch (without a DataLoader to read it
+    from), clipping from the recipe, and the bucket sizes it would read from `model.config` (our objective wraps
+    several models, so it has none)."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is None:
         return
     config = plugin.deepspeed_config
+    if config.get("train_micro_batch_size_per_gpu") == "auto":
+        # accelerate reads it from the prepared DataLoader; a streamed run prepares none (vembed/training/streamed.py).
+        config["train_micro_batch_size_per_gpu"] = recipe.batch_size
     if config.get("gradient_clipping", "auto") == "auto":
         config["gradient_clipping"] = recipe.max_grad_norm or 0.0
     hidden = max((getattr(getattr(m, "config", None), "hidden_size", 0) or 0 for m in model.modules()), default=0)

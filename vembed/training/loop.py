@@ -30,6 +30,7 @@ from vembed.training.throughput import ThroughputMeter
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
+    from torch.utils.data import DataLoader
 
     from vembed.recipe import Recipe
     from vembed.training.stages import Stage
@@ -91,12 +92,13 @@ class Trainer:
         """Model, objective, data loader, optimizer and scheduler, prepared by the accelerator; `run` starts here.
         Tests and benchmarks call it to drive single steps (`train_on_batch`)."""
         from accelerate.utils import set_seed
+        from torch.utils.data import IterableDataset
 
+        from vembed.training.deepspeed import configure_deepspeed, unsharded_construction
         from vembed.training.lr import learning_rate_for
-        from vembed.training.stages import stages_of, staged_scheduler
+        from vembed.training.stages import staged_scheduler
         from vembed.training.objective import parameter_groups
         from vembed.training.schedules import get_scheduler
-        from vembed.training.deepspeed import configure_deepspeed, unsharded_construction
 
         recipe, acc, plan = self.recipe, self.accelerator, self.plan
         set_seed(recipe.seed)
@@ -111,52 +113,93 @@ class Trainer:
         self.test_examples = self.task.load_eval_split("test")
 
         self.dataset, self.collate = self.task.train_dataset(self.objective)
-        self.stages = stages_of(recipe)
-        for stage in self.stages:
-            stage.loader, stage.batch_sampler = self._train_loader(stage)
+        if isinstance(self.dataset, IterableDataset):  # streamed: it shards, shuffles and batches itself
+            loader, self.stages = None, []
+            self._plan_streamed_epochs()
+        else:
+            self.stream = None
+            loader = self._plan_stages()
         lr = learning_rate_for(recipe, acc.num_processes, log=acc.print)  # scale_lr_with_world_size, logged once
         optimizer = build_optimizer(parameter_groups(self.objective, recipe.weight_decay), lr)
-        first_step = 0
-        for stage in self.stages:
-            stage.plan(self._batches_per_epoch(stage), recipe.gradient_accumulation_steps, first_step)
-            first_step = stage.end_step
-        self.total_steps = first_step
-        if len(self.stages) == 1:
+        if len(self.stages) > 1:
+            scheduler = staged_scheduler(optimizer, self.stages, recipe.scheduler_type, recipe.warmup_ratio,
+                                         recipe.learning_rate)
+        else:
             scheduler = get_scheduler(
                 recipe.scheduler_type,
                 optimizer,
                 num_warmup_steps=int(recipe.warmup_ratio * self.total_steps),
                 num_training_steps=self.total_steps,
             )
-        else:
-            scheduler = staged_scheduler(optimizer, self.stages, recipe.scheduler_type, recipe.warmup_ratio,
-                                         recipe.learning_rate)
-        first = self.stages[0]
-        loader = first.loader
         configure_deepspeed(acc, recipe, self.objective)
+        # The streamed loader stays unprepared: accelerate would read the stream on rank 0 and dispatch it.
+        parts = (optimizer, scheduler) if loader is None else (optimizer, loader, scheduler)
         if plan.fsdp is None:
-            self.model, self.optimizer, self.loader, self.scheduler = acc.prepare(
-                self.objective, optimizer, loader, scheduler
-            )
+            self.model, *prepared = acc.prepare(self.objective, *parts)
         else:  # already sharded: accelerate prepares the rest and must not wrap the model again
-            self.optimizer, self.loader, self.scheduler = acc.prepare(optimizer, loader, scheduler)
+            prepared = list(acc.prepare(*parts))
             self.model = self.objective
-        first.loader = self.loader
-        for stage in self.stages[1:]:
-            stage.loader = acc.prepare(stage.loader)
-        for stage in self.stages:
-            if len(stage.loader) != stage.batches_per_epoch:  # the schedule must count what each process iterates
-                raise TrainingError(f"internal: the prepared loader yields {len(stage.loader)} batches per process, "
-                                    f"the schedule was planned for {stage.batches_per_epoch}")
-        # The first stage's figures, under the names the single-stage loop always had.
-        self.batches_per_epoch, self.steps_per_epoch = first.batches_per_epoch, first.steps_per_epoch
-        self.num_epochs = first.num_epochs
+        self.optimizer, self.scheduler = prepared[0], prepared[-1]
+        self.loader = prepared[1] if loader is not None else None
+        if self.stages:
+            self._prepare_stage_loaders()
         sharded = (self.model, self.optimizer, self.scheduler) if plan.fsdp is not None else None
         self.checkpoints = CheckpointManager(acc, self.output_dir, recipe.save_total_limit, recipe.persistent_dir,
                                              sharded=sharded)
         from vembed.training.grad_cache import build_train_step
 
         self.train_step = build_train_step(acc, self.model, plan.grad_cache)
+
+    def _plan_stages(self) -> Any:
+        """The curriculum (one stage without `stages:`): each stage's loader and length, the run's total steps.
+        Returns the first stage's loader, which is prepared with the model."""
+        from vembed.training.stages import stages_of
+
+        recipe = self.recipe
+        self.stages = stages_of(recipe)
+        first_step = 0
+        for stage in self.stages:
+            stage.loader, stage.batch_sampler = self._train_loader(stage)
+            stage.plan(self._batches_per_epoch(stage), recipe.gradient_accumulation_steps, first_step)
+            first_step = stage.end_step
+        self.total_steps = first_step
+        # The first stage's figures, under the names the single-stage loop always had.
+        first = self.stages[0]
+        self.batches_per_epoch, self.steps_per_epoch, self.num_epochs = (first.batches_per_epoch,
+                                                                         first.steps_per_epoch, first.num_epochs)
+        return first.loader
+
+    def _prepare_stage_loaders(self) -> None:
+        self.stages[0].loader = self.loader
+        for stage in self.stages[1:]:
+            stage.loader = self.accelerator.prepare(stage.loader)
+        for stage in self.stages:
+            if len(stage.loader) != stage.batches_per_epoch:  # the schedule must count what each process iterates
+                raise TrainingError(f"internal: the prepared loader yields {len(stage.loader)} batches per process, "
+                                    f"the schedule was planned for {stage.batches_per_epoch}")
+
+    def _plan_streamed_epochs(self) -> None:
+        """The schedule of a streamed run: `max_steps`, or the epochs' lengths planned from the shard index (epochs
+        differ a little: each deals the shards anew). Streamed epochs always end on an optimizer step."""
+        from vembed.errors import DataError
+        from vembed.training.streamed import StreamedEpochs
+
+        recipe = self.recipe
+        self.stream = StreamedEpochs(self.dataset, self.train_report, recipe, self.accelerator)
+        epochs = 1 if recipe.max_steps is not None else recipe.epochs
+        planned = [self.stream.planned_batches(epoch) for epoch in range(epochs)]
+        if 0 in planned:
+            layout = self.stream.layout
+            raise DataError(
+                f"{self.train_report.planned_samples} samples in {len(self.dataset.shards)} shards give some rank no "
+                f"full optimizer step of {recipe.gradient_accumulation_steps} batch(es) of {recipe.batch_size} in "
+                f"epoch {planned.index(0)} ({layout.world} rank(s) x {layout.workers} reader(s), each batching its "
+                "own shards); lower batch_size or data.num_workers, or add shards", file=self.dataset.files[0])
+        self.batches_per_epoch = planned[0]  # None without an index (max_steps then sizes the run)
+        self.steps_per_epoch = None if planned[0] is None else planned[0] // recipe.gradient_accumulation_steps
+        self.total_steps = recipe.max_steps or sum(p // recipe.gradient_accumulation_steps for p in planned)
+        self.num_epochs = recipe.epochs if recipe.max_steps is None else None  # None: until max_steps
+        self.train_report.batches_per_rank = planned[0]
 
     def _train_loader(self, stage: "Stage") -> tuple[Any, Any]:
         """The (unprepared) training DataLoader of a stage, and its batch sampler when it needs one: named sources
@@ -281,10 +324,10 @@ class Trainer:
         return TrainerState(), metrics
 
     def _train(self, state: TrainerState, progress) -> None:
+        if self.stream is not None:
+            return self._train_streamed(state, progress)
         acc = self.accelerator
-        meter = _Meter(samples_per_batch=self.recipe.batch_size * acc.num_processes,
-                       throughput=ThroughputMeter(self.adapter, acc, acc.mixed_precision),
-                       sources=self._source_names())
+        meter = self._meter()
         self.model.train()
         done = state.global_step >= self.total_steps
         while not done and state.stage < len(self.stages):
@@ -296,21 +339,8 @@ class Trainer:
                 if state.batches_in_epoch:
                     loader = acc.skip_first_batches(stage.loader, state.batches_in_epoch)
                 for batch in loader:
-                    loss = self.train_on_batch(batch, state)
-                    state.batches_in_epoch += 1
-                    state.samples_seen += meter.samples_per_batch
-                    meter.add(loss, batch)
-                    self._profiler.step()
-                    if not acc.sync_gradients:
-                        continue
-                    self.scheduler.step()
-                    state.global_step += 1
-                    progress.update(1)
-                    if state.global_step % self.recipe.logging_steps == 0 or state.global_step == self.total_steps:
-                        self._log(state, meter, progress)
-                    done = state.global_step >= self.total_steps
+                    done = self._train_one(batch, state, meter, progress)
                     stage_done = state.global_step >= stage.end_step
-                    self._maybe_evaluate_and_save(state, end_of_epoch=False, done=done)
                     if stage_done:
                         break
                 # Without `stage_done` the loader ran out; with it, the last step may also have been the epoch's end.
@@ -326,6 +356,63 @@ class Trainer:
         """The named training sources, whose losses are logged apart; none for a split without names."""
         ranges = self.dataset.source_ranges() if hasattr(self.dataset, "source_ranges") else []
         return [name for name, _, _ in ranges if name is not None]
+
+    def _meter(self) -> "_Meter":
+        acc = self.accelerator
+        return _Meter(samples_per_batch=self.recipe.batch_size * acc.num_processes,
+                      throughput=ThroughputMeter(self.adapter, acc, acc.mixed_precision), sources=self._source_names())
+
+    def _train_one(self, batch: dict[str, Any], state: TrainerState, meter: "_Meter", progress) -> bool:
+        """One micro-batch and, once gradients are accumulated, the step's schedule, logging, evaluation and saving.
+        Whether training is done."""
+        loss = self.train_on_batch(batch, state)
+        state.batches_in_epoch += 1
+        state.samples_seen += meter.samples_per_batch
+        meter.add(loss, batch)
+        self._profiler.step()
+        if not self.accelerator.sync_gradients:
+            return False
+        self.scheduler.step()
+        state.global_step += 1
+        progress.update(1)
+        if state.global_step % self.recipe.logging_steps == 0 or state.global_step == self.total_steps:
+            self._log(state, meter, progress)
+        done = state.global_step >= self.total_steps
+        self._maybe_evaluate_and_save(state, end_of_epoch=False, done=done)
+        return done
+
+    def _train_streamed(self, state: TrainerState, progress) -> None:
+        """`_train` for streamed data (vembed/training/streamed.py): an epoch is one pass over the shards, ended on
+        every rank when one runs out; a resumed run continues each stream from the checkpoint's position."""
+        from contextlib import closing
+
+        from vembed.errors import DataError
+
+        meter = self._meter()
+        self.model.train()
+        saved = state.stream  # the checkpoint's position, for the epoch it was saved in
+        done = state.global_step >= self.total_steps
+        while not done and (self.num_epochs is None or state.epoch < self.num_epochs):
+            with closing(self.stream.epoch_batches(state.epoch, state.batches_in_epoch, saved)) as batches:
+                for batch in batches:
+                    done = self._train_one(batch, state, meter, progress)
+                    if done:
+                        break
+            saved = None
+            planned = self.stream.planned_batches(state.epoch)
+            if done and (planned is None or state.batches_in_epoch < planned):
+                break
+            if state.batches_in_epoch == 0:
+                raise DataError(f"epoch {state.epoch} of data.train gave no full batch on some rank; lower "
+                                "batch_size or data.num_workers, or add shards", file=self.dataset.files[0])
+            state.epoch += 1
+            state.batches_in_epoch = 0
+            if not done:
+                self._maybe_evaluate_and_save(state, end_of_epoch=True, done=False)
+        self.stream.update_report()  # collective: the skip counts of every rank, for the report and metrics.json
+        for epoch, taken, planned in self.stream.ran_short:
+            self.accelerator.print(f"warning: epoch {epoch} ended after {taken} of {planned} planned batches per "
+                                   f"rank (skipped samples); {self.train_report.summary()}")
 
     def train_on_batch(self, batch: dict[str, Any], state: TrainerState) -> torch.Tensor:
         """Forward and backward of one batch, then (once gradients are accumulated) the checked, clipped optimizer
@@ -400,6 +487,8 @@ class Trainer:
         if done or step == self._last_saved_step:
             return
         if due_save or (improved and recipe.save_steps is not None):
+            if self.stream is not None:
+                state.stream = self.stream.state()  # collective: every rank's position in the stream
             self.checkpoints.save(state)
             self._last_saved_step = step
 

@@ -2,11 +2,14 @@
 step-time breakdown (data wait, forward, backward, optimizer; communication as the profiler records it).
 
 The loop calls `step()` after every batch and `close()` when training stops; nothing else. Phases are timed with
-hooks installed only for the profiled window, so an unprofiled run pays nothing:
-- forward: time inside the towers' top-level modules (every encoder pass, GradCache's re-encoding included);
-- optimizer: time inside `optimizer.step()`;
+hooks installed only for the profiled window, so an unprofiled run pays nothing. Each phase is measured on its own:
 - data wait: from the end of the previous batch to the first forward of this one (loading, collation, host→device);
-- backward + rest: the remainder of the batch (backward, loss, gradient clipping, the loop's own work).
+- forward: time inside the towers' top-level modules (every encoder pass, GradCache's re-encoding included);
+- backward: time inside `accelerator.backward` (every backward the step makes; DDP's overlapped all-reduce and
+  recomputation under gradient checkpointing included);
+- optimizer: time inside `optimizer.step()`.
+The intervals do not overlap, so they add up to at most the batch's wall time; `other` is what none of them covers
+(the loss, gradient clipping, the loop's own work), never negative unless a phase was counted twice.
 On an accelerator every boundary synchronises the device, so the window's batches run a little slower than others.
 """
 
@@ -25,7 +28,8 @@ if TYPE_CHECKING:
     from vembed.models.base import EmbeddingAdapter
     from vembed.recipe import ProfileConfig
 
-PHASES = ("data_wait", "forward", "backward_and_rest", "optimizer")
+MEASURED = ("data_wait", "forward", "backward", "optimizer")  # timed on their own; "other" is the rest
+PHASES = (*MEASURED, "other")
 # Collective operations as they appear in profiler events: the backend's own spans (gloo:/nccl: ...) are preferred,
 # since c10d's dispatcher spans time only the launch of asynchronous work.
 _COLLECTIVES = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast", "all_to_all")
@@ -44,6 +48,21 @@ class _Hook:
 
     def __reduce__(self) -> tuple[type, tuple]:
         return (_Hook, ())
+
+
+class _BackwardPatch:
+    """Shadows `accelerator.backward` with `timed` (an instance attribute) until `remove()`, like a hook handle."""
+
+    def __init__(self, accelerator: "Accelerator", timed: Any):
+        self.accelerator = accelerator
+        self.previous = accelerator.__dict__.get("backward")
+        accelerator.backward = timed
+
+    def remove(self) -> None:
+        if self.previous is None:
+            self.accelerator.__dict__.pop("backward", None)
+        else:
+            self.accelerator.backward = self.previous
 
 
 class StepProfiler:
@@ -121,26 +140,45 @@ class StepProfiler:
     def _install(self) -> None:
         self._current: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self._first_forward: float | None = None
-        towers = self.adapter.towers() if hasattr(self.adapter, "towers") else [self.adapter]  # DiT: no towers
-        for tower in towers:
-            for child in tower.children():
-                self._handles.append(child.register_forward_pre_hook(_Hook(self._forward_start)))
-                self._handles.append(child.register_forward_hook(_Hook(self._forward_end)))
+        self._in_backward = False
+        if hasattr(self.adapter, "towers"):
+            timed = [child for tower in self.adapter.towers() for child in tower.children()]
+        else:  # the DiT has no towers, and its blocks sit in a ModuleList, which is never called: time it whole
+            timed = [self.adapter]
+        for module in timed:
+            self._handles.append(module.register_forward_pre_hook(_Hook(self._forward_start)))
+            self._handles.append(module.register_forward_hook(_Hook(self._forward_end)))
         self._handles.append(self.optimizer.register_step_pre_hook(lambda *_: self._optimizer_start()))
         self._handles.append(self.optimizer.register_step_post_hook(lambda *_: self._optimizer_end()))
+        # Every train step (plain, GradCache) calls accelerator.backward; an instance attribute shadows the method
+        # for the window only.
+        self._backward = self.accelerator.backward
+        self._handles.append(_BackwardPatch(self.accelerator, self._timed_backward))
 
     def _remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
 
+    def _timed_backward(self, *args: Any, **kwargs: Any) -> None:
+        started = self._now()
+        self._in_backward = True
+        try:
+            self._backward(*args, **kwargs)
+        finally:
+            self._in_backward = False
+            self._current["backward"] += self._now() - started
+
     def _forward_start(self) -> None:
+        if self._in_backward:  # recomputation under gradient checkpointing: part of backward
+            return
         self._forward_started = self._now()
         if self._first_forward is None:
             self._first_forward = self._forward_started
 
     def _forward_end(self) -> None:
-        self._current["forward"] += self._now() - self._forward_started
+        if not self._in_backward:
+            self._current["forward"] += self._now() - self._forward_started
 
     def _optimizer_start(self) -> None:
         self._optimizer_started = self._now()
@@ -152,8 +190,7 @@ class StepProfiler:
         total = self._now() - self._batch_start
         current = self._current
         current["data_wait"] = (self._first_forward or self._batch_start) - self._batch_start
-        current["backward_and_rest"] = max(total - current["data_wait"] - current["forward"] - current["optimizer"],
-                                           0.0)
+        current["other"] = total - sum(current[phase] for phase in MEASURED)  # not clamped: < 0 would be a bug
         current["total"] = total
         self.records.append(current)
         self._current = dict.fromkeys(PHASES, 0.0)
@@ -197,8 +234,8 @@ def format_breakdown(breakdown: dict[str, Any]) -> str:
     if not mean:
         return f"profile (rank {breakdown['rank']}): no batch was profiled; training ended before the window"
     lines = [f"step-time breakdown (rank {breakdown['rank']}, mean of {breakdown['batches']} batches)"]
-    labels = {"data_wait": "data wait", "forward": "forward", "backward_and_rest": "backward + rest",
-              "optimizer": "optimizer"}
+    labels = {"data_wait": "data wait", "forward": "forward", "backward": "backward", "optimizer": "optimizer",
+              "other": "other"}
     for key, label in labels.items():
         share = 100 * mean[key] / mean["total"] if mean["total"] else 0.0
         lines.append(f"  {label:<18}{mean[key]:>9.1f} ms {share:>5.1f}%")

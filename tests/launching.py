@@ -1,0 +1,87 @@
+"""Launch a recipe the way users do (accelerate launch + a shipped config, or one process with no launcher) and
+compare the final weights of two runs. Shared by the launch comparisons on CPU and on GPUs (tests/gpu/test_cuda.py),
+so the comparison the GPU tests make is the one exercised on every CPU run.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+# NVIDIA_TF32_OVERRIDE=0: no TF32 in cuBLAS/cuDNN, so fp32 on a GPU is fp32 (CLIP's patch embedding is a convolution,
+# which cuDNN runs in TF32 by default). No effect on CPU.
+ENV = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
+           NVIDIA_TF32_OVERRIDE="0")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_recipe(base: dict, out: Path, **changes) -> Path:
+    """A recipe file for 3 optimizer steps of `base` into `out` (checkpoint at step 2), training split only."""
+    raw = dict(base, output_dir=str(out), max_steps=3, save_steps=2, logging_steps=1, learning_rate=1e-3,
+               eval_before_training=False, data={"train": base["data"]["train"]}, **changes)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    path = out.parent / f"{out.name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def launch(config: str | None, recipe: Path, *, processes: int = 2, mixed_precision: str = "no",
+           cpu_only: bool = False, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file accelerate_configs/CONFIG` on `processes` processes, or (config None) one
+    process with no launcher: the reference. `cpu_only` hides GPUs, so a CPU launch and its reference both run on
+    CPU on a machine that has some."""
+    if config is None:
+        command = [sys.executable, "-m", "vembed.entrypoints.train", str(recipe)]
+    else:
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}",
+                   "--num_processes", str(processes), "--mixed_precision", mixed_precision,
+                   "--main_process_port", str(free_port()), "vembed/entrypoints/train.py", str(recipe)]
+    env = dict(ENV, CUDA_VISIBLE_DEVICES="") if cpu_only else ENV
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
+    return result
+
+
+def final_weights(out: Path) -> dict[str, torch.Tensor]:
+    """The exported model's tensors (`out/final/*.safetensors`): full weights, whatever the launch sharded."""
+    from safetensors.torch import load_file
+
+    files = sorted((out / "final").glob("*.safetensors"))
+    assert files, f"no weights in {out / 'final'}"
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update(load_file(file))
+    return weights
+
+
+def max_relative_difference(actual: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    """The largest per-tensor difference relative to that tensor's largest entry; also asserts the same tensor names
+    and shapes, and the whole parameter vector within 1e-5 relative."""
+    assert actual.keys() == reference.keys(), sorted(set(actual) ^ set(reference))
+    whole_ref = torch.cat([v.float().flatten() for v in reference.values()])
+    whole_got = torch.cat([actual[k].float().flatten() for k in reference])
+    assert whole_got.shape == whole_ref.shape
+    assert ((whole_got - whole_ref).norm() / whole_ref.norm()).item() <= 1e-5
+    worst = 0.0
+    for name, ref in reference.items():
+        if name.endswith("k_proj.bias"):
+            # Softmax ignores a shift shared by all keys, so this gradient is zero in theory; Adam turns its rounding
+            # noise (1e-9) into full-size steps in random directions, so it is compared only within the whole vector.
+            continue
+        got = actual[name].float()
+        assert got.shape == ref.shape, f"{name}: {tuple(got.shape)} vs {tuple(ref.shape)}"
+        scale = max(ref.float().abs().max().item(), 1e-6)
+        worst = max(worst, (got - ref.float()).abs().max().item() / scale)
+    return worst
