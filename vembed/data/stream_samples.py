@@ -140,16 +140,16 @@ class SampleDecoder:
         return {part: record.fields[name] for part, name in self.columns.items() if name in record.fields}
 
     def _example(self, record: RawRecord, position: SlotPosition) -> Example | None:
-        from vembed.data.sources import _RowReader  # the map-style rules for a row: one place for what a cell means
+        from vembed.data.reader import RowReader, Skipped  # the map-style rules for a row: one place for a cell
 
         tar = "__key__" in record.fields
         row = self.parts_of(record)
         base = self.image_root or os.path.dirname(record.file)
-        reader = _RowReader(record.file, "json" if tar else _builder(record.file), self.columns, base)
-        counted = _FirstSkip()
-        example = reader.example(row, record.row, counted)
-        if example is None:
-            raise SampleSkipped(counted.reason, counted.detail)
+        reader = RowReader(record.file, "json" if tar else _builder(record.file), self.columns, base)
+        try:
+            example = reader.example(row, record.row)
+        except Skipped as skipped:
+            raise SampleSkipped(skipped.reason, skipped.detail) from None
         if len(example.negatives) < self.num_negatives:
             raise SampleSkipped("too_few_negatives", f"has {len(example.negatives)} hard negatives, "
                                              f"{self.num_negatives} required")
@@ -184,15 +184,6 @@ class SampleDecoder:
             if found is not None and found not in used:
                 row[part] = _member_value(part, fields[found])
         return row
-
-
-class _FirstSkip:
-    """Catches the one skip `_RowReader.example` reports for a row."""
-
-    reason, detail = "empty_query", ""
-
-    def skip(self, file: str, row: int, reason: str, detail: str) -> None:
-        self.reason, self.detail = reason, detail
 
 
 def _default_columns() -> dict[str, str]:
