@@ -47,7 +47,8 @@ def test_collator_pickles_for_dataloader_workers():
 
 
 def test_label_ids_are_equal_for_equal_labels_in_any_process():
-    batch = PairCollator(CountingAdapter(), labels=True)([_example(0, 0, "a"), _example(1, 0, "b"), _example(2, 0, "a")])
+    examples = [_example(0, 0, "a"), _example(1, 0, "b"), _example(2, 0, "a")]
+    batch = PairCollator(CountingAdapter(), labels=True)(examples)
     ids = batch["label_ids"]
     assert ids.dtype == torch.int64 and ids[0] == ids[2] and ids[0] != ids[1]
     # a stable digest, not Python's per-process salted hash: another interpreter gives the same ids

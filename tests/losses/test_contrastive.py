@@ -34,7 +34,9 @@ def reference_infonce(q, p, n, temperature: float, symmetric: bool, labels=None)
     """Cross-entropy written out: row i's candidates are all positives, then every hard negative of every row; with
     labels, the other positives of row i's label are not candidates."""
     documents = list(p) + ([n[j, m] for j in range(n.shape[0]) for m in range(n.shape[1])] if n is not None else [])
-    same = (lambda i, j: j != i and j < len(p) and labels[i] == labels[j]) if labels is not None else (lambda i, j: False)
+    def same(i: int, j: int) -> bool:
+        return labels is not None and j != i and j < len(p) and labels[i] == labels[j]
+
     forward = 0.0
     for i in range(len(q)):
         logits = [_dot(q[i], d) / temperature for j, d in enumerate(documents) if not same(i, j)]

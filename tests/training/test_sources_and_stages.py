@@ -19,8 +19,8 @@ def _sources(recipe: dict, **extra) -> dict:
     """The dummy shapes as two named sources: `shapes` (2 hard negatives per record) and `plain` (the same rows,
     no negatives, a query prompt), 68 records each: 8 batches of 8 per source and epoch."""
     train = recipe["data"]["train"]
-    data = {**recipe["data"], "train": {"shapes": train,
-                                        "plain": {"files": train, "num_hard_negatives": 0, "query_prompt": "a photo: "}},
+    plain = {"files": train, "num_hard_negatives": 0, "query_prompt": "a photo: "}
+    data = {**recipe["data"], "train": {"shapes": train, "plain": plain},
             "validation": {"shapes": recipe["data"]["validation"], "plain": recipe["data"]["validation"]},
             "test": None}
     return dict(recipe, data=data, **extra)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from vembed.data.reader import SKIP_FIXES, RowReader, SourceSettings, Skipped
+from vembed.data.reader import SKIP_FIXES, RowReader, Skipped, SourceSettings
 from vembed.data.records import Example
 from vembed.errors import DataError, RecipeError, did_you_mean
 

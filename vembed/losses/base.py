@@ -20,9 +20,9 @@ class EmbeddingLoss(nn.Module):
 
     Shapes: `query` and `positive` are `(B, d)` for this process's B local pairs; `negatives`, when given, is
     `(B, k, d)` hard negatives; `labels`, when given, `(B,)` int64 class ids: pairs sharing one are not each
-    other's in-batch negatives (losses without in-batch negatives ignore them). Under torch.distributed a loss gathers what it needs from other ranks itself and
-    returns this rank's share, scaled so that averaging gradients over ranks (what DDP does) gives the gradient of the
-    loss on the concatenated global batch.
+    other's in-batch negatives (losses without in-batch negatives ignore them). Under torch.distributed a loss
+    gathers what it needs from other ranks itself and returns this rank's share, scaled so that averaging gradients
+    over ranks (what DDP does) gives the gradient of the loss on the concatenated global batch.
     """
 
     @classmethod

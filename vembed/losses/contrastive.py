@@ -305,8 +305,9 @@ class SigLIPLoss(EmbeddingLoss):
     ``learnable_temperature`` is true and fixed otherwise, with no cap (the paper uses none). The bias ``b`` starts
     at ``bias_init`` (-10 in the paper, which offsets the heavy imbalance of one positive to many negatives) and is
     always learned. With ``labels`` (as for InfoNCE) a pair of two records of the same label is left out of the sum
-    (neither pushed apart nor pulled together), the record's own pair kept. As for InfoNCE: inputs already L2-normalised, logits in float32, equal B and k on every rank,
-    and keep ``log_scale`` and ``bias`` out of weight decay.
+    (neither pushed apart nor pulled together), the record's own pair kept. As for InfoNCE: inputs already
+    L2-normalised, logits in float32, equal B and k on every rank, and keep ``log_scale`` and ``bias`` out of weight
+    decay.
 
     Args (defaults are the recipe's):
         temperature: initial 1 / t (the paper's t = 10 is temperature 0.1).

@@ -8,7 +8,6 @@ kinds of model (contrastive retrieval, flow matching: data, objective, evaluatio
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,6 @@ from vembed.training.throughput import ThroughputMeter
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
-    from torch.utils.data import DataLoader
 
     from vembed.recipe import Recipe
     from vembed.training.stages import Stage
@@ -96,9 +94,9 @@ class Trainer:
 
         from vembed.training.deepspeed import configure_deepspeed, unsharded_construction
         from vembed.training.lr import learning_rate_for
-        from vembed.training.stages import staged_scheduler
         from vembed.training.objective import parameter_groups
         from vembed.training.schedules import get_scheduler
+        from vembed.training.stages import staged_scheduler
 
         recipe, acc, plan = self.recipe, self.accelerator, self.plan
         set_seed(recipe.seed)
