@@ -65,7 +65,7 @@ def _recipe(keys: dict, batch_size: int, checkpointing: bool):
 def _batch(adapter, modality: str, n: int, tokens: int):
     import torch
 
-    from vembed.models._common import IMAGE_INDEX, PIXEL_VALUES, TEXT_INDEX
+    from vembed.models.batch import IMAGE_INDEX, PIXEL_VALUES, TEXT_INDEX
 
     rows, none = torch.arange(n), torch.full((n,), -1)
     if modality == "text":

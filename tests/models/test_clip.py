@@ -62,7 +62,7 @@ def test_empty_side_is_rejected(clip):
 
 
 def test_slice_batch_encodes_like_the_rows_of_the_full_batch(clip, mixed_sides, checks):
-    from vembed.models._common import slice_batch
+    from vembed.models.batch import slice_batch
 
     batch = clip.preprocess(mixed_sides)
     with torch.no_grad():

@@ -29,7 +29,7 @@ def test_projection_dim_defaults_to_text_hidden_size(build, recipe_for):
 
 
 def test_features_are_pooled_then_projected(build, mixed_sides, checks):
-    from vembed.models._common import pool
+    from vembed.models.pooling import pool
 
     adapter = build("composed", pooling="last", normalize=False)
     texts = [side for side in mixed_sides if side.image is None]
@@ -44,7 +44,7 @@ def test_features_are_pooled_then_projected(build, mixed_sides, checks):
 
 
 def test_image_falls_back_to_the_cls_token_without_a_pooler():
-    from vembed.models._common import cls_or_pooler
+    from vembed.models.pooling import cls_or_pooler
 
     hidden = torch.randn(2, 5, 4)
     output = SimpleNamespace(pooler_output=None, last_hidden_state=hidden)
@@ -81,7 +81,7 @@ def test_saved_towers_load_with_plain_transformers(composed, mixed_sides, checks
     from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
 
     from vembed.data.images import load_image
-    from vembed.models._common import pool
+    from vembed.models.pooling import pool
 
     composed.save(tmp_path)
     text_model = AutoModel.from_pretrained(tmp_path / "text").eval()

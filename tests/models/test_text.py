@@ -62,7 +62,7 @@ def test_save_load_round_trip_gives_identical_embeddings(build, text_sides, chec
 def test_saved_folder_loads_with_plain_transformers(text, text_sides, checks, tmp_path):
     from transformers import AutoModel, AutoTokenizer
 
-    from vembed.models._common import pool
+    from vembed.models.pooling import pool
 
     text.save(tmp_path)
     model = AutoModel.from_pretrained(tmp_path).eval()

@@ -122,14 +122,15 @@ class EmbeddingAdapter(nn.Module, ABC):
 
     def num_sides(self, inputs: dict[str, torch.Tensor]) -> int:
         """How many sides a preprocessed batch holds."""
-        from vembed.models._common import TEXT_INDEX
+        from vembed.models.batch import TEXT_INDEX
 
         return int(inputs[TEXT_INDEX].shape[0])
 
     def slice_batch(self, inputs: dict[str, torch.Tensor], start: int, stop: int) -> dict[str, torch.Tensor]:
         """The preprocessed batch of sides `start:stop` (GradCache chunks), as `preprocess` would have made it for
-        those sides alone. Default: the flat text/image layout of `_common`; adapters with another layout override."""
-        from vembed.models._common import slice_batch
+        those sides alone. Default: the flat text/image layout of
+        `vembed.models.batch`; adapters with another layout override."""
+        from vembed.models.batch import slice_batch
 
         return slice_batch(inputs, start, stop)
 
@@ -178,7 +179,7 @@ class EmbeddingAdapter(nn.Module, ABC):
 
     def enable_gradient_checkpointing(self) -> None:
         """Turn on (non-reentrant) activation checkpointing in every tower."""
-        from vembed.models._common import enable_checkpointing
+        from vembed.models.hf import enable_checkpointing
 
         enable_checkpointing(*self.towers())
 
@@ -188,10 +189,11 @@ class EmbeddingAdapter(nn.Module, ABC):
     def apply_lora(self, recipe: "Recipe") -> None:
         """Wrap the towers with PEFT LoRA (r/alpha/dropout/targets from the recipe); only LoRA weights stay trainable
         (plus whatever the adapter adds outside its towers, such as composed's new projections)."""
-        from vembed.models._common import inject_lora
+        from vembed.models.lora import inject_lora
 
-        inject_lora(self.towers(), recipe, self.lora_target_modules(recipe),
-                    strict=recipe.lora_target_modules is not None, model_type=self.model_type)
+        inject_lora(self.towers(), self.lora_target_modules(recipe), r=recipe.lora_r, alpha=recipe.lora_alpha,
+                    dropout=recipe.lora_dropout, strict=recipe.lora_target_modules is not None,
+                    model_type=self.model_type)
 
     # --- persistence -----------------------------------------------------------------------------------------------
     @abstractmethod
@@ -215,6 +217,37 @@ class EmbeddingAdapter(nn.Module, ABC):
     def write_adapter_file(self, path: str | Path) -> None:
         info = {"model_type": self.model_type, "embedding_dim": self.embedding_dim, "settings": self.settings()}
         Path(path, ADAPTER_FILE).write_text(json.dumps(info, indent=2))
+
+
+def require_tokenizer_name(recipe: "Recipe", config_key: str) -> None:
+    """A randomly initialised text tower has no tokenizer of its own."""
+    if recipe.tokenizer_name is None:
+        raise RecipeError(
+            "tokenizer_name",
+            f"is required when {config_key} builds a random-init text tower; point it at a tokenizer folder "
+            "(e.g. one made by vembed.data.tokenizer.train_tokenizer)",
+        )
+
+
+# Recipe keys only the composed adapter reads; the single-model adapters reject them (see `reject_keys`).
+COMPOSED_ONLY_KEYS = (
+    "text_model_name", "text_model_config", "vision_model_name", "vision_model_config", "projection_dim",
+)  # fmt: skip
+
+
+def reject_keys(recipe: "Recipe", keys: Sequence[str], model_type: str, used_by: str) -> None:
+    """Keys meant for another adapter are errors rather than silently ignored."""
+    for key in keys:
+        if getattr(recipe, key) is not None:
+            raise RecipeError(key, f"is only used by model_type {used_by}, not {model_type}; remove it")
+
+
+def saved_settings(path: str | Path, model_type: str) -> dict[str, Any]:
+    """The settings of a saved adapter folder, after checking that it was saved by `model_type`."""
+    info = read_adapter_file(path)
+    if info.get("model_type") != model_type:
+        raise RecipeError("model", f"{str(path)!r} holds a {info.get('model_type')!r} model, not {model_type!r}")
+    return dict(info.get("settings", {}))
 
 
 def read_adapter_file(path: str | Path) -> dict[str, Any]:

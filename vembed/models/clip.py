@@ -1,7 +1,7 @@
 """CLIP as an embedding model: the HF `CLIPModel` text and vision towers with their projections.
 
 Text sides get text features, image sides image features; a side with both gets the L2-normalised sum of its
-normalised text and image features (see `_common.combine`).
+normalised text and image features (see `vembed.models.batch.combine`).
 """
 
 from __future__ import annotations
@@ -14,26 +14,18 @@ import torch
 from torch import nn
 
 from vembed.models import MODELS
-from vembed.models._common import (
-    COMPOSED_ONLY_KEYS,
-    PIXEL_VALUES,
+from vembed.models.base import COMPOSED_ONLY_KEYS, EmbeddingAdapter, reject_keys, require_tokenizer_name, saved_settings
+from vembed.models.batch import PIXEL_VALUES, combine, forward_argument_names, make_batch, text_inputs
+from vembed.models.hf import (
     auto_config,
     clip_image_processor,
-    combine,
-    forward_argument_names,
     hf_kwargs,
     load_image_processor,
     load_model,
     load_tokenizer,
-    make_batch,
-    reject_keys,
-    require_tokenizer_name,
     resolve_max_length,
     save_hf_model,
-    saved_settings,
-    text_inputs,
 )
-from vembed.models.base import EmbeddingAdapter
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel

@@ -1,7 +1,7 @@
 """Any text tower plus any vision tower (`AutoModel` each), joined by learned linear projections into one space.
 
 Saved as `text/` (model + tokenizer) and `vision/` (model + image processor), each loadable by transformers on its
-own, plus `projections.safetensors`; a side with text and image is fused as in CLIP (`_common.combine`).
+own, plus `projections.safetensors`; a side with text and image is fused as in CLIP (`vembed.models.batch.combine`).
 """
 
 from __future__ import annotations
@@ -15,29 +15,22 @@ from torch import nn
 
 from vembed.errors import RecipeError
 from vembed.models import MODELS
-from vembed.models._common import (
-    ATTENTION_PROJECTIONS,
-    PIXEL_VALUES,
+from vembed.models.base import EmbeddingAdapter, require_tokenizer_name, saved_settings
+from vembed.models.batch import PIXEL_VALUES, combine, forward_argument_names, make_batch, text_inputs
+from vembed.models.hf import (
     auto_config,
     clip_image_processor,
-    cls_or_pooler,
-    combine,
-    forward_argument_names,
     freeze_unused_pooler,
     hf_kwargs,
     load_image_processor,
     load_model,
     load_tokenizer,
-    make_batch,
-    pool,
     require_model_type,
-    require_tokenizer_name,
     resolve_max_length,
     save_hf_model,
-    saved_settings,
-    text_inputs,
 )
-from vembed.models.base import EmbeddingAdapter
+from vembed.models.lora import ATTENTION_PROJECTIONS
+from vembed.models.pooling import cls_or_pooler, pool
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel

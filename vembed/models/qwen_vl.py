@@ -29,23 +29,10 @@ from torch import nn
 from vembed.data.images import load_image
 from vembed.errors import RecipeError
 from vembed.models import MODELS
-from vembed.models._common import (
-    COMPOSED_ONLY_KEYS,
-    LORA_WEIGHTS,
-    auto_config,
-    hf_kwargs,
-    load_lora_weights,
-    load_model,
-    load_tokenizer,
-    pool,
-    reject_keys,
-    require_tokenizer_name,
-    resolve_max_length,
-    save_hf_model,
-    save_lora_weights,
-    saved_settings,
-)
-from vembed.models.base import EmbeddingAdapter
+from vembed.models.base import COMPOSED_ONLY_KEYS, EmbeddingAdapter, reject_keys, require_tokenizer_name, saved_settings
+from vembed.models.hf import auto_config, hf_kwargs, load_model, load_tokenizer, resolve_max_length, save_hf_model
+from vembed.models.lora import LORA_WEIGHTS, load_lora_weights, save_lora_weights
+from vembed.models.pooling import pool
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -356,9 +343,10 @@ class QwenVLAdapter(EmbeddingAdapter):
     def apply_lora(self, recipe: "Recipe") -> None:
         """LoRA on the language model (the released Qwen3-VL-Embedding LoRA's place); the vision tower stays frozen,
         or fully trainable with `train_vision_tower`."""
-        from vembed.models._common import inject_lora
+        from vembed.models.lora import inject_lora
 
-        inject_lora([self.model.language_model], recipe, self.lora_target_modules(recipe),
+        inject_lora([self.model.language_model], self.lora_target_modules(recipe), r=recipe.lora_r,
+                    alpha=recipe.lora_alpha, dropout=recipe.lora_dropout,
                     strict=recipe.lora_target_modules is not None, model_type=self.model_type)
         self.model.visual.requires_grad_(self.train_vision_tower)
 
@@ -405,7 +393,7 @@ def new_image_processor(name: str | None, config: "PretrainedConfig", trust_remo
     """The checkpoint's image processor on the PIL backend, or, for a random-init model, one matching its vision
     config (patch, temporal patch and merge sizes)."""
     if name is not None:
-        from vembed.models._common import load_image_processor
+        from vembed.models.hf import load_image_processor
 
         return load_image_processor(name, trust_remote_code)
     from transformers import Qwen2VLImageProcessorPil

@@ -12,25 +12,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from vembed.models import MODELS
-from vembed.models._common import (
-    ATTENTION_PROJECTIONS,
-    COMPOSED_ONLY_KEYS,
+from vembed.models.base import COMPOSED_ONLY_KEYS, EmbeddingAdapter, reject_keys, require_tokenizer_name, saved_settings
+from vembed.models.batch import forward_argument_names, make_batch
+from vembed.models.hf import (
     auto_config,
-    forward_argument_names,
     freeze_unused_pooler,
     hf_kwargs,
     load_model,
     load_tokenizer,
-    make_batch,
-    pool,
-    reject_keys,
     require_model_type,
-    require_tokenizer_name,
     resolve_max_length,
     save_hf_model,
-    saved_settings,
 )
-from vembed.models.base import EmbeddingAdapter
+from vembed.models.lora import ATTENTION_PROJECTIONS
+from vembed.models.pooling import pool
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
