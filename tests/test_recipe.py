@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from vembed.components import load_recipe, recipe_from_dict
 from vembed.errors import RecipeError
-from vembed.recipe import Recipe, check_recipe, load_recipe, recipe_from_dict
+from vembed.tasks import check_recipe
 
 
 def _write(tmp_path, payload, name="recipe.yaml"):
@@ -22,7 +23,7 @@ def _error(raw) -> RecipeError:
 
 
 def test_defaults_are_valid_and_documented_names():
-    recipe = Recipe()
+    recipe = recipe_from_dict({})
     assert recipe.learning_rate > 0 and recipe.batch_size > 0
     assert "model_config" in recipe.to_dict() and "model_config_dict" not in recipe.to_dict()
 
@@ -31,7 +32,7 @@ def test_defaults_are_valid_and_documented_names():
     "raw, key, hint",
     [
         ({"learnin_rate": 1e-4}, "learnin_rate", "did you mean learning_rate?"),
-        ({"lr": 1e-4}, "lr", "remove it"),
+        ({"lr": 1e-4}, "lr", "did you mean learning_rate?"),  # the name in the toolkit vembed replaces
         ({"data": {"trian": "x.jsonl"}}, "data.trian", "did you mean train?"),
         ({"data": {"columns": {"qurey": "q"}}}, "data.columns.qurey", "did you mean query?"),
     ],
@@ -71,7 +72,7 @@ def test_overrides_reach_nested_keys_and_parse_values(tmp_path):
     recipe = load_recipe(path, ["learning_rate=3e-4", "data.num_workers=2", "mrl_dims=[32, 16]", "use_lora=true"])
     assert recipe.learning_rate == pytest.approx(3e-4)
     assert recipe.data.num_workers == 2 and recipe.data.train == "a.jsonl"
-    assert recipe.mrl_dims == [32, 16] and recipe.use_lora is True
+    assert recipe.loss.mrl_dims == [32, 16] and recipe.use_lora is True
 
 
 def test_bad_override_is_a_recipe_error(tmp_path):

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from vembed.data.sources import load_examples, resolve_files
+from vembed.data.sources import check_data_paths, load_examples, resolve_files
 from vembed.errors import DataError, RecipeError
 from vembed.recipe import DataConfig
 
@@ -207,11 +207,11 @@ def test_resolve_files_errors_name_the_key_and_the_fix(tmp_path, monkeypatch, va
 
 
 def test_check_recipe_reports_a_missing_training_file_by_key(tmp_path):
-    from vembed.recipe import _check_data_paths, recipe_from_dict
+    from vembed.components import recipe_from_dict
 
     recipe = recipe_from_dict({"data": {"train": str(tmp_path / "nope.jsonl")}})
     with pytest.raises(RecipeError) as err:
-        _check_data_paths(recipe, ("train",))
+        check_data_paths(recipe.data, ("train",))
     assert err.value.key == "data.train" and "not found" in str(err.value)
 
 

@@ -32,7 +32,7 @@ def token_ids(tiny_tokenizer_dir):
 @pytest.fixture(scope="session")
 def recipe_for(tiny_tokenizer_dir, token_ids):
     """`recipe_for(model_type, **overrides)`: a validated recipe for a tiny random-init model of that adapter."""
-    from vembed.recipe import recipe_from_dict
+    from vembed.components import recipe_from_dict
 
     text = {**SMALL, **token_ids, "max_position_embeddings": 16}
     models = {
@@ -138,7 +138,7 @@ def check_save_load_round_trip(adapter, sides, path):
     adapter.save(path)
     loaded = load_adapter(path).eval()
     assert type(loaded) is type(adapter)
-    assert loaded.settings() == adapter.settings()
+    assert loaded.settings_to_save() == adapter.settings_to_save()
     torch.testing.assert_close(_encode(loaded, sides), before, atol=1e-6, rtol=0)
     return loaded
 

@@ -135,7 +135,7 @@ def test_embedding_dim_for_reads_the_config(composed, recipe_for, checks):
 def test_recipe_checks(recipe_for):
     from vembed.models.composed import ComposedAdapter
 
-    with pytest.raises(RecipeError, match="model_name.*not used"):
+    with pytest.raises(RecipeError, match="model_name: is a .* setting; this recipe's model_type is composed"):
         ComposedAdapter.check_recipe(recipe_for("composed", model_name="somewhere"))
     with pytest.raises(RecipeError, match="text_model_name.*exactly one"):
         ComposedAdapter.check_recipe(recipe_for("composed", text_model_name="somewhere"))

@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vembed.components import recipe_from_dict
 from vembed.data.records import Side
 from vembed.errors import RecipeError
 from vembed.models import MODELS
-from vembed.recipe import recipe_from_dict
 
 # Text hidden size 48 (the embedding size) differs from the vision tower's 32 on purpose.
 TEXT = {
@@ -158,7 +158,7 @@ def test_prompt_matches_the_report_template_token_for_token(qwen_build):
     image_pad = adapter.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     assert torch.equal(inputs["mm_token_type_ids"].bool(), inputs["input_ids"] == image_pad)
     # The released inference code's ending (chat template with the generation prompt) instead of <|endoftext|>.
-    adapter.prompt_ending = "generation_prompt"
+    adapter.settings = adapter.settings.model_copy(update={"prompt_ending": "generation_prompt"})
     official = adapter.preprocess([query])["input_ids"][0].tolist()
     report_end, official_end = "<|im_end|>\n<|endoftext|>", "<|im_end|>\n<|im_start|>assistant\n"
     official_text = expected[0].replace(report_end, official_end)
@@ -251,7 +251,8 @@ def test_lora_defaults_target_the_language_model_and_merge_on_save(qwen_build, q
     lora_layers = {name.rsplit(".lora_", 1)[0] for name, _ in adapter.named_parameters() if "lora_A" in name}
     assert lora_layers and all(".language_model." in name for name in lora_layers)
     wrapped = {name.rsplit(".", 1)[-1] for name in lora_layers}
-    assert wrapped == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    # The released LoRA table (Qwen3-VL-Embedding README): q/k/v and the MLP projections, no o_proj.
+    assert wrapped == {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj"}
     assert next(p for n, p in adapter.named_parameters() if "lora_A" in n).shape[0] == 32
     assert not any(p.requires_grad for p in adapter.model.visual.parameters())  # the vision tower stays frozen
     # The merged folder is a plain transformers Qwen3-VL model giving the same states.
@@ -283,7 +284,7 @@ def test_lora_adapter_only_save_loads_back_and_equals_the_merged_model(qwen_buil
     saved = {path.name for path in (tmp_path / "lora").iterdir()}
     assert {"adapter_model.safetensors", "adapter_config.json", "vembed.json"} <= saved
     assert "model.safetensors" not in saved  # no base weights
-    adapter.lora_save = "merged"
+    adapter.settings = adapter.settings.model_copy(update={"lora_save": "merged"})
     adapter.save(tmp_path / "merged")
     for folder in ("lora", "merged"):
         loaded = load_adapter(tmp_path / folder).eval()
@@ -304,7 +305,7 @@ def test_gradient_checkpointing_keeps_gradients(qwen_build, qwen_recipe, checks)
 
 
 def test_backbone_is_chosen_from_the_config_and_checked(qwen_recipe, qwen_tokenizer_dir, tmp_path):
-    from vembed.recipe import check_recipe
+    from vembed.tasks import check_recipe
 
     with pytest.raises(RecipeError, match="mrl_dims"):
         check_recipe(qwen_recipe("qwen2_vl", mrl_dims=[32, 64]), for_training=False)

@@ -23,7 +23,7 @@ def test_texts_are_padded_to_a_fixed_length(siglip):
     # SigLIP pools the last position, so a text must not depend on how long its batch-mates are.
     short = siglip.preprocess([Side(text="a star")])["input_ids"]
     long = siglip.preprocess([Side(text="a star"), Side(text="two black lines crossing on white")])["input_ids"]
-    assert short.shape[1] == long.shape[1] == siglip.max_length == 16
+    assert short.shape[1] == long.shape[1] == siglip.settings.max_length == 16
 
 
 def test_text_and_image_side_is_normalized_sum_of_both(siglip, mixed_sides, checks):

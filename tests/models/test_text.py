@@ -56,7 +56,7 @@ def test_unused_pooler_is_frozen(text):
 def test_save_load_round_trip_gives_identical_embeddings(build, text_sides, checks, tmp_path):
     adapter = build("text", pooling="cls", normalize=False, max_length=12)
     loaded = checks.save_load_round_trip(adapter, text_sides, tmp_path / "final")
-    assert (loaded.pooling, loaded.normalize, loaded.max_length) == ("cls", False, 12)
+    assert (loaded.settings.pooling, loaded.settings.normalize, loaded.settings.max_length) == ("cls", False, 12)
 
 
 def test_saved_folder_loads_with_plain_transformers(text, text_sides, checks, tmp_path):

@@ -10,10 +10,10 @@ import torch
 from ranks import run_on_ranks
 from tiny_models import TINY_CLIP_CONFIG
 
+from vembed.components import recipe_from_dict
 from vembed.errors import TrainingError
-from vembed.recipe import recipe_from_dict
+from vembed.tasks.contrastive import ContrastiveObjective
 from vembed.training.loop import Trainer
-from vembed.training.objective import ContrastiveObjective
 
 
 def test_nan_loss_stops_at_once_keeping_the_last_good_checkpoint(tiny_clip_recipe, monkeypatch):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from vembed.recipe import recipe_from_dict
+from vembed.components import recipe_from_dict
 from vembed.training import checkpoint as checkpoint_module
 from vembed.training.loop import Trainer
 

@@ -70,6 +70,17 @@ def resolve_files(
     return list(dict.fromkeys(files))  # a file named twice is read once
 
 
+def check_data_paths(data: "DataConfig", splits: Sequence[str] = ("train", "validation", "test")) -> None:
+    """Every file, glob or directory the recipe's `data.<split>` names exists (and `data.image_root`), before anything
+    is built; a RecipeError names the first that does not."""
+    for split in splits:
+        value = getattr(data, split)
+        if value is not None:
+            resolve_files(value, data.format, key=f"data.{split}")
+    if data.image_root is not None and not os.path.isdir(data.image_root):
+        raise RecipeError("data.image_root", f"directory {data.image_root!r} not found")
+
+
 def _resolve_one(item: str, format: str, key: str) -> list[str]:
     if format == "hf":
         if os.path.exists(item):

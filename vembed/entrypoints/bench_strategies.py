@@ -66,8 +66,9 @@ def run(args: argparse.Namespace) -> int:
         import torch
         from tqdm.auto import tqdm
 
+        from vembed.components import load_recipe
         from vembed.errors import RecipeError
-        from vembed.recipe import check_recipe, load_recipe
+        from vembed.tasks import check_recipe
 
         recipe = load_recipe(args.recipe, args.config_override)
         check_recipe(recipe)

@@ -39,8 +39,9 @@ def run(args: argparse.Namespace) -> int:
 
     def body() -> int:
         quiet_libraries()
+        from vembed.components import load_recipe
         from vembed.entrypoints import launch
-        from vembed.recipe import check_recipe, load_recipe
+        from vembed.tasks import check_recipe
 
         data_dir = Path(args.data_dir)
         if not (data_dir / "classes.json").is_file():
@@ -56,11 +57,11 @@ def run(args: argparse.Namespace) -> int:
         # The untrained model: same seed, same init as the first training step sees.
         from accelerate.utils import set_seed
 
+        from vembed.components import model_class
         from vembed.data.sources import load_examples
-        from vembed.models import MODELS
 
         set_seed(recipe.seed)
-        untrained = MODELS.get(recipe.model_type).from_recipe(recipe)
+        untrained = model_class(recipe).from_recipe(recipe)
         test_examples, _ = load_examples(recipe.data, "test", num_hard_negatives=0)
         prompts = json.loads((data_dir / "classes.json").read_text())
         batch_size = recipe.resolved_eval_batch_size

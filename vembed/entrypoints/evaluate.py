@@ -18,6 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mrl-dims", type=int, nargs="+", help="also report metrics at these truncated sizes")
     parser.add_argument("--max-samples", type=int, help="evaluate on at most this many records")
     parser.add_argument("--output", help="write the metrics as JSON here")
+    parser.add_argument("--trust-remote-code", "--trust_remote_code", action="store_true",
+                        help="let the model folder run Python code it ships (only for folders you trust)")
     parser.add_argument("--debug", action="store_true")
 
 
@@ -25,9 +27,9 @@ def run(args: argparse.Namespace) -> int:
     from vembed.entrypoints import quiet_libraries, run_cli
 
     def body() -> int:
-        from vembed.data.sources import load_examples
+        from vembed.data.sources import check_data_paths, load_examples
         from vembed.errors import RecipeError
-        from vembed.models.base import load_embedding_adapter
+        from vembed.models.base import load_adapter
         from vembed.recipe import ColumnMap, DataConfig
         from vembed.tasks.contrastive import check_images_per_side
 
@@ -42,11 +44,9 @@ def run(args: argparse.Namespace) -> int:
                               columns=ColumnMap(**columns), max_bad_fraction=1.0)
         except Exception as err:  # pydantic's message names the field
             raise RecipeError("--column", str(err).splitlines()[-1]) from None
-        from vembed.recipe import Recipe, _check_data_paths  # same checks as for a recipe
-
-        _check_data_paths(Recipe(data=data), ("test",))
+        check_data_paths(data, ("test",))  # the checks a recipe's data gets
         quiet_libraries()
-        adapter = load_embedding_adapter(args.model_dir)
+        adapter = load_adapter(args.model_dir, trust_remote_code=args.trust_remote_code)
         examples, report = load_examples(data, "test", num_hard_negatives=0)
         check_images_per_side(adapter.model_type, examples)
         if args.max_samples:

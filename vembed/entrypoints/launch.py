@@ -152,7 +152,8 @@ def _read_config(path: Path) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     def body() -> int:
-        from vembed.recipe import check_recipe, load_recipe
+        from vembed.components import load_recipe
+        from vembed.tasks import check_recipe
 
         recipe = load_recipe(args.recipe, args.config_override)
         check_recipe(recipe)

@@ -5,15 +5,59 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+from torch import nn
+
 from vembed.errors import DataError, RecipeError
+from vembed.losses.base import EmbeddingLoss
+from vembed.models.base import EmbeddingAdapter
 from vembed.tasks import TASKS, Task
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from accelerate import Accelerator
-    from torch import nn
 
     from vembed.data.records import Example
     from vembed.recipe import Recipe
+
+
+class ContrastiveObjective(nn.Module):
+    """The trainable unit: an adapter and its loss in one module, so the strategy wraps (DDP, ...) both at once. A
+    learnable temperature or SigLIP bias lives in the loss; keeping the loss inside the wrapped module is what makes
+    DDP average its gradient like every other parameter."""
+
+    def __init__(self, adapter: EmbeddingAdapter, loss: EmbeddingLoss):
+        super().__init__()
+        self.adapter = adapter
+        self.loss = loss
+
+    def embed(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Query, positive and (B, k, d) hard-negative embeddings of a collated batch.
+
+        The adapter is called (its `forward` is `encode`), never `.encode` directly: wrappers that hook the call,
+        such as an FSDP unit gathering its weights, must see it."""
+        negatives = self.adapter(batch["negative"]) if batch.get("num_negatives") else None
+        return self.shape_embeddings(
+            self.adapter(batch["query"]), self.adapter(batch["positive"]), negatives,
+            int(batch.get("num_negatives") or 0),
+        )
+
+    @staticmethod
+    def shape_embeddings(
+        query: torch.Tensor, positive: torch.Tensor, negatives: torch.Tensor | None, num_negatives: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if negatives is None or num_negatives == 0:
+            return query, positive, None
+        return query, positive, negatives.view(query.shape[0], num_negatives, -1)
+
+    def forward(self, batch: dict[str, Any] | None = None, *,
+                run_inside: "Callable[[ContrastiveObjective], torch.Tensor] | None" = None) -> torch.Tensor:
+        """The loss of a batch; or `run_inside(self)`: a pass that must run inside this module's (wrapped) forward so
+        that DDP and other wrappers see it (GradCache's replays, vembed/training/grad_cache.py)."""
+        if run_inside is not None:
+            return run_inside(self)
+        return self.loss(*self.embed(batch))
 
 
 @TASKS.register("contrastive")
@@ -23,18 +67,18 @@ class ContrastiveTask(Task):
 
     @classmethod
     def check_recipe(cls, recipe: "Recipe", *, for_training: bool = True) -> None:
+        from vembed.data.sources import check_data_paths
         from vembed.models import MODELS
-        from vembed.recipe import _check_data_paths
 
         if recipe.data.format == "shards":
             raise RecipeError("data.format", f"shards hold teacher embeddings for blip3o_dit; model_type "
                                              f"{recipe.model_type!r} trains on JSONL/CSV/Parquet/hf pairs")
-        _check_data_paths(recipe, ("train", "validation", "test"))
+        check_data_paths(recipe.data)
         adapter_cls = MODELS.get(recipe.model_type)
         adapter_cls.check_recipe(recipe)
         dim = adapter_cls.embedding_dim_for(recipe)  # reads the config only: a bad model_name fails here, cheaply
-        if recipe.mrl_dims:
-            too_big = [d for d in recipe.mrl_dims if d > dim]
+        if recipe.loss.mrl_dims:
+            too_big = [d for d in recipe.loss.mrl_dims if d > dim]
             if too_big:
                 raise RecipeError("mrl_dims",
                                   f"{too_big} exceed the embedding size {dim} of this model; use dims <= {dim}")
@@ -62,7 +106,6 @@ class ContrastiveTask(Task):
     def build_objective(self) -> "nn.Module":
         from vembed.losses import build_loss
         from vembed.models import MODELS
-        from vembed.training.objective import ContrastiveObjective
 
         recipe = self.recipe
         adapter = MODELS.get(recipe.model_type).from_recipe(recipe)
@@ -98,7 +141,7 @@ class ContrastiveTask(Task):
             model,
             data,
             batch_size=self.recipe.resolved_eval_batch_size,
-            mrl_dims=self.recipe.mrl_dims,
+            mrl_dims=self.recipe.loss.mrl_dims,
             accelerator=accelerator,
             # Small sets encode in a blink; a bar for each would only bury the training bar.
             show_progress=accelerator.is_local_main_process and len(data) >= 2000,
@@ -112,7 +155,7 @@ class ContrastiveTask(Task):
         from vembed.evaluation.plots import plot_recall_vs_dim
 
         split = metrics.get("test") or metrics.get("validation")
-        if split and self.recipe.mrl_dims:
+        if split and self.recipe.loss.mrl_dims:
             plot_recall_vs_dim(split, output_dir / "recall_vs_dim.png")
 
 

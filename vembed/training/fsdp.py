@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from vembed.recipe import Recipe
-    from vembed.training.objective import ContrastiveObjective
+    from vembed.tasks.contrastive import ContrastiveObjective
 
 FSDP_ENV = "ACCELERATE_USE_FSDP"  # set by `accelerate launch` for a config with distributed_type: FSDP
 VEMBED_FSDP_ENV = "VEMBED_FSDP"  # ours: the launch asked for FSDP (accelerate's flag is turned off once read)

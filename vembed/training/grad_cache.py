@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from vembed.training.launch_plan import GradientCacheChoice
-    from vembed.training.objective import ContrastiveObjective
+    from vembed.tasks.contrastive import ContrastiveObjective
 
 SIDES = ("query", "positive", "negative")  # the collated batch's sides, in the order chunks are encoded
 

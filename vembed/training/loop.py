@@ -441,9 +441,9 @@ class _Meter:
 
 def _adapter_with_weights(recipe: "Recipe", objective_state: dict[str, torch.Tensor]):
     """A single-device copy of the trained adapter, from the gathered state dict of a sharded objective."""
-    from vembed.models import MODELS
+    from vembed.components import model_class
 
-    adapter = MODELS.get(recipe.model_type).from_recipe(recipe)
+    adapter = model_class(recipe).from_recipe(recipe)
     if recipe.use_lora:
         adapter.apply_lora(recipe)
     prefix = "adapter."
