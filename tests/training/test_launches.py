@@ -16,10 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from deadline import limit, run_with_deadline
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 PER_DEVICE = 8
+LAUNCH_TIMEOUT = 900  # s; a launch takes 20-60 s on 2 idle cores
 
 
 def _free_port() -> int:
@@ -39,14 +41,15 @@ def _recipe(base: dict, out: Path, **changes) -> Path:
     return path
 
 
-def _launch(config: str | None, recipe: Path, timeout: int = 240) -> subprocess.CompletedProcess:
+def _launch(config: str | None, recipe: Path) -> subprocess.CompletedProcess:
     if config is None:  # one process, no launcher: the reference
         command = [sys.executable, "-m", "vembed.entrypoints.train", str(recipe)]
     else:
         command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}",
                    "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(_free_port()),
                    "vembed/entrypoints/train.py", str(recipe)]
-    result = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    result = run_with_deadline(command, cwd=ROOT, env=ENV, timeout=limit(LAUNCH_TIMEOUT),
+                               log_dir=recipe.with_suffix(".logs"))
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
     return result
 
