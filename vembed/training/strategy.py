@@ -166,6 +166,13 @@ def configure_deepspeed(accelerator: "Accelerator", recipe: "Recipe", model: tor
         zero = config.setdefault("zero_optimization", {})
         if whole and int(zero.get("stage3_param_persistence_threshold") or 0) < max(whole):
             zero["stage3_param_persistence_threshold"] = max(whole)
+        if accelerator.device.type == "cpu":
+            # DeepSpeed's blocking coalesced all-gather (persistent parameters after every step and checkpoint,
+            # GatheredParameters) launches one async gather per parameter and waits for the last only: enough on one
+            # CUDA stream, not under gloo, whose worker threads finish them out of order. Parameters were read, or
+            # their freed buffers reused, while half of them was still arriving (evaluation after the export saw
+            # garbage in 1 run of 3). Sequential gathers wait for each one.
+            zero["stage3_allgather_sequential"] = True
 
 
 def is_sharded(accelerator: "Accelerator", model: torch.nn.Module) -> bool:
