@@ -155,8 +155,9 @@ class Trainer:
 
     # --- evaluation ------------------------------------------------------------------------------------------------
     def evaluate(self, examples: Any) -> dict[str, float]:
-        """The task's metrics of the model on held-out data (validation or test split)."""
-        return self.task.evaluate(self.adapter, examples, self.accelerator)
+        """The task's metrics of the model on held-out data (validation or test split), as one process computes them
+        on the saved weights: forward passes go through the prepared model, which gathers sharded weights."""
+        return self.task.evaluate(self.adapter, examples, self.accelerator, prepared=self.model)
 
     # --- the loop --------------------------------------------------------------------------------------------------
     def run(self) -> TrainResult:

@@ -49,11 +49,16 @@ class ContrastiveObjective(nn.Module):
         *,
         replay: "list[Chunk] | None" = None,
         detached_embeddings: tuple[torch.Tensor | None, ...] | None = None,
+        encode: dict[str, Any] | None = None,
     ) -> torch.Tensor:
-        """The loss of a batch; or, for GradCache (`replay`), the surrogate whose gradient is the cached one.
+        """The loss of a batch; or, for GradCache (`replay`), the surrogate whose gradient is the cached one; or, for
+        evaluation (`encode`: a preprocessed batch of sides), their float32 embeddings.
 
-        Both go through `forward` so that DDP (and any wrapper) sees every pass that builds a graph.
+        All go through `forward` so that the wrapper (DDP, FSDP's root, DeepSpeed's engine) runs around every pass:
+        ZeRO-3 gathers a parameter read outside its own module's forward only inside its engine's forward.
         """
+        if encode is not None:
+            return self._encode_in_full_precision(encode)
         if replay is None:
             return self.loss(*self.embed(batch))
         surrogate = sum(self._replayed(chunk) for chunk in replay)
@@ -64,6 +69,14 @@ class ContrastiveObjective(nn.Module):
             surrogate = surrogate + self.loss(*detached_embeddings)
             surrogate = surrogate + sum(p.view(-1)[0] for p in self.parameters() if p.requires_grad) * 0.0
         return surrogate
+
+    def _encode_in_full_precision(self, inputs: dict[str, Any]) -> torch.Tensor:
+        # Evaluation measures the model that is saved, as `vembed eval` runs it: in the dtype of its weights (float32;
+        # only DeepSpeed's bf16/fp16 engines hold half-precision weights), whatever autocast the launch wraps the
+        # forward in (accelerate's mixed precision).
+        device = next((v.device for v in inputs.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
+        with torch.autocast(device.type, enabled=False):
+            return self.adapter(inputs).float()
 
     def _replayed(self, chunk: "Chunk") -> torch.Tensor:
         with chunk.rng.replay():
