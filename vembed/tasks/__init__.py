@@ -71,7 +71,10 @@ class Task:
         """Held-out data for `split` ("validation"/"test"), or something empty when the recipe has none."""
         raise NotImplementedError
 
-    def evaluate(self, model: "nn.Module", data: Any, accelerator: "Accelerator") -> dict[str, float]:
+    def evaluate(self, model: "nn.Module", data: Any, accelerator: "Accelerator",
+                 prepared: "nn.Module | None" = None) -> dict[str, float]:
+        """Metrics of `model` (the adapter) on `data`. `prepared`: the objective as the launch wrapped it (DDP, FSDP's
+        root, DeepSpeed's engine); forward passes through it gather sharded weights as in training."""
         raise NotImplementedError
 
     def headline(self, metrics: dict[str, float]) -> str:

@@ -124,7 +124,8 @@ class ContrastiveTask(Task):
         limit = self.recipe.data.eval_max_samples
         return examples[:limit] if limit else examples
 
-    def evaluate(self, model: "nn.Module", data: "list[Example]", accelerator: "Accelerator") -> dict[str, float]:
+    def evaluate(self, model: "nn.Module", data: "list[Example]", accelerator: "Accelerator",
+                 prepared: "nn.Module | None" = None) -> dict[str, float]:
         from vembed.evaluation.retrieval import evaluate_retrieval
 
         if not data:
@@ -137,6 +138,9 @@ class ContrastiveTask(Task):
             accelerator=accelerator,
             # Small sets encode in a blink; a bar for each would only bury the training bar.
             show_progress=accelerator.is_local_main_process and len(data) >= 2000,
+            # Through the wrapper, as in training: ZeRO-3 gathers weights read outside their module's forward (CLIP's
+            # position embedding) only inside its engine's forward (ContrastiveObjective.forward's `encode`).
+            forward=None if prepared is None else lambda inputs: prepared(encode=inputs),
         )
 
     def headline(self, metrics: dict[str, float]) -> str:

@@ -127,7 +127,7 @@ class FlowMatchingTask(Task):
         return dataset.tensors(self.recipe.data.eval_max_samples)
 
     def evaluate(self, model: nn.Module, data: dict[str, torch.Tensor] | None,
-                 accelerator: "Accelerator") -> dict[str, float]:
+                 accelerator: "Accelerator", prepared: nn.Module | None = None) -> dict[str, float]:
         """Every rank generates the whole split (FSDP needs every rank in each forward); all get the same result."""
         from vembed.evaluation.similarity import evaluate_generation
 

@@ -212,8 +212,12 @@ class Trainer:
 
     # --- evaluation ------------------------------------------------------------------------------------------------
     def evaluate(self, examples: Any) -> dict[str, float]:
-        """The task's metrics of the model on held-out data (validation or test split)."""
-        return self.task.evaluate(self.adapter, examples, self.accelerator)
+        """The task's metrics of the model on held-out data (validation or test split), as one process computes them
+        on the saved weights: forward passes go through the prepared model, with FSDP's weights gathered in float32."""
+        from vembed.training.fsdp import full_precision_gathers
+
+        with full_precision_gathers(self.model):
+            return self.task.evaluate(self.adapter, examples, self.accelerator, prepared=self.model)
 
     # --- the loop --------------------------------------------------------------------------------------------------
     def run(self) -> TrainResult:
