@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,9 +126,9 @@ def full_precision_gathers(model: torch.nn.Module) -> Iterator[None]:
     try:
         policies = {unit: unit._get_fsdp_state()._mp_policy for unit in units}
     except AttributeError:  # another torch release keeps the policy elsewhere: evaluate as FSDP computes
-        _warn_once("FSDP keeps its mixed-precision policy where this torch release does not expose it: in-run "
+        warnings.warn("FSDP keeps its mixed-precision policy where this torch release does not expose it: in-run "
                    "evaluation runs on the mixed-precision copies of the weights; `vembed eval` on final/ gives the "
-                   "float32 figures")
+                   "float32 figures", stacklevel=3)  # shown once per run: the default filter
         yield
         return
     mixed = {unit: policy for unit, policy in policies.items() if policy.param_dtype is not None}
@@ -145,15 +146,6 @@ def full_precision_gathers(model: torch.nn.Module) -> Iterator[None]:
             unit.reshard()
         for unit, policy in mixed.items():
             _set_precision_policy(unit, policy)
-
-
-_WARNED: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        print(f"warning: {message}", flush=True)
 
 
 def _set_precision_policy(unit: torch.nn.Module, policy: Any) -> None:
