@@ -11,51 +11,16 @@ process's and those of its saved `final/` evaluated on one process (`evaluate_re
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from deadline import limit, run_with_deadline
+from launching import final_weights, launch, max_relative_difference, write_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 PER_DEVICE = 8
-LAUNCH_TIMEOUT = 900  # s; a launch takes 20-60 s on 2 idle cores
 METRIC_TOLERANCE = 1e-6
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _recipe(base: dict, out: Path, **changes) -> Path:
-    raw = {**base, "output_dir": str(out), "max_steps": 3, "save_steps": 2, "logging_steps": 1,
-           "learning_rate": 1e-3, "eval_before_training": True, **changes}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    path = out.parent / f"{out.name}.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
-
-
-def _launch(config: str | None, recipe: Path) -> subprocess.CompletedProcess:
-    if config is None:  # one process, no launcher: the reference
-        command = [sys.executable, "-m", "vembed.entrypoints.train", str(recipe)]
-    else:
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}",
-                   "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(_free_port()),
-                   "vembed/entrypoints/train.py", str(recipe)]
-    result = run_with_deadline(command, cwd=ROOT, env=ENV, timeout=limit(LAUNCH_TIMEOUT),
-                               log_dir=recipe.with_suffix(".logs"))
-    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
-    return result
 
 
 def _metrics(out: Path) -> dict:
@@ -77,36 +42,6 @@ def _saved_model_metrics(out: Path, base: dict) -> dict:
 
     examples, _ = load_examples(DataConfig(validation=base["data"]["validation"]), "validation", num_hard_negatives=0)
     return evaluate_retrieval(load_embedding_adapter(out / "final"), examples)
-
-
-def _weights(out: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted((out / "final").glob("*.safetensors"))
-    assert files, f"no weights in {out / 'final'}"
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        weights.update(load_file(file))
-    return weights
-
-
-def _max_relative_difference(actual: dict, reference: dict) -> float:
-    """The largest per-tensor difference relative to that tensor's largest entry; also checks the whole vector."""
-    assert actual.keys() == reference.keys()
-    whole_ref = torch.cat([v.float().flatten() for v in reference.values()])
-    whole_got = torch.cat([actual[k].float().flatten() for k in reference])
-    assert ((whole_got - whole_ref).norm() / whole_ref.norm()).item() <= 1e-5
-    worst = 0.0
-    for name, ref in reference.items():
-        if name.endswith("k_proj.bias"):
-            # Softmax ignores a shift shared by all keys, so this gradient is zero in theory; Adam turns its rounding
-            # noise (1e-9) into full-size steps in random directions, so it is compared only within the whole vector.
-            continue
-        got = actual[name].float()
-        assert got.shape == ref.shape, f"{name}: {tuple(got.shape)} vs {tuple(ref.shape)}"
-        scale = max(ref.float().abs().max().item(), 1e-6)
-        worst = max(worst, (got - ref.float()).abs().max().item() / scale)
-    return worst
 
 
 @pytest.fixture(scope="module")
@@ -143,8 +78,8 @@ def references(bases, tmp_path_factory):
     def get(model: str, lora: bool) -> tuple[dict[str, torch.Tensor], dict]:
         if (model, lora) not in cache:
             out = tmp_path_factory.mktemp("single") / "run"
-            _launch(None, _recipe(bases[model], out, batch_size=2 * PER_DEVICE, **_lora(lora)))
-            cache[model, lora] = _weights(out), _metrics(out)
+            launch(None, write_recipe(bases[model], out, batch_size=2 * PER_DEVICE, **_lora(lora)))
+            cache[model, lora] = final_weights(out), _metrics(out)
         return cache[model, lora]
 
     return get
@@ -169,11 +104,11 @@ def test_launch_trains_and_evaluates_as_one_process_and_resumes_exactly(bases, r
                                                                         lora, strategy):
     base = bases[model]
     out = tmp_path / "launched"
-    result = _launch(config, _recipe(base, out, batch_size=PER_DEVICE, **_lora(lora)))
+    result = launch(config, write_recipe(base, out, batch_size=PER_DEVICE, **_lora(lora)))
     assert f"strategy            {strategy} (2 processes)" in result.stdout + result.stderr
-    launched = _weights(out)  # the exported final model: full weights (LoRA merged), gathered by every rank
+    launched = final_weights(out)  # the exported final model: full weights (LoRA merged), gathered by every rank
     reference_weights, reference_metrics = references(model, lora)
-    difference = _max_relative_difference(launched, reference_weights)
+    difference = max_relative_difference(launched, reference_weights)
     print(f"{config} {model}{' + LoRA' if lora else ''}: max relative parameter difference after 3 steps "
           f"{difference:.2e}")
     assert difference <= (1e-5 if lora else 1e-4)
@@ -186,9 +121,9 @@ def test_launch_trains_and_evaluates_as_one_process_and_resumes_exactly(bases, r
     _assert_same_metrics(metrics["validation"], _saved_model_metrics(out, base), "after training, vs the saved model")
 
     resumed_out = tmp_path / "resumed"
-    _launch(config, _recipe(base, resumed_out, batch_size=PER_DEVICE, resume_from=str(out / "checkpoint-2"),
+    launch(config, write_recipe(base, resumed_out, batch_size=PER_DEVICE, resume_from=str(out / "checkpoint-2"),
                             **_lora(lora)))
-    assert _max_relative_difference(_weights(resumed_out), launched) <= 1e-6
+    assert max_relative_difference(final_weights(resumed_out), launched) <= 1e-6
     _assert_same_metrics(_metrics(resumed_out)["validation"], metrics["validation"], "resumed vs uninterrupted")
 
     import vembed
@@ -203,7 +138,7 @@ def test_fsdp_bf16_evaluates_in_float32_as_the_saved_model(bases, references, tm
     it saves, so it reports what `vembed eval` reports on `final/` (and, before training, what one process does)."""
     base = bases["clip"]
     out = tmp_path / "launched"
-    _launch("fsdp.yaml", _recipe(base, out, batch_size=PER_DEVICE, mixed_precision="bf16", save_steps=None))
+    launch("fsdp.yaml", write_recipe(base, out, batch_size=PER_DEVICE, mixed_precision="bf16", save_steps=None))
     metrics = _metrics(out)
     _assert_same_metrics(metrics["before"], references("clip", False)[1]["before"], "before training, vs one process")
     _assert_same_metrics(metrics["validation"], _saved_model_metrics(out, base), "after training, vs the saved model")

@@ -20,8 +20,8 @@ wrapper) sees it; what those passes compute lives here.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
