@@ -158,7 +158,9 @@ def run(args: argparse.Namespace) -> int:
         recipe = load_recipe(args.recipe, args.config_override)
         check_recipe(recipe)
         config, forced = choose_config(args.accelerate_config, recipe.use_fsdp)
-        num_processes = args.num_processes if args.num_processes is not None else forced or _config_num_processes(config)
+        num_processes = args.num_processes
+        if num_processes is None:
+            num_processes = forced or _config_num_processes(config)
         if num_processes < 1:
             raise LaunchError(f"--num_processes {num_processes}: pass a positive number of processes")
         _check_launcher_installed(config)

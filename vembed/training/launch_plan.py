@@ -119,7 +119,7 @@ class LaunchPlan:
         return dataclasses.replace(self, find_unused_parameters=needed)
 
 
-# --- deciding ----------------------------------------------------------------------------------------------------------
+# --- deciding ---------------------------------------------------------------------------------------------------------
 
 
 def decide_launch(recipe: "Recipe", env: Mapping[str, str] | None = None) -> LaunchPlan:
