@@ -5,13 +5,22 @@ from __future__ import annotations
 import argparse
 import sys
 
+MIN_DUMMY_SAMPLES = 3  # one per split
+MIN_IMAGE_SIZE = 8  # the smallest image the dummy shapes and the digits are drawn into legibly
+
 
 def _data_command(args: argparse.Namespace) -> int:
     from vembed.entrypoints import run_cli
 
     def body() -> int:
         from vembed.data import synthetic
+        from vembed.errors import RecipeError
 
+        if args.kind == "dummy" and args.num_samples < MIN_DUMMY_SAMPLES:
+            raise RecipeError("--num-samples", f"must be at least {MIN_DUMMY_SAMPLES} (one record per split: train, "
+                                               f"validation, test), got {args.num_samples}")
+        if args.image_size < MIN_IMAGE_SIZE:
+            raise RecipeError("--image-size", f"must be at least {MIN_IMAGE_SIZE} pixels, got {args.image_size}")
         if args.kind == "digits":
             summary = synthetic.make_digits_dataset(args.out, image_size=args.image_size, seed=args.seed)
         else:
