@@ -169,7 +169,7 @@ def small_tmpfs(tmp_path):
                                            capture_output=True).returncode != 0:
         pytest.skip("mounting a tmpfs needs root (the patched-write test covers the same path)")
     yield mount
-    subprocess.run(["umount", str(mount)], check=False)
+    subprocess.run(["umount", "--lazy", str(mount)], check=False)  # lazy: a file still open must not keep it
 
 
 def test_a_really_full_disk_is_one_line_and_the_run_resumes_once_there_is_room(dummy_data_dir, small_tmpfs):

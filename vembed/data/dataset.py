@@ -64,6 +64,14 @@ class PairDataset(Dataset):
         marked = self._counts[:, 2][self._counts[:, 2] > 0]
         return DecodeCounts(fetched, replaced, int(marked[0]) - 1 if len(marked) else None)
 
+    def decode_error(self, index: int) -> str | None:
+        """Why record `index` cannot be used (its image's decode error), or None when it decodes."""
+        try:
+            self._decoded(self.examples[index])
+        except DataError as err:
+            return err.args[0]
+        return None
+
     def _count(self, index: int, replaced: bool) -> None:
         worker = get_worker_info()
         row = self._counts[0 if worker is None else 1 + worker.id % (_COUNTER_SLOTS - 1)]

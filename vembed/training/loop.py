@@ -353,11 +353,13 @@ class Trainer:
         if share <= limit:
             return
         example = self.dataset.examples[first] if first is not None else None
+        why = self.dataset.decode_error(first) if first is not None else None
         raise DataError(
             f"{replaced} of {fetched} training records fetched so far had images that would not decode "
             f"({replaced / fetched:.0%}; with the {report.num_skipped} rows skipped when reading, at least "
-            f"{share:.0%} of data.train is unusable > data.max_bad_fraction={limit}); fix or remove the broken image "
-            "files, or raise data.max_bad_fraction",
+            f"{share:.0%} of data.train is unusable > data.max_bad_fraction={limit})"
+            f"{f'; this row: {why}' if why else ''}; fix or remove the broken image files, or raise "
+            "data.max_bad_fraction",
             file=getattr(example, "source", None), row=getattr(example, "row", None),
         )
 
