@@ -158,7 +158,10 @@ def _read_config(path: Path) -> dict:
                           "`accelerate config`, or pass one of ours with --accelerate_config")
     for key, allowed in (("distributed_type", [kind.value for kind in DistributedType]),
                          ("mixed_precision", PrecisionType.list())):
-        value = data.get(key, "no")
+        value = data.get(key, allowed[0])
+        if value is False:  # YAML 1.1 reads a bare NO / no as false; accelerate then fails deep in the launcher
+            word = "NO" if key == "distributed_type" else "no"
+            raise LaunchError(f"{key}: a bare {word} in {path} is read as false; quote it: {key}: '{word}'")
         if not isinstance(value, str) or value not in allowed:
             raise LaunchError(f"{key}: {value!r} in {path} is not one of accelerate's: {', '.join(allowed)}")
     try:
@@ -192,16 +195,17 @@ def run(args: argparse.Namespace) -> int:
             launch_args += ["--config_override", *args.config_override]
         if args.debug:
             launch_args.append("--debug")
-        print(f"launching {num_processes} process(es) with {config}", file=sys.stderr)
         if args.dry_run:
+            print(f"launching {num_processes} process(es) with {config}", file=sys.stderr)
             print(" ".join(["accelerate", "launch", *launch_args]))
             return 0
-        # What the training processes check they got (vembed/training/launcher.py), and how to phrase hints.
-        os.environ[EXPECTED_WORLD_SIZE_ENV] = str(num_processes)
-        os.environ[LAUNCHER_ENV] = getattr(args, "command_name", "python run.py")
-        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # each rank dies with this process (stop_with_launcher)
         # Held for the whole launch: a second launch into the same output_dir is refused while this one runs.
         with RunLock(recipe.output_dir):
+            print(f"launching {num_processes} process(es) with {config}", file=sys.stderr)
+            # What the training processes check they got (vembed/training/launcher.py), and how to phrase hints.
+            os.environ[EXPECTED_WORLD_SIZE_ENV] = str(num_processes)
+            os.environ[LAUNCHER_ENV] = getattr(args, "command_name", "python run.py")
+            os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # each rank dies with this process (stop_with_launcher)
             return launch_in_process(launch_args, num_processes)
 
     return run_cli(body, args.debug)
