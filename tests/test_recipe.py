@@ -141,13 +141,6 @@ def test_a_recipe_file_that_is_not_a_usable_mapping_is_one_line_naming_the_file(
     assert says in str(info.value) and str(path) in str(info.value) and "\n" not in str(info.value)
 
 
-def test_yaml_merge_keys_still_override_by_design(tmp_path):
-    path = _write(tmp_path, "base: &base\n  train: a.jsonl\n  num_workers: 1\ndata:\n  <<: *base\n  num_workers: 2\n")
-    with pytest.raises(RecipeError) as info:  # `base` is no recipe key; the merge itself is accepted
-        load_recipe(path)
-    assert info.value.key == "base" and "unknown key" in str(info.value)
-
-
 @pytest.mark.parametrize("raw, key, says", [
     ({"model_type": {"a": 1}}, "model_type", "valid string"),  # used to reach ADAPTER_DEFAULTS: TypeError
     ({"data": {"train": {"a": 1}}}, "data.train", "valid string"),  # was named data.train.str
