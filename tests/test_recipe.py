@@ -131,7 +131,7 @@ def test_mrl_dims_above_embedding_size_rejected_before_building(tmp_path, tiny_t
     (bytes(range(256)) * 4, "is not a text file"),
     ("", "is empty"),
     ("# only a comment\n", "is empty"),
-    ("learning_rate: 1e-4\nbatch_size: 8\nlearning_rate: 0.5\n", "key 'learning_rate' is given twice (first on line 1)"),
+    ("learning_rate: 1e-4\nbatch_size: 8\nlearning_rate: 0.5\n", "'learning_rate' is given twice (first on line 1)"),
 ], ids=["binary", "empty", "comments-only", "duplicate-key"])
 def test_a_recipe_file_that_is_not_a_usable_mapping_is_one_line_naming_the_file(tmp_path, content, says):
     path = tmp_path / "recipe.yaml"

@@ -88,7 +88,7 @@ def test_load_image_converts_modes_and_names_bad_files(tmp_path):
 
 
 def test_decode_counts_reach_the_training_process_from_dataloader_workers(tmp_path):
-    """Workers hold their own copy of the dataset; its failures used to be lost (the loop saw 0 with num_workers > 0)."""
+    """Workers hold their own copy of the dataset; their failures used to be lost (the loop saw 0 with workers)."""
     from torch.utils.data import DataLoader
 
     examples = [_example(i, _corrupt(tmp_path / f"{i}.png") if i % 4 == 0 else _png(tmp_path / f"{i}.png", (i, 0, 0)))

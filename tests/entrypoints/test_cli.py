@@ -142,8 +142,12 @@ def test_run_py_launches_two_cpu_processes_and_returns_their_exit_code(tiny_clip
     raw = dict(raw, output_dir=str(tmp_path / "failed"), data={"train": str(broken)})
     result = _run([sys.executable, "run.py", str(_write_recipe(tmp_path, raw)), "--accelerate_config", "ddp_cpu"])
     assert result.returncode == 2, result.stderr[-3000:]
-    assert "line 2 is not valid JSON" in result.stderr and "launch error: rank " in result.stderr
+    # One line: the failing rank's own error, naming the rank (both ranks read the file; either may be first).
+    lines = [line for line in result.stderr.splitlines() if line.strip() and not line.startswith("launching ")]
+    assert len(lines) == 1 and "line 2 is not valid JSON" in lines[0], result.stderr[-3000:]
+    assert " of 2 failed first; the other ranks were stopped]" in lines[0]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert not Path(raw["output_dir"]).exists()  # nothing written by a launch that failed
 
 
 def test_data_command_writes_a_dummy_data_set(tmp_path):

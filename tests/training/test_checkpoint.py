@@ -77,7 +77,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_naming_the_bad_file(finished_run
     warnings = []
     found = resolve_resume("auto", run, run_identity(recipe_from_dict(raw)), warn=warnings.append)
     assert found == run / "checkpoint-2"
-    assert len(warnings) == 1 and "checkpoint-4" in warnings[0] and name in warnings[0] and says in warnings[0], warnings
+    assert len(warnings) == 1 and all(part in warnings[0] for part in ("checkpoint-4", name, says)), warnings
     # A path naming the damaged checkpoint is refused outright, in one line.
     with pytest.raises(CheckpointError, match=f"checkpoint-4 cannot be used: .*{name}") as info:
         resolve_resume(str(run / "checkpoint-4"), run)
@@ -93,7 +93,8 @@ def test_no_good_checkpoint_left_is_one_line_naming_each(finished_run, tmp_path)
         resolve_resume("auto", run, warn=warnings.append)
     message = str(info.value)
     assert "\n" not in message and not warnings
-    assert "checkpoint-4: model.safetensors has" in message and "checkpoint-2: random_states_0.pkl is missing" in message
+    assert "checkpoint-4: model.safetensors has" in message
+    assert "checkpoint-2: random_states_0.pkl is missing" in message
 
 
 def test_resume_walks_back_to_the_good_checkpoint_and_ends_as_an_uninterrupted_run(finished_run, tmp_path, capsys):

@@ -260,7 +260,8 @@ class Trainer:
             metrics["before"] = self.evaluate(self.eval_examples)
             acc.print(f"before training: {self.task.headline(metrics['before'])}")
             if acc.is_main_process:
-                write_json_atomic(self.output_dir / "metrics.json", metrics)  # keeps "before" across a resume
+                with writing_checkpoint_files("metrics.json", self.output_dir, None):
+                    write_json_atomic(self.output_dir / "metrics.json", metrics)  # keeps "before" across a resume
         return TrainerState(), metrics
 
     def _claim_output_dir(self) -> None:
@@ -271,9 +272,10 @@ class Trainer:
         if self.accelerator.is_main_process:
             if self.recipe.overwrite_output_dir:
                 clear_previous_run(self.output_dir)
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            self.recipe.save(self.output_dir / RECIPE_FILE)
-            write_run_file(self.output_dir, self.identity)
+            with writing_checkpoint_files(RECIPE_FILE, self.output_dir, self.checkpoints.last_good):
+                self.output_dir.mkdir(parents=True, exist_ok=True)
+                self.recipe.save(self.output_dir / RECIPE_FILE)
+                write_run_file(self.output_dir, self.identity)
         self.accelerator.wait_for_everyone()  # no rank writes a checkpoint before the old ones are gone
 
     def _train(self, state: TrainerState, progress) -> None:
@@ -486,8 +488,9 @@ class Trainer:
         metrics["best"] = {"metric": recipe.metric_for_best_model, "value": state.best_metric,
                            "checkpoint": state.best_checkpoint}
         if acc.is_main_process:
-            write_json_atomic(self.output_dir / "metrics.json", metrics)
-            self._plots(metrics)
+            with writing_checkpoint_files("metrics.json and plots", self.output_dir, self.checkpoints.last_good):
+                write_json_atomic(self.output_dir / "metrics.json", metrics)
+                self._plots(metrics)
             if self.train_report.num_skipped:
                 acc.print(f"warning: {self.train_report.summary()}")
             failures = metrics["train"]["decode_failures"]
