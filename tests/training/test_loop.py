@@ -286,3 +286,34 @@ def test_a_few_undecodable_images_below_max_bad_fraction_do_not_stop_the_run(tin
     raw = dict(tiny_clip_recipe, data={"train": str(train), "num_workers": 1}, epochs=2, save_steps=None)
     result = Trainer(recipe_from_dict(raw)).run()
     assert result.metrics["train"]["decode_failures"] >= 1
+
+
+def _infinite_loss_on_one_rank_worker(raw_path: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    raw = json.loads(Path(raw_path).read_text())
+    original = ContrastiveObjective.forward
+    calls = {"n": 0}
+
+    def forward(self, batch):  # only rank 1's loss turns infinite; gradients stay finite everywhere
+        calls["n"] += 1
+        loss = original(self, batch)
+        return loss + float("inf") if calls["n"] == 2 and dist.get_rank() == 1 else loss
+
+    ContrastiveObjective.forward = forward
+    try:
+        Trainer(recipe_from_dict(raw)).run()
+        outcome = "finished"
+    except TrainingError as error:
+        outcome = str(error)
+    Path(out_dir, f"rank{dist.get_rank()}.txt").write_text(outcome)
+
+
+@pytest.mark.slow
+def test_an_infinite_loss_on_one_rank_stops_every_rank_at_the_same_step(tiny_clip_recipe, tmp_path):
+    """Losses are per rank: without summing the flag over ranks, rank 1 would stop alone and rank 0 wait forever."""
+    raw = dict(tiny_clip_recipe, max_steps=4, save_steps=None, data={"train": tiny_clip_recipe["data"]["train"]})
+    (tmp_path / "raw.json").write_text(json.dumps(raw))
+    run_on_ranks(_infinite_loss_on_one_rank_worker, str(tmp_path / "raw.json"), str(tmp_path), world=2, timeout=120)
+    for rank in (0, 1):
+        assert "the loss became NaN/Inf at step 2" in (tmp_path / f"rank{rank}.txt").read_text()
