@@ -174,3 +174,9 @@ def test_a_model_config_value_of_the_wrong_type_is_one_line_naming_model_config(
     with pytest.raises(RecipeError) as info:
         check_recipe(recipe)
     assert info.value.key == "model_config" and "projection_dim" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_an_override_whose_value_is_not_yaml_is_one_line(tmp_path):
+    with pytest.raises(RecipeError) as info:
+        load_recipe(_write(tmp_path, {}), ["learning_rate=[1"])
+    assert info.value.key == "--config_override" and "not valid YAML" in str(info.value)

@@ -335,7 +335,12 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
     key = key.strip()
     if not key:
         raise RecipeError("--config_override", f"{text!r} has no key before '='")
-    value = yaml.safe_load(raw) if raw.strip() else None
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise RecipeError("--config_override", f"{text!r}: the value is not valid YAML ({problem}); quote text "
+                                               "with spaces or brackets") from None
     return key.split("."), value
 
 

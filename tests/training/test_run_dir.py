@@ -117,6 +117,8 @@ def test_output_dir_that_is_a_file_or_not_writable_is_refused_before_anything_is
     for output_dir, says in ((a_file, "is a file"), (a_file / "run", "taken is a file")):
         with pytest.raises(RecipeError, match=says):
             Trainer(recipe_from_dict(_recipe(dummy_data_dir, output_dir)))
+    with pytest.raises(RecipeError, match="persistent_dir: .*taken is a file"):  # else found at the first mirror
+        Trainer(recipe_from_dict(_recipe(dummy_data_dir, tmp_path / "run", persistent_dir=str(a_file))))
 
     def read_only(*args, **kwargs):  # as on a read-only mount (root ignores permission bits, so patched)
         raise PermissionError(13, "Read-only file system")

@@ -145,7 +145,9 @@ def clear_previous_run(output_dir: Path) -> None:
 def check_output_dir(recipe: "Recipe") -> None:
     """Refuse, in one line, a launch that could not write its results or would overwrite a run's work."""
     output_dir = Path(recipe.output_dir)
-    _check_writable(output_dir)
+    _check_writable(output_dir, "output_dir")
+    if recipe.persistent_dir is not None:  # else found out at the first mirror, after training for it
+        _check_writable(Path(recipe.persistent_dir), "persistent_dir")
     if recipe.overwrite_output_dir and recipe.resume_from is not None:
         raise RecipeError("overwrite_output_dir", "and resume_from both set: overwrite_output_dir starts the run "
                                                   "again from scratch; remove one of them")
@@ -166,20 +168,19 @@ def check_output_dir(recipe: "Recipe") -> None:
                                         "start it again")
 
 
-def _check_writable(output_dir: Path) -> None:
-    """output_dir, or the folder it would be created in, accepts a file: tried with a probe file, since permission
-    bits say nothing of read-only mounts and full quotas."""
-    existing = output_dir
+def _check_writable(folder: Path, key: str) -> None:
+    """`folder`, or the folder it would be created in, accepts a file: tried with a probe file, since permission bits
+    say nothing of read-only mounts and full quotas (and root ignores them)."""
+    existing = folder
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if existing.exists() and not existing.is_dir():
-        where = "is a file" if existing == output_dir else f"cannot be created: {existing} is a file"
-        raise RecipeError("output_dir", f"{output_dir} {where}; choose a folder")
+        where = "is a file" if existing == folder else f"cannot be created: {existing} is a file"
+        raise RecipeError(key, f"{folder} {where}; choose a folder")
     try:
         handle, probe = tempfile.mkstemp(prefix=".vembed-write-test-", dir=existing)
     except OSError as error:
-        raise RecipeError("output_dir", f"cannot write in {existing}: {error.strerror}; choose a writable "
-                                        "output_dir") from None
+        raise RecipeError(key, f"cannot write in {existing}: {error.strerror}; choose a writable {key}") from None
     os.close(handle)
     os.unlink(probe)
 
