@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
 MIN_DUMMY_SAMPLES = 3  # one per split
@@ -16,12 +18,17 @@ def _data_command(args: argparse.Namespace) -> int:
         from vembed.data import synthetic
         from vembed.errors import RecipeError
 
-        if args.kind == "dummy" and args.num_samples < MIN_DUMMY_SAMPLES:
-            raise RecipeError("--num-samples", f"must be at least {MIN_DUMMY_SAMPLES} (one record per split: train, "
-                                               f"validation, test), got {args.num_samples}")
-        if args.image_size < MIN_IMAGE_SIZE:
-            raise RecipeError("--image-size", f"must be at least {MIN_IMAGE_SIZE} pixels, got {args.image_size}")
-        if args.kind == "digits":
+        if args.kind == "index":
+            return _index_command(args.paths)
+        if args.out is None:
+            raise RecipeError("--out", f"`vembed data {args.kind}` needs --out DIR, the folder to write")
+        _check_data_arguments(args)
+        if args.kind == "webdataset":
+            from vembed.data.shard_writer import write_webdataset
+
+            summary = write_webdataset(args.out, args.source, num_samples=args.num_samples,
+                                       image_size=args.image_size, seed=args.seed, shard_size=args.shard_size)
+        elif args.kind == "digits":
             summary = synthetic.make_digits_dataset(args.out, image_size=args.image_size, seed=args.seed)
         else:
             summary = synthetic.make_dummy_dataset(args.out, args.num_samples, seed=args.seed,
@@ -30,6 +37,35 @@ def _data_command(args: argparse.Namespace) -> int:
         return 0
 
     return run_cli(body, args.debug)
+
+
+def _check_data_arguments(args: argparse.Namespace) -> None:
+    """Out-of-range numbers are one line here, not a ValueError from deep inside the generators."""
+    from vembed.errors import RecipeError
+
+    makes_dummy = args.kind == "dummy" or (args.kind == "webdataset" and args.source == "dummy")
+    if makes_dummy and args.num_samples < MIN_DUMMY_SAMPLES:
+        raise RecipeError("--num-samples", f"must be at least {MIN_DUMMY_SAMPLES} (one record per split: train, "
+                                           f"validation, test), got {args.num_samples}")
+    if args.image_size < MIN_IMAGE_SIZE:
+        raise RecipeError("--image-size", f"must be at least {MIN_IMAGE_SIZE} pixels, got {args.image_size}")
+    if args.kind == "webdataset" and args.shard_size < 1:
+        raise RecipeError("--shard-size", f"must be at least 1, got {args.shard_size}")
+
+
+def _index_command(paths: list[str]) -> int:
+    """sizes.json beside tar shards (or data files) that lack one: each is read once and its samples counted."""
+    from vembed.data.streaming import expand_sources, index_shards, write_sizes
+    from vembed.errors import RecipeError
+
+    files = [path for path in expand_sources(paths) if os.path.isfile(path)] if paths else []
+    if not files:
+        raise RecipeError("vembed data index", "give the shards: a directory, glob or files (e.g. shards/)")
+    counts = index_shards(files)
+    for written in write_sizes(counts):
+        total = sum(json.loads(open(written).read()).values())
+        print(f"wrote {written}: {total} samples")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,8 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     xt.set_defaults(func=extract.run)
 
     data = sub.add_parser("data", help="generate offline data sets")
-    data.add_argument("kind", choices=["dummy", "digits"], help="dummy: coloured shapes; digits: scikit-learn digits")
-    data.add_argument("--out", required=True, help="output folder")
+    data.add_argument("kind", choices=["dummy", "digits", "webdataset", "index"],
+                      help="dummy: coloured shapes; digits: scikit-learn digits; webdataset: one of those (--source) "
+                           "with its training split as tar shards; index: write sizes.json for existing shards")
+    data.add_argument("paths", nargs="*", help="index: the shards (a directory, glob or files)")
+    data.add_argument("--out", help="output folder")
+    data.add_argument("--source", choices=["digits", "dummy"], default="digits", help="webdataset: which data set")
+    data.add_argument("--shard-size", "--shard_size", type=int, default=128, help="webdataset: samples per shard")
     data.add_argument("--num-samples", "--num_samples", type=int, default=512, help="dummy: number of records")
     data.add_argument("--image-size", "--image_size", type=int, default=32)
     data.add_argument("--seed", type=int, default=0)

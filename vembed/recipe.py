@@ -82,6 +82,12 @@ class DataConfig(_Strict):
     # Rows that are empty or point at missing/corrupt images are skipped and counted; above this share, stop.
     max_bad_fraction: float = Field(default=0.05, ge=0.0, le=1.0)
     num_workers: int = Field(default=0, ge=0)
+    # Read data.train as a stream (vembed/data/streaming.py): WebDataset tar shards, or JSONL/CSV/Parquet files, for
+    # corpora larger than a disk or memory. Unset: on exactly when data.train names .tar shards.
+    streaming: bool | None = None
+    # Streaming: samples each reader (rank x worker) holds to shuffle its shards' samples; more mixes better, costs
+    # memory (a few hundred KB per image sample) and start-up time (the buffer fills before the first batch).
+    shuffle_buffer: int = Field(default=1000, gt=0)
     # Evaluate on at most this many records per split (unset: all).
     eval_max_samples: int | None = Field(default=None, gt=0)
 

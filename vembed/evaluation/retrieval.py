@@ -7,7 +7,7 @@ each query's own positive. Scores are computed in chunks of queries so a large c
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -183,13 +183,16 @@ def encode_sides(
     accelerator: "Accelerator | None" = None,
     show_progress: bool = False,
     desc: str = "encoding",
+    forward: "Callable[[dict[str, Any]], torch.Tensor] | None" = None,
 ) -> torch.Tensor:
     """Embed `sides` in batches, in eval mode (the previous mode is restored), returning `(len(sides), dim)` float32.
 
     With an `accelerator`, each process encodes a contiguous share and the shares are gathered, so every process
     returns the same full tensor. Every process runs the same number of forward passes (short shares are padded with
-    a repeated side), which sharded models (FSDP) need. `adapter` may be the model `accelerator.prepare` returned:
-    batches go through its forward (the adapter's `encode`), preprocessing through the unwrapped adapter.
+    a repeated side), which sharded models (FSDP, ZeRO-3) need. `adapter` may be the model `accelerator.prepare`
+    returned: batches go through its forward (the adapter's `encode`), preprocessing through the unwrapped adapter.
+    `forward` embeds a preprocessed batch instead of `adapter`: the training loop passes one through the prepared
+    model (`ContrastiveObjective.forward(encode=...)`), so that a sharded model gathers its weights as in training.
     """
     core = _unwrapped(adapter, accelerator)
     n = len(sides)
@@ -214,7 +217,7 @@ def encode_sides(
         for start in starts:
             inputs = core.preprocess(local[start : start + batch_size])
             inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-            parts.append(adapter(inputs).float())
+            parts.append((forward or adapter)(inputs).float())
     finally:
         adapter.train(was_training)
     dim = core.embedding_dim
@@ -268,6 +271,7 @@ def evaluate_retrieval(
     mrl_dims: Sequence[int] | None = None,
     accelerator: "Accelerator | None" = None,
     show_progress: bool = False,
+    forward: "Callable[[dict[str, Any]], torch.Tensor] | None" = None,
 ) -> dict[str, float]:
     """Encode the queries and the unique positives of `examples` and score retrieval both ways.
 
@@ -275,7 +279,7 @@ def evaluate_retrieval(
     the same under `d2q/` (documents retrieve queries), the same again under `q2d/dim{d}/` and `d2q/dim{d}/` for each
     Matryoshka dimension in `mrl_dims` (embeddings truncated to `d`, then renormalised), and `num_queries`,
     `num_documents`. With an `accelerator`, encoding is sharded across processes and every process returns the same
-    metrics.
+    metrics. `forward`: as in `encode_sides`.
     """
     if not examples:
         raise DataError("no examples to evaluate")
@@ -284,7 +288,7 @@ def evaluate_retrieval(
     if too_big:
         raise ValueError(f"mrl_dims {too_big} are not in 1..{dim}, the embedding size")
     docs, relevance = _corpus_and_relevance(examples)
-    kwargs = dict(batch_size=batch_size, accelerator=accelerator, show_progress=show_progress)
+    kwargs = dict(batch_size=batch_size, accelerator=accelerator, show_progress=show_progress, forward=forward)
     query_emb = encode_sides(adapter, [ex.query for ex in examples], desc="queries", **kwargs)
     doc_emb = encode_sides(adapter, docs, desc="documents", **kwargs)
 

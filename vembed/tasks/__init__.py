@@ -63,14 +63,18 @@ class Task:
         raise NotImplementedError
 
     def train_dataset(self, objective: "nn.Module") -> tuple["Dataset", "Callable"]:
-        """The map-style training dataset (the loop's sampler shuffles and shards it) and its collate function."""
+        """The training dataset and its collate function: map-style (the loop's sampler shuffles and shards it), or
+        a `vembed.data.streaming.ShardStream` (streamed; it shards, shuffles and collates itself)."""
         raise NotImplementedError
 
     def load_eval_split(self, split: str) -> Any:
         """Held-out data for `split` ("validation"/"test"), or something empty when the recipe has none."""
         raise NotImplementedError
 
-    def evaluate(self, model: "nn.Module", data: Any, accelerator: "Accelerator") -> dict[str, float]:
+    def evaluate(self, model: "nn.Module", data: Any, accelerator: "Accelerator",
+                 prepared: "nn.Module | None" = None) -> dict[str, float]:
+        """Metrics of `model` (the adapter) on `data`. `prepared`: the objective as the launch wrapped it (DDP, FSDP's
+        root, DeepSpeed's engine); forward passes through it gather sharded weights as in training."""
         raise NotImplementedError
 
     def headline(self, metrics: dict[str, float]) -> str:

@@ -29,7 +29,12 @@ class ContrastiveTask(Task):
         if recipe.data.format == "shards":
             raise RecipeError("data.format", f"shards hold teacher embeddings for blip3o_dit; model_type "
                                              f"{recipe.model_type!r} trains on JSONL/CSV/Parquet/hf pairs")
-        _check_data_paths(recipe, ("train", "validation", "test"))
+        from vembed.data.streaming import check_stream_recipe, wants_streaming
+
+        streamed = wants_streaming(recipe.data)
+        if streamed and for_training:
+            check_stream_recipe(recipe.data, recipe.max_steps)
+        _check_data_paths(recipe, ("validation", "test") if streamed else ("train", "validation", "test"))
         adapter_cls = MODELS.get(recipe.model_type)
         adapter_cls.check_recipe(recipe)
         dim = adapter_cls.embedding_dim_for(recipe)  # reads the config only: a bad model_name fails here, cheaply
@@ -41,7 +46,10 @@ class ContrastiveTask(Task):
 
     def load_train_data(self):
         from vembed.data.sources import load_examples
+        from vembed.data.streaming import wants_streaming
 
+        if wants_streaming(self.recipe.data):
+            return self._open_train_stream()
         self.train_examples, report = load_examples(
             self.recipe.data, "train", num_hard_negatives=self.recipe.data.num_hard_negatives
         )
@@ -51,6 +59,8 @@ class ContrastiveTask(Task):
     def every_step_uses_every_parameter(self) -> bool:
         from vembed.models import MODELS
 
+        if self.train_examples is None:
+            return False  # streamed: the records are not known before training, so DDP searches
         return every_step_uses_every_tower(MODELS.get(self.recipe.model_type).modalities, self.train_examples)
 
     def batch_lines(self, world_size: int) -> list[tuple[str, str]]:
@@ -76,8 +86,33 @@ class ContrastiveTask(Task):
         from vembed.data.collate import PairCollator
         from vembed.data.dataset import PairDataset
 
+        if self.train_examples is None:
+            return self._train_stream(objective), None
         self.num_negatives = min((len(e.negatives) for e in self.train_examples), default=0)
         return PairDataset(self.train_examples, self.num_negatives), PairCollator(objective.adapter)
+
+    # --- streamed training data (vembed/data/streaming.py) ----------------------------------------------------------
+    def _open_train_stream(self):
+        from vembed.data.streaming import StreamReport, open_stream
+
+        self.train_examples = None
+        self.stream_backend, self.stream_shards = open_stream(self.recipe.data)
+        sizes = [shard.num_samples for shard in self.stream_shards]
+        return StreamReport(split="train", files=[shard.path for shard in self.stream_shards],
+                            backend=self.stream_backend, num_hard_negatives=self.recipe.data.num_hard_negatives or 0,
+                            planned_samples=None if None in sizes else sum(sizes))
+
+    def _train_stream(self, objective: "nn.Module"):
+        from vembed.data.collate import PairCollator
+        from vembed.data.stream_samples import SampleDecoder
+        from vembed.data.streaming import ShardStream
+        from vembed.models import MODELS
+
+        recipe, data = self.recipe, self.recipe.data
+        decoder = SampleDecoder(data.columns.model_dump(), data.image_root, data.num_hard_negatives or 0,
+                                MODELS.get(recipe.model_type).max_images_per_side)
+        return ShardStream(self.stream_backend, self.stream_shards, decoder, PairCollator(objective.adapter),
+                           batch_size=recipe.batch_size, seed=recipe.seed, shuffle_buffer=data.shuffle_buffer)
 
     def load_eval_split(self, split: str) -> "list[Example]":
         from vembed.data.sources import load_examples
@@ -89,7 +124,8 @@ class ContrastiveTask(Task):
         limit = self.recipe.data.eval_max_samples
         return examples[:limit] if limit else examples
 
-    def evaluate(self, model: "nn.Module", data: "list[Example]", accelerator: "Accelerator") -> dict[str, float]:
+    def evaluate(self, model: "nn.Module", data: "list[Example]", accelerator: "Accelerator",
+                 prepared: "nn.Module | None" = None) -> dict[str, float]:
         from vembed.evaluation.retrieval import evaluate_retrieval
 
         if not data:
@@ -102,6 +138,9 @@ class ContrastiveTask(Task):
             accelerator=accelerator,
             # Small sets encode in a blink; a bar for each would only bury the training bar.
             show_progress=accelerator.is_local_main_process and len(data) >= 2000,
+            # Through the wrapper, as in training: ZeRO-3 gathers weights read outside their module's forward (CLIP's
+            # position embedding) only inside its engine's forward (ContrastiveObjective.forward's `encode`).
+            forward=None if prepared is None else lambda inputs: prepared(encode=inputs),
         )
 
     def headline(self, metrics: dict[str, float]) -> str:

@@ -64,6 +64,9 @@ class FlowMatchingTask(Task):
         if recipe.data.format not in ("auto", "shards"):
             raise RecipeError("data.format", f"blip3o_dit trains on shard directories from `vembed extract`; set "
                                              f"data.format: shards (got {recipe.data.format})")
+        if recipe.data.streaming:
+            raise RecipeError("data.streaming", "applies to contrastive models; blip3o_dit reads the embedding "
+                                                "shards of `vembed extract` whole; remove it")
         for key, value in (("use_lora", recipe.use_lora), ("gradient_checkpointing", recipe.gradient_checkpointing),
                            ("use_gradient_cache", recipe.use_gradient_cache)):
             if value:
@@ -124,7 +127,7 @@ class FlowMatchingTask(Task):
         return dataset.tensors(self.recipe.data.eval_max_samples)
 
     def evaluate(self, model: nn.Module, data: dict[str, torch.Tensor] | None,
-                 accelerator: "Accelerator") -> dict[str, float]:
+                 accelerator: "Accelerator", prepared: nn.Module | None = None) -> dict[str, float]:
         """Every rank generates the whole split (FSDP needs every rank in each forward); all get the same result."""
         from vembed.evaluation.similarity import evaluate_generation
 

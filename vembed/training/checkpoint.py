@@ -46,6 +46,8 @@ class TrainerState:
     best_checkpoint: str | None = None
     loss_history: list[dict[str, float]] = field(default_factory=list)
     eval_history: list[dict[str, float]] = field(default_factory=list)
+    # Streamed data only: every rank's position in `epoch` (vembed/training/streamed.py, `StreamedEpochs.state`).
+    stream: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)

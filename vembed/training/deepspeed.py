@@ -16,12 +16,16 @@ if TYPE_CHECKING:
 
 
 def configure_deepspeed(accelerator: "Accelerator", recipe: "Recipe", model: torch.nn.Module) -> None:
-    """Fill the DeepSpeed config's "auto" values accelerate cannot: clipping from the recipe, and the bucket sizes
-    it would read from `model.config` (our objective wraps several models, so it has none)."""
+    """Fill the DeepSpeed config's "auto" values accelerate cannot: the micro-batch (without a DataLoader to read it
+    from), clipping from the recipe, and the bucket sizes it would read from `model.config` (our objective wraps
+    several models, so it has none)."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is None:
         return
     config = plugin.deepspeed_config
+    if config.get("train_micro_batch_size_per_gpu") == "auto":
+        # accelerate reads it from the prepared DataLoader; a streamed run prepares none (vembed/training/streamed.py).
+        config["train_micro_batch_size_per_gpu"] = recipe.batch_size
     if config.get("gradient_clipping", "auto") == "auto":
         config["gradient_clipping"] = recipe.max_grad_norm or 0.0
     hidden = max((getattr(getattr(m, "config", None), "hidden_size", 0) or 0 for m in model.modules()), default=0)
@@ -36,11 +40,19 @@ def configure_deepspeed(accelerator: "Accelerator", recipe: "Recipe", model: tor
     if config.get("zero_optimization", {}).get("stage") == 3:
         # Some transformers modules read a child's weight shape before ZeRO-3 has gathered it (CLIP's text embeddings
         # check the sequence length against position_embedding.weight.shape); adapters name those parameters and
-        # they stay whole on every rank (below the persistence threshold, ZeRO-3 does not partition).
+        # the persistence threshold keeps them gathered during forward passes (DeepSpeed still partitions them
+        # around checkpoints and the export, which gather them again).
         whole = [p.numel() for p in _zero3_unpartitioned(model)]
         zero = config.setdefault("zero_optimization", {})
         if whole and int(zero.get("stage3_param_persistence_threshold") or 0) < max(whole):
             zero["stage3_param_persistence_threshold"] = max(whole)
+        if accelerator.device.type == "cpu":
+            # DeepSpeed's blocking coalesced all-gather (persistent parameters after every step and checkpoint,
+            # GatheredParameters) launches one async gather per parameter and waits for the last only: enough on one
+            # CUDA stream, not under gloo, whose worker threads finish them out of order. Parameters were read, or
+            # their freed buffers reused, while half of them was still arriving (evaluation after the export saw
+            # garbage in 1 run of 3). Sequential gathers wait for each one.
+            zero["stage3_allgather_sequential"] = True
 
 
 def _zero3_unpartitioned(model: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -30,6 +30,7 @@ from vembed.training.throughput import ThroughputMeter
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
+    from torch.utils.data import DataLoader
 
     from vembed.recipe import Recipe
 
@@ -117,13 +118,12 @@ class Trainer:
         """Model, objective, data loader, optimizer and scheduler, prepared by the accelerator; `run` starts here.
         Tests and benchmarks call it to drive single steps (`train_on_batch`)."""
         from accelerate.utils import set_seed
-        from torch.utils.data import DataLoader
+        from torch.utils.data import IterableDataset
 
-        from vembed.data.sampler import EpochShuffleSampler
+        from vembed.training.deepspeed import configure_deepspeed, unsharded_construction
         from vembed.training.lr import learning_rate_for
         from vembed.training.objective import parameter_groups
         from vembed.training.schedules import get_scheduler
-        from vembed.training.deepspeed import configure_deepspeed, unsharded_construction
 
         recipe, acc, plan = self.recipe, self.accelerator, self.plan
         set_seed(recipe.seed)
@@ -138,8 +138,50 @@ class Trainer:
         self.test_examples = self.task.load_eval_split("test")
 
         self.dataset, collate = self.task.train_dataset(self.objective)
+        if isinstance(self.dataset, IterableDataset):  # streamed: it shards, shuffles and batches itself
+            loader = None
+            self._plan_streamed_epochs()
+        else:
+            self.stream = None
+            loader = self._map_style_loader(collate)
+            self._plan_epochs(len(loader))
+        lr = learning_rate_for(recipe, acc.num_processes, log=acc.print)  # scale_lr_with_world_size, logged once
+        optimizer = build_optimizer(parameter_groups(self.objective, recipe.weight_decay), lr)
+        scheduler = get_scheduler(
+            recipe.scheduler_type,
+            optimizer,
+            num_warmup_steps=int(recipe.warmup_ratio * self.total_steps),
+            num_training_steps=self.total_steps,
+        )
+        configure_deepspeed(acc, recipe, self.objective)
+        # The streamed loader stays unprepared: accelerate would read the stream on rank 0 and dispatch it.
+        parts = (optimizer, scheduler) if loader is None else (optimizer, loader, scheduler)
+        if plan.fsdp is None:
+            self.model, *prepared = acc.prepare(self.objective, *parts)
+        else:  # already sharded: accelerate prepares the rest and must not wrap the model again
+            prepared = list(acc.prepare(*parts))
+            self.model = self.objective
+        self.optimizer, self.scheduler = prepared[0], prepared[-1]
+        self.loader = prepared[1] if loader is not None else None
+        if self.loader is not None and len(self.loader) != self.batches_per_epoch:
+            # the schedule must count what each process really iterates
+            raise TrainingError(f"internal: the prepared loader yields {len(self.loader)} batches per process, the "
+                                f"schedule was planned for {self.batches_per_epoch}")
+        sharded = (self.model, self.optimizer, self.scheduler) if plan.fsdp is not None else None
+        self.checkpoints = CheckpointManager(acc, self.output_dir, recipe.save_total_limit, recipe.persistent_dir,
+                                             sharded=sharded, identity=self.identity)
+        from vembed.training.grad_cache import build_train_step
+
+        self.train_step = build_train_step(acc, self.model, plan.grad_cache)
+
+    def _map_style_loader(self, collate) -> "DataLoader":
+        from torch.utils.data import DataLoader
+
+        from vembed.data.sampler import EpochShuffleSampler
+
+        recipe = self.recipe
         self.sampler = EpochShuffleSampler(len(self.dataset), seed=recipe.seed)
-        loader = DataLoader(
+        return DataLoader(
             self.dataset,
             batch_size=recipe.batch_size,
             sampler=self.sampler,
@@ -149,10 +191,10 @@ class Trainer:
             persistent_workers=recipe.data.num_workers > 0,  # not re-forked (model and all) every epoch
             pin_memory=torch.cuda.is_available(),
         )
-        lr = learning_rate_for(recipe, acc.num_processes, log=acc.print)  # scale_lr_with_world_size, logged once
-        optimizer = build_optimizer(parameter_groups(self.objective, recipe.weight_decay), lr)
 
-        self.batches_per_epoch = batches_per_process(len(loader), acc.num_processes)
+    def _plan_epochs(self, num_batches: int) -> None:
+        recipe, acc = self.recipe, self.accelerator
+        self.batches_per_epoch = batches_per_process(num_batches, acc.num_processes)
         if self.batches_per_epoch == 0:
             from vembed.errors import DataError
 
@@ -165,29 +207,29 @@ class Trainer:
         self.steps_per_epoch = math.ceil(self.batches_per_epoch / recipe.gradient_accumulation_steps)
         self.total_steps = recipe.max_steps or self.steps_per_epoch * recipe.epochs
         self.num_epochs = math.ceil(self.total_steps / self.steps_per_epoch)
-        scheduler = get_scheduler(
-            recipe.scheduler_type,
-            optimizer,
-            num_warmup_steps=int(recipe.warmup_ratio * self.total_steps),
-            num_training_steps=self.total_steps,
-        )
-        configure_deepspeed(acc, recipe, self.objective)
-        if plan.fsdp is None:
-            self.model, self.optimizer, self.loader, self.scheduler = acc.prepare(
-                self.objective, optimizer, loader, scheduler
-            )
-        else:  # already sharded: accelerate prepares the rest and must not wrap the model again
-            self.optimizer, self.loader, self.scheduler = acc.prepare(optimizer, loader, scheduler)
-            self.model = self.objective
-        if len(self.loader) != self.batches_per_epoch:  # the schedule must count what each process really iterates
-            raise TrainingError(f"internal: the prepared loader yields {len(self.loader)} batches per process, the "
-                                f"schedule was planned for {self.batches_per_epoch}")
-        sharded = (self.model, self.optimizer, self.scheduler) if plan.fsdp is not None else None
-        self.checkpoints = CheckpointManager(acc, self.output_dir, recipe.save_total_limit, recipe.persistent_dir,
-                                             sharded=sharded, identity=self.identity)
-        from vembed.training.grad_cache import build_train_step
 
-        self.train_step = build_train_step(acc, self.model, plan.grad_cache)
+    def _plan_streamed_epochs(self) -> None:
+        """The schedule of a streamed run: `max_steps`, or the epochs' lengths planned from the shard index (epochs
+        differ a little: each deals the shards anew). Streamed epochs always end on an optimizer step."""
+        from vembed.errors import DataError
+        from vembed.training.streamed import StreamedEpochs
+
+        recipe = self.recipe
+        self.stream = StreamedEpochs(self.dataset, self.train_report, recipe, self.accelerator)
+        epochs = 1 if recipe.max_steps is not None else recipe.epochs
+        planned = [self.stream.planned_batches(epoch) for epoch in range(epochs)]
+        if 0 in planned:
+            layout = self.stream.layout
+            raise DataError(
+                f"{self.train_report.planned_samples} samples in {len(self.dataset.shards)} shards give some rank no "
+                f"full optimizer step of {recipe.gradient_accumulation_steps} batch(es) of {recipe.batch_size} in "
+                f"epoch {planned.index(0)} ({layout.world} rank(s) x {layout.workers} reader(s), each batching its "
+                "own shards); lower batch_size or data.num_workers, or add shards", file=self.dataset.files[0])
+        self.batches_per_epoch = planned[0]  # None without an index (max_steps then sizes the run)
+        self.steps_per_epoch = None if planned[0] is None else planned[0] // recipe.gradient_accumulation_steps
+        self.total_steps = recipe.max_steps or sum(p // recipe.gradient_accumulation_steps for p in planned)
+        self.num_epochs = recipe.epochs if recipe.max_steps is None else None  # None: until max_steps
+        self.train_report.batches_per_rank = planned[0]
 
     @property
     def adapter(self):
@@ -197,8 +239,12 @@ class Trainer:
 
     # --- evaluation ------------------------------------------------------------------------------------------------
     def evaluate(self, examples: Any) -> dict[str, float]:
-        """The task's metrics of the model on held-out data (validation or test split)."""
-        return self.task.evaluate(self.adapter, examples, self.accelerator)
+        """The task's metrics of the model on held-out data (validation or test split), as one process computes them
+        on the saved weights: forward passes go through the prepared model, with FSDP's weights gathered in float32."""
+        from vembed.training.fsdp import full_precision_gathers
+
+        with full_precision_gathers(self.model):
+            return self.task.evaluate(self.adapter, examples, self.accelerator, prepared=self.model)
 
     # --- the loop --------------------------------------------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -279,9 +325,10 @@ class Trainer:
         self.accelerator.wait_for_everyone()  # no rank writes a checkpoint before the old ones are gone
 
     def _train(self, state: TrainerState, progress) -> None:
+        if self.stream is not None:
+            return self._train_streamed(state, progress)
         acc = self.accelerator
-        meter = _Meter(samples_per_batch=self.recipe.batch_size * acc.num_processes,
-                       throughput=ThroughputMeter(self.adapter, acc, acc.mixed_precision))
+        meter = self._meter()
         self.model.train()
         done = state.global_step >= self.total_steps
         while not done and state.epoch < self.num_epochs:
@@ -292,21 +339,7 @@ class Trainer:
             if state.batches_in_epoch:
                 loader = acc.skip_first_batches(self.loader, state.batches_in_epoch)
             for batch in loader:
-                loss = self.train_on_batch(batch, state)
-                state.batches_in_epoch += 1
-                state.samples_seen += meter.samples_per_batch
-                meter.add(loss, batch)
-                self._profiler.step()
-                if not acc.sync_gradients:
-                    continue
-                self.scheduler.step()
-                state.global_step += 1
-                progress.update(1)
-                if state.global_step % self.recipe.logging_steps == 0 or state.global_step == self.total_steps:
-                    self._log(state, meter, progress)
-                    self._check_decode_failures()
-                done = state.global_step >= self.total_steps
-                self._maybe_evaluate_and_save(state, end_of_epoch=False, done=done)
+                done = self._train_one(batch, state, meter, progress)
                 if done:
                     break
             # Without `done` the loader ran out; with it, the last step may also have been the epoch's last batch.
@@ -316,6 +349,64 @@ class Trainer:
                 self._check_decode_failures()
                 if not done:
                     self._maybe_evaluate_and_save(state, end_of_epoch=True, done=False)
+
+    def _meter(self) -> "_Meter":
+        acc = self.accelerator
+        return _Meter(samples_per_batch=self.recipe.batch_size * acc.num_processes,
+                      throughput=ThroughputMeter(self.adapter, acc, acc.mixed_precision))
+
+    def _train_one(self, batch: dict[str, Any], state: TrainerState, meter: "_Meter", progress) -> bool:
+        """One micro-batch and, once gradients are accumulated, the step's schedule, logging, evaluation and saving.
+        Whether training is done."""
+        loss = self.train_on_batch(batch, state)
+        state.batches_in_epoch += 1
+        state.samples_seen += meter.samples_per_batch
+        meter.add(loss, batch)
+        self._profiler.step()
+        if not self.accelerator.sync_gradients:
+            return False
+        self.scheduler.step()
+        state.global_step += 1
+        progress.update(1)
+        if state.global_step % self.recipe.logging_steps == 0 or state.global_step == self.total_steps:
+            self._log(state, meter, progress)
+            self._check_decode_failures()
+        done = state.global_step >= self.total_steps
+        self._maybe_evaluate_and_save(state, end_of_epoch=False, done=done)
+        return done
+
+    def _train_streamed(self, state: TrainerState, progress) -> None:
+        """`_train` for streamed data (vembed/training/streamed.py): an epoch is one pass over the shards, ended on
+        every rank when one runs out; a resumed run continues each stream from the checkpoint's position."""
+        from contextlib import closing
+
+        from vembed.errors import DataError
+
+        meter = self._meter()
+        self.model.train()
+        saved = state.stream  # the checkpoint's position, for the epoch it was saved in
+        done = state.global_step >= self.total_steps
+        while not done and (self.num_epochs is None or state.epoch < self.num_epochs):
+            with closing(self.stream.epoch_batches(state.epoch, state.batches_in_epoch, saved)) as batches:
+                for batch in batches:
+                    done = self._train_one(batch, state, meter, progress)
+                    if done:
+                        break
+            saved = None
+            planned = self.stream.planned_batches(state.epoch)
+            if done and (planned is None or state.batches_in_epoch < planned):
+                break
+            if state.batches_in_epoch == 0:
+                raise DataError(f"epoch {state.epoch} of data.train gave no full batch on some rank; lower "
+                                "batch_size or data.num_workers, or add shards", file=self.dataset.files[0])
+            state.epoch += 1
+            state.batches_in_epoch = 0
+            if not done:
+                self._maybe_evaluate_and_save(state, end_of_epoch=True, done=False)
+        self.stream.update_report()  # collective: the skip counts of every rank, for the report and metrics.json
+        for epoch, taken, planned in self.stream.ran_short:
+            self.accelerator.print(f"warning: epoch {epoch} ended after {taken} of {planned} planned batches per "
+                                   f"rank (skipped samples); {self.train_report.summary()}")
 
     def train_on_batch(self, batch: dict[str, Any], state: TrainerState) -> torch.Tensor:
         """Forward and backward of one batch, then (once gradients are accumulated) the checked, clipped optimizer
@@ -434,6 +525,8 @@ class Trainer:
         if done or step == self._last_saved_step:
             return
         if due_save or (improved and recipe.save_steps is not None):
+            if self.stream is not None:
+                state.stream = self.stream.state()  # collective: every rank's position in the stream
             self.checkpoints.save(state)
             self._last_saved_step = step
 

@@ -43,13 +43,28 @@ class ContrastiveObjective(nn.Module):
             return query, positive, None
         return query, positive, negatives.view(query.shape[0], num_negatives, -1)
 
-    def forward(self, batch: dict[str, Any] | None = None, *,
+    def forward(self, batch: dict[str, Any] | None = None, *, encode: dict[str, Any] | None = None,
                 run_inside: "Callable[[ContrastiveObjective], torch.Tensor] | None" = None) -> torch.Tensor:
-        """The loss of a batch; or `run_inside(self)`: a pass that must run inside this module's (wrapped) forward so
-        that DDP and other wrappers see it (GradCache's replays, vembed/training/grad_cache.py)."""
+        """The loss of a batch; or, for evaluation (`encode`: a preprocessed batch of sides), their float32
+        embeddings; or `run_inside(self)`: a pass that must run inside this module's (wrapped) forward so that DDP
+        and other wrappers see it (GradCache's replays, vembed/training/grad_cache.py).
+
+        All go through `forward` so that the wrapper (DDP, FSDP's root, DeepSpeed's engine) runs around every pass:
+        ZeRO-3 gathers a parameter read outside its own module's forward only inside its engine's forward. `encode`
+        is an argument, not a closure, so the wrapper sees the inputs too (DeepSpeed casts them to its dtype)."""
+        if encode is not None:
+            return self._encode_in_full_precision(encode)
         if run_inside is not None:
             return run_inside(self)
         return self.loss(*self.embed(batch))
+
+    def _encode_in_full_precision(self, inputs: dict[str, Any]) -> torch.Tensor:
+        # Evaluation measures the model that is saved, as `vembed eval` runs it: in the dtype of its weights (float32;
+        # only DeepSpeed's bf16/fp16 engines hold half-precision weights), whatever autocast the launch wraps the
+        # forward in (accelerate's mixed precision).
+        device = next((v.device for v in inputs.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
+        with torch.autocast(device.type, enabled=False):
+            return self.adapter(inputs).float()
 
 
 def parameter_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:

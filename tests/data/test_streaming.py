@@ -1,0 +1,176 @@
+"""vembed/data/streaming.py: which slot reads which shard, the seeded order, skipping and counting bad samples, the
+column mapping of tar samples, the shard index, and the recipe checks."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("webdataset")  # the streaming extra (in dev)
+
+from streams import jsonl_shards, png_bytes, tar_shards, write_tar
+
+from vembed.data.stream_samples import SampleDecoder
+from vembed.data.streaming import ShardStream, SlotPosition, StreamLayout, open_stream
+from vembed.errors import DataError, RecipeError
+from vembed.recipe import ColumnMap, DataConfig, recipe_from_dict
+
+
+def _stream(train: str, batch_size: int = 4, shuffle_buffer: int = 8, seed: int = 0, **data) -> ShardStream:
+    cfg = DataConfig(train=train, **data)
+    backend, shards = open_stream(cfg)
+    decoder = SampleDecoder(cfg.columns.model_dump(), cfg.image_root, cfg.num_hard_negatives or 0, 1)
+    return ShardStream(backend, shards, decoder, list, batch_size=batch_size, seed=seed,
+                       shuffle_buffer=shuffle_buffer)
+
+
+def _keys_by_slot(stream: ShardStream, epoch: int) -> dict[int, list[str]]:
+    stream.start_epoch(epoch)
+    errors = []
+    keys = {slot: [f"{Path(r.file).name}:{r.row}" for r in stream.slot_samples(slot, lambda f, e: errors.append(e))]
+            for slot in range(stream.layout.slots)}
+    assert not errors
+    return keys
+
+
+@pytest.mark.parametrize("kind", ["tar", "jsonl"])
+def test_slots_read_disjoint_shards_in_an_order_fixed_by_seed_and_epoch(dummy_data_dir, tmp_path, kind):
+    train = (tar_shards if kind == "tar" else jsonl_shards)(dummy_data_dir, tmp_path / "shards")
+    stream = _stream(train)
+    stream.set_layout(StreamLayout(world=2, rank=0, workers=2))  # 4 slots, 7 shards
+    first = _keys_by_slot(stream, epoch=0)
+    everything = [key for keys in first.values() for key in keys]
+    assert len(everything) == len(set(everything)) == 68  # every sample once, no slot shares one
+    files = {slot: {key.split(":")[0] for key in keys} for slot, keys in first.items()}
+    assert all(not files[a] & files[b] for a in files for b in files if a < b)  # whole shards per slot
+
+    assert _keys_by_slot(stream, epoch=0) == first  # same seed and epoch: same order
+    second = _keys_by_slot(stream, epoch=1)
+    assert second != first and sorted(k for v in second.values() for k in v) == sorted(everything)
+    other_seed = _stream(train, seed=1)
+    other_seed.set_layout(stream.layout)
+    assert _keys_by_slot(other_seed, epoch=0) != first
+
+
+def _good(text: str = "a caption") -> dict[str, bytes]:
+    return {"png": png_bytes(), "txt": text.encode()}
+
+
+def test_corrupt_samples_are_skipped_and_counted_with_their_shard_and_row(tmp_path):
+    shards = tmp_path / "shards"
+    write_tar(shards / "a-0.tar", {
+        "s0": _good(),
+        "s1": {"png": b"not a png at all", "txt": b"bad image"},  # bad image bytes
+        "s2": {"png": png_bytes()},  # no text: empty query
+        "s3": _good(),
+        "s4": {"png": png_bytes()[:40], "txt": b"truncated png"},  # opens, fails to decode
+        "s5": {"png": png_bytes(), "txt": b"\xff\xfe"},  # not UTF-8
+        "s6": {**_good(), "json": b"{not json"},
+    })
+    write_tar(shards / "a-1.tar", {f"t{i}": _good(f"caption {i}") for i in range(5)})
+    (shards / "a-2.tar").write_bytes(b"this is not a tar file" * 40)  # a whole corrupt shard
+    stream = _stream(str(shards / "a-*.tar"), batch_size=1, shuffle_buffer=1)
+    stream.start_epoch(0)
+    items = list(stream)
+    position = SlotPosition.from_dict(items[-1][0])  # the end-of-slot item: counts after the last batch too
+
+    assert [batch is None for _, batch in items] == [False] * (2 + 5) + [True]  # only good samples are batched
+    assert position.ended
+    assert position.drawn == 12 and position.skipped == {"bad_image": 2, "empty_query": 1, "bad_text": 1,
+                                                          "bad_json": 1, "bad_shard": 1}
+    rows = {(Path(row["file"]).name, row["row"], row["reason"]) for row in position.bad_rows}
+    assert ("a-0.tar", 2, "bad_image") in rows and ("a-0.tar", 3, "empty_query") in rows
+    assert all(Path(row["file"]).name in ("a-0.tar", "a-2.tar") for row in position.bad_rows)
+
+
+def test_tar_members_and_json_fields_map_to_columns(tmp_path):
+    write_tar(tmp_path / "s-0.tar", {"k0": {"jpg": png_bytes(), "caption": b"the caption", "txt": b"unused",
+                                           "json": json.dumps({"group": "g1", "doc": "a document"}).encode()}})
+    columns = ColumnMap(query="caption", positive="doc", query_image="jpg", label="group")
+    stream = _stream(str(tmp_path / "s-0.tar"), batch_size=1, columns=columns.model_dump())
+    stream.start_epoch(0)
+    (_, [example]), _end = list(stream)
+    assert example.query.text == "the caption" and example.query.image.size == (8, 8)  # member `.caption`, `.jpg`
+    assert example.positive.text == "a document" and example.positive.image is None  # .json fields
+    assert example.label == "g1"
+
+    default = _stream(str(tmp_path / "s-0.tar"), batch_size=1)  # default names: open_clip's txt/image pairing
+    default.start_epoch(0)
+    (_, [example]), _end = list(default)
+    assert example.query.text == "unused" and example.positive.image is not None and example.label is None
+
+
+def _recipe(train: str, **changes) -> dict:
+    return {"model_type": "clip", "model_config": {}, "data": {"train": train}, **changes}
+
+
+def test_shards_without_an_index_need_max_steps(tmp_path):
+    from vembed.data.streaming import check_stream_recipe
+
+    write_tar(tmp_path / "s-0.tar", {"k": _good()})
+    cfg = recipe_from_dict(_recipe(str(tmp_path / "s-*.tar"))).data
+    with pytest.raises(RecipeError, match="max_steps.*sizes.json.*vembed data index"):
+        check_stream_recipe(cfg, max_steps=None)
+    check_stream_recipe(cfg, max_steps=10)  # a fixed length needs no index
+    (tmp_path / "sizes.json").write_text(json.dumps({"s-0.tar": 1}))
+    check_stream_recipe(cfg, max_steps=None)
+
+
+def test_evaluation_splits_cannot_be_tar_shards(tmp_path):
+    from vembed.data.streaming import check_stream_recipe
+
+    write_tar(tmp_path / "s-0.tar", {"k": _good()})
+    cfg = DataConfig(train=str(tmp_path / "s-0.tar"), validation=str(tmp_path / "s-0.tar"))
+    with pytest.raises(RecipeError, match="data.validation"):
+        check_stream_recipe(cfg, max_steps=10)
+
+
+def test_streaming_is_chosen_for_tar_shards_only(tmp_path, dummy_data_dir):
+    from vembed.data.streaming import wants_streaming
+
+    write_tar(tmp_path / "s-0.tar", {"k": _good()})
+    assert wants_streaming(DataConfig(train=str(tmp_path / "s-{0..0}.tar")))
+    assert not wants_streaming(DataConfig(train=str(dummy_data_dir / "train.jsonl")))
+    assert wants_streaming(DataConfig(train=str(dummy_data_dir / "train.jsonl"), streaming=True))
+
+
+def test_data_commands_write_shards_and_an_index_that_agree(tmp_path, capsys):
+    from vembed.cli import main
+
+    out = tmp_path / "wds"
+    assert main(["data", "webdataset", "--out", str(out), "--source", "dummy", "--num-samples", "40",
+                 "--shard-size", "8"]) == 0
+    written = json.loads((out / "shards" / "sizes.json").read_text())
+    assert sum(written.values()) == 28 and len(written) == 4  # 70 % of 40 for training, 8 per shard
+    (out / "shards" / "sizes.json").unlink()
+    assert main(["data", "index", str(out / "shards")]) == 0
+    assert json.loads((out / "shards" / "sizes.json").read_text()) == written
+    assert main(["data", "index"]) == 2 and "give the shards" in capsys.readouterr().err
+
+
+def test_a_stream_that_reads_no_shard_is_refused_in_one_line(tmp_path):
+    write_tar(tmp_path / "s-0.tar", {"k": _good()})
+    with pytest.raises(RecipeError, match="not found"):
+        open_stream(DataConfig(train=str(tmp_path / "s-{0..1}.tar")))
+    with pytest.raises(RecipeError, match="mixes tar shards"):
+        (tmp_path / "x.jsonl").write_text("{}\n")
+        open_stream(DataConfig(train=[str(tmp_path / "s-0.tar"), str(tmp_path / "x.jsonl")]))
+
+
+def test_report_stops_a_run_whose_epoch_cannot_stay_under_max_bad_fraction():
+    from vembed.data.streaming import StreamReport
+
+    report = StreamReport(split="train", files=["x.tar"], planned_samples=100)
+    bad = SlotPosition(0, drawn=10)
+    for row in range(6):
+        bad.skip("x.tar", row + 1, "bad_image", "sample k: cannot decode image")
+    report.merge_positions(0, [bad])
+    report.check_bad_fraction(0.1, epoch_done=False)  # 6 of a planned 100: may still pass
+    with pytest.raises(DataError, match=r"x.tar, row 1: .*6 of 10 samples .* bad_image"):
+        report.check_bad_fraction(0.05, epoch_done=False)  # 6 > 5 % of 100: cannot pass any more
+    with pytest.raises(DataError, match="data.max_bad_fraction=0.1"):
+        report.check_bad_fraction(0.1, epoch_done=True)  # 60 % of what the epoch read
+    assert Counter(report.skipped) == Counter({"bad_image": 6})
