@@ -71,6 +71,8 @@ def export_sentence_transformers(
         )
     if out_dir.resolve() == model_dir.resolve():
         raise ExportError(f"the output folder must differ from the model folder {str(model_dir)!r}")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ExportError(f"{str(out_dir)!r} is a file; choose a folder for --out")
     if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / "modules.json").is_file():
         raise ExportError(f"{str(out_dir)!r} exists and is not a sentence-transformers folder; choose a new folder")
     st = _sentence_transformers()

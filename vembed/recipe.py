@@ -18,6 +18,9 @@ A recipe is validated in two stages, both before any model is built:
 from __future__ import annotations
 
 import os
+import re
+import types
+import typing
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol
 
@@ -70,6 +73,23 @@ RENAMED_KEYS: dict[str, str] = {
 class _Strict(BaseModel):
     # Unknown keys are errors (with a hint), never silently ignored; assignments are validated too.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: Any) -> Any:
+        # pydantic reads true as 1 for a number; `batch_size: true` is a mistake, not a batch of one.
+        if isinstance(value, bool) and _numbers_only(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"expects a number, not {str(value).lower()}")
+        return value
+
+
+def _numbers_only(annotation: Any) -> bool:
+    """The annotation admits numbers (int/float, maybe None) and nothing else."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        leaves = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+    else:
+        leaves = [annotation]
+    return bool(leaves) and all(leaf in (int, float) for leaf in leaves)
 
 
 class Settings(_Strict):
@@ -218,7 +238,11 @@ class Recipe(_Strict):
     # Every log line also records samples/s, tokens/s, peak memory and MFU (vembed/training/throughput.py).
     report_to: list[Literal["tensorboard", "wandb", "trackio"]] = Field(default_factory=list)
     run_name: str | None = None
-    resume_from: str | None = None  # "auto" (latest checkpoint in output_dir) or a checkpoint path
+    # "auto": the newest good checkpoint in output_dir (damaged ones are skipped, naming the bad file; another run's
+    # are refused), or a fresh start when there is none; or a checkpoint path. Unset: a new run, refused when
+    # output_dir already holds checkpoints or a final model.
+    resume_from: str | None = None
+    overwrite_output_dir: bool = False  # start again in an output_dir holding a run: its outputs are removed first
 
     # --- profiling -------------------------------------------------------------------------------------------------
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
@@ -297,7 +321,12 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
     key = key.strip()
     if not key:
         raise RecipeError("--config_override", f"{text!r} has no key before '='")
-    value = yaml.safe_load(raw) if raw.strip() else None
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise RecipeError("--config_override", f"{text!r}: the value is not valid YAML ({problem}); quote text "
+                                               "with spaces or brackets") from None
     return key.split("."), value
 
 
@@ -339,16 +368,29 @@ def _fields_at(root: type[BaseModel], loc: tuple[str | int, ...]) -> list[str]:
     return [field.alias or name for name, field in model.model_fields.items()]
 
 
+# pydantic names the member of a union (`str`, `list[str]`) or the validator in an error's location; no key is.
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|[a-z_-]+\[.*\])$")
+
+
+def _key_path(error: dict[str, Any]) -> tuple[str | int, ...]:
+    loc = tuple(error["loc"])
+    if error["type"] == "extra_forbidden":  # the last part is the user's unknown key, whatever it is called
+        return tuple(p for p in loc[:-1] if not (isinstance(p, str) and _TYPE_TAG.match(p))) + loc[-1:]
+    return tuple(p for p in loc if not (isinstance(p, str) and _TYPE_TAG.match(p)))
+
+
 def _error_to_recipe_error(err: ValidationError, source: str | None, root: type[BaseModel]) -> RecipeError:
     first = err.errors()[0]
-    loc = tuple(p for p in first["loc"] if not str(p).startswith("function-after["))
+    loc = _key_path(first)
     key = ".".join(str(p) for p in loc) or "recipe"
-    more = len(err.errors()) - 1
+    more = len({_key_path(e) for e in err.errors()}) - 1  # a union reports each member: one key, one problem
     suffix = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
     ctx = first.get("ctx") or {}
     inner = ctx.get("error")
     if isinstance(inner, InvalidKey):
         return RecipeError(inner.key, inner.message + suffix, source)
+    if isinstance(inner, ValueError):  # our own validators' messages, as written
+        return RecipeError(key, str(inner) + suffix, source)
     if first["type"] == "extra_forbidden":
         hint = did_you_mean(str(loc[-1]), _fields_at(root, loc)) or "; remove it (see vembed/recipe.py for every key)"
         return RecipeError(key, f"unknown key{hint}{suffix}", source)
@@ -423,22 +465,70 @@ def _coerce_numbers(raw: Any) -> Any:
     return _coerce_scientific(raw)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (plain YAML keeps the last, silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults` overrides by design
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: the schema reports it
+                continue
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice (first on line {first}); keep one",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_recipe_file(path: str | os.PathLike, overrides: list[str] | None = None) -> dict[str, Any]:
-    """The mapping of a YAML recipe (safe_load) with `key=value` overrides applied (dotted keys reach into `data`)."""
+    """The mapping of a YAML recipe (safe, duplicate keys refused) with `key=value` overrides applied (dotted keys
+    reach into `data`)."""
     path = Path(path)
     if not path.is_file():
-        raise RecipeError("recipe", f"file {str(path)!r} not found; pass the path of a YAML recipe (see configs/)")
+        what = "is a directory" if path.is_dir() else "not found"
+        raise RecipeError("recipe", f"file {str(path)!r} {what}; pass the path of a YAML recipe (see configs/)")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text(encoding="utf-8")
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except UnicodeDecodeError:
+        raise RecipeError("recipe", "is not a text file; pass a YAML recipe (see configs/)", str(path)) from None
+    except OSError as err:
+        raise RecipeError("recipe", f"cannot be read: {err.strerror}", str(path)) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise RecipeError("recipe", f"is not valid YAML{where}: {getattr(err, 'problem', err)}", str(path)) from None
+    if raw is None:
+        raise RecipeError("recipe", "is empty; write the recipe's keys in it (see configs/ for examples)", str(path))
     if not isinstance(raw, dict):
         raise RecipeError("recipe", "must be a mapping of key: value at the top level", str(path))
     return apply_overrides(raw, overrides or [])
 
 
 def load_recipe(path: str | os.PathLike, overrides: list[str] | None, catalog: Catalog) -> Recipe:
-    """Read a YAML recipe, apply overrides, validate (see `recipe_from_dict`)."""
-    return recipe_from_dict(read_recipe_file(path, overrides), str(path), catalog)
+    """Read a YAML recipe, apply overrides, validate (see `recipe_from_dict`). A problem with an overridden key names
+    the override, not the file."""
+    overrides = overrides or []
+    raw = read_recipe_file(path, overrides)
+    try:
+        return recipe_from_dict(raw, str(path), catalog)
+    except RecipeError as err:
+        override = _override_of(err.key, overrides)
+        if override is None:
+            raise
+        raise RecipeError(err.key, err.message, f"--config_override {override}") from None
+
+
+def _override_of(key: str, overrides: list[str]) -> str | None:
+    """The override that set `key` (or a key above or below it), if any: the last one wins, as when applying."""
+    for text in reversed(overrides):
+        name = text.split("=", 1)[0].strip()
+        if key == name or key.startswith(f"{name}.") or name.startswith(f"{key}."):
+            return text
+    return None

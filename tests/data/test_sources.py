@@ -343,3 +343,55 @@ def test_hf_list_of_images_column_gives_one_side_several_embedded_images(tmp_pat
     two, one = examples[0].query.image, examples[1].query.image
     assert [load_image(image).getpixel((0, 0)) for image in two] == [(200, 0, 0), (0, 200, 0)]
     assert load_image(one).getpixel((0, 0)) == (0, 200, 0)
+
+
+def test_numbers_or_lists_where_text_is_expected_are_bad_rows_not_text(tmp_path):
+    """str() used to turn them into "12" or "['a', 'b']" and train on that."""
+    rows = [{"query": "a red square", "positive": "doc one"}, {"query": 12, "positive": "doc two"},
+            {"query": "a blue circle", "positive": ["a", "b"]}]
+    path = _jsonl(tmp_path / "pairs.jsonl", rows)
+    with pytest.raises(DataError, match="2 of 3 rows .* unusable \\(2 bad_text.*query cell holds int 12, not text"):
+        load_examples(DataConfig(train=str(path)), "train")
+    examples, report = load_examples(DataConfig(train=str(path), max_bad_fraction=1.0), "train")
+    assert [e.query.text for e in examples] == ["a red square"] and report.skipped == {"bad_text": 2}
+    assert "positive cell holds list ['a', 'b']" in str(report.bad_rows[1])
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_a_column_of_numbers_mapped_as_text_is_one_line(tmp_path, fmt):
+    rows = [{"query": i, "positive": f"doc {i}"} for i in range(5)]
+    path = _write(tmp_path, fmt, rows) if fmt == "parquet" else tmp_path / "pairs.csv"
+    if fmt == "csv":
+        path.write_text("query,positive\n" + "".join(f"{i},doc {i}\n" for i in range(5)))
+    with pytest.raises(DataError) as err:
+        load_examples(DataConfig(train=str(path)), "train")
+    assert "all 5 skipped (5 bad_text)" in str(err.value) and "data.columns" in str(err.value)
+
+
+def test_an_empty_file_is_one_error_without_a_warning_first(tmp_path, caplog):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DataError, match="has no rows"):
+        load_examples(DataConfig(train=str(empty)), "train")
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    # Beside a file with rows, an empty one is still worth a warning.
+    load_examples(DataConfig(train=[str(empty), str(_write(tmp_path, "jsonl"))]), "train")
+    assert [r for r in caplog.records if "no rows, ignored" in r.getMessage()]
+
+
+def test_a_truncated_parquet_file_is_one_line_with_no_library_log_before_it(tmp_path):
+    import logging
+
+    whole = _write(tmp_path, "parquet").read_bytes()
+    cut = tmp_path / "cut.parquet"
+    cut.write_bytes(whole[: len(whole) // 2])
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # datasets' loggers do not reach pytest's caplog
+    logging.getLogger("datasets").addHandler(handler)
+    try:
+        with pytest.raises(DataError, match="cut.parquet: cannot read as parquet"):
+            load_examples(DataConfig(train=str(cut)), "train")
+    finally:
+        logging.getLogger("datasets").removeHandler(handler)
+    assert not [r.getMessage() for r in records if r.levelno >= logging.WARNING]  # "Failed to read schema ..."

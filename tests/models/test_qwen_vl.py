@@ -298,8 +298,8 @@ def test_backbone_is_chosen_from_the_config_and_checked(qwen_recipe, qwen_tokeni
     from vembed.tasks import check_recipe
 
     with pytest.raises(RecipeError, match="mrl_dims"):
-        check_recipe(qwen_recipe("qwen2_vl", mrl_dims=[32, 64]), for_training=False)
-    check_recipe(qwen_recipe("qwen2_vl", mrl_dims=[16, 48]), for_training=False)
+        check_recipe(qwen_recipe("qwen2_vl", mrl_dims=[64, 32]), for_training=False)
+    check_recipe(qwen_recipe("qwen2_vl", mrl_dims=[48, 16]), for_training=False)
     bert = recipe_from_dict({"model_type": "qwen_vl", "tokenizer_name": qwen_tokenizer_dir,
                              "model_config": {"model_type": "bert", "hidden_size": 32}})
     with pytest.raises(RecipeError, match="qwen2_vl, qwen2_5_vl, qwen3_vl"):

@@ -46,6 +46,8 @@ SKIP_FIXES = {
     "empty_positive": "give every row a positive text or image",
     "missing_image": "check the image paths and data.image_root",
     "bad_image": "give image columns file paths (or a datasets Image feature)",
+    "bad_text": "give query/positive/negatives text (a column of numbers only is read as numbers: check that "
+                "data.columns maps the text columns)",
     "too_few_negatives": "lower data.num_hard_negatives or add negatives to those rows",
 }
 
@@ -201,7 +203,14 @@ def _json_lines(text: str, path: str) -> list[Any]:
 def _read_file(path: str, builder: str) -> "datasets.Dataset":
     import datasets
 
-    return datasets.load_dataset(builder, data_files=path, split="train")
+    # datasets logs "Failed to read file ..." itself before raising; our DataError says it once, naming the file.
+    builder_logger = logging.getLogger(f"datasets.packaged_modules.{builder}.{builder}")
+    level = builder_logger.level
+    builder_logger.setLevel(logging.CRITICAL)
+    try:
+        return datasets.load_dataset(builder, data_files=path, split="train")
+    finally:
+        builder_logger.setLevel(level)
 
 
 def _read_hf(path: str, split: str) -> "datasets.Dataset":
@@ -316,7 +325,7 @@ class DataReport:
 
 
 class _UnusableImage(Exception):
-    """Raised while reading a row whose image cell cannot be used; the row is skipped under `reason`."""
+    """Raised while reading a row whose image (or text) cell cannot be used; the row is skipped under `reason`."""
 
     def __init__(self, reason: str, detail: str):
         self.reason, self.detail = reason, detail
@@ -324,6 +333,17 @@ class _UnusableImage(Exception):
 
 def _is_null(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def _side_text(value: Any, part: str) -> str | None:
+    """A text cell of a query, positive or negative: a string, or nothing. A number or a list there is a wrong column
+    or a wrongly typed file, not text to embed (str() would train on "12" or "['a', 'b']")."""
+    if _is_null(value):
+        return None
+    if not isinstance(value, str):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise _UnusableImage("bad_text", f"{part} cell holds {type(value).__name__} {shown}, not text")
+    return value if value.strip() else None
 
 
 def _text(value: Any) -> str | None:
@@ -398,8 +418,9 @@ class _RowReader:
     def example(self, row: dict[str, Any], number: int, report: DataReport) -> Example | None:
         get = row.get
         try:
-            query = Side(_text(get("query")), self.side_images(get("query_image")), role="query")
-            positive = Side(_text(get("positive")), self.side_images(get("positive_image")), role="document")
+            query = Side(_side_text(get("query"), "query"), self.side_images(get("query_image")), role="query")
+            positive = Side(_side_text(get("positive"), "positive"), self.side_images(get("positive_image")),
+                            role="document")
             if query.is_empty:
                 report.skip(self.file, number, "empty_query", "no query text or image")
                 return None
@@ -408,7 +429,8 @@ class _RowReader:
                 return None
             texts = _as_list(get("negatives"), self.builder)
             images = _as_list(get("negative_images"), self.builder)
-            negatives = [Side(_text(t), self.side_images(i), role="document") for t, i in zip_longest(texts, images)]
+            negatives = [Side(_side_text(t, "negatives"), self.side_images(i), role="document")
+                         for t, i in zip_longest(texts, images)]
         except _UnusableImage as bad:
             report.skip(self.file, number, bad.reason, bad.detail)
             return None
@@ -484,11 +506,12 @@ def load_examples(
     columns = data_cfg.columns.model_dump()
     report = DataReport(split=split, files=files)
     examples: list[Example] = []
+    empty: list[str] = []
     for file in files:
         builder = builder_for(file, data_cfg.format)
         table = read_table(file, builder, split)
         if table.num_rows == 0:
-            logger.warning("%s: no rows, ignored", file)
+            empty.append(file)
             continue
         _check_columns(file, list(table.column_names), columns)
         used = [name for name in columns.values() if name in table.column_names]
@@ -513,6 +536,8 @@ def load_examples(
     report.kept, report.num_hard_negatives = len(examples), wanted
 
     _check_bad_fraction(report, data_cfg.max_bad_fraction)
+    for file in empty:  # said only when other files had rows; else the error above says it, once
+        logger.warning("%s: no rows, ignored", file)
     logger.info(report.summary())
     return examples, report
 

@@ -70,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
         from vembed.errors import RecipeError
         from vembed.tasks import check_recipe
 
+        if args.steps < 1:
+            raise RecipeError("--steps", f"must be at least 1, got {args.steps}")
         recipe = load_recipe(args.recipe, args.config_override)
         check_recipe(recipe)
         gpus = torch.cuda.device_count()

@@ -50,7 +50,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"making the digits data set in {data_dir} ...", file=sys.stderr)
             make_digits_dataset(data_dir)
         overrides = [f"data.train={data_dir}/train.jsonl", f"data.validation={data_dir}/validation.jsonl",
-                     f"data.test={data_dir}/test.jsonl", f"tokenizer_name={data_dir}/tokenizer", *args.config_override]
+                     f"data.test={data_dir}/test.jsonl", f"tokenizer_name={data_dir}/tokenizer"]
+        if not any(o.startswith("resume_from=") for o in args.config_override):
+            overrides.append("overwrite_output_dir=true")  # the demo trains from scratch each time it is run
+        overrides += args.config_override
         recipe = load_recipe(args.recipe, overrides)
         check_recipe(recipe)
 

@@ -36,6 +36,9 @@ class EmbeddingLossSettings(Settings):
                 raise InvalidKey("mrl_dims", f"dimensions must be positive, got {self.mrl_dims}")
             if len(set(self.mrl_dims)) != len(self.mrl_dims):
                 raise InvalidKey("mrl_dims", f"has repeated dimensions: {self.mrl_dims}")
+            if self.mrl_dims != sorted(self.mrl_dims, reverse=True):
+                raise InvalidKey("mrl_dims", f"{self.mrl_dims} is not from largest to smallest; write "
+                                             f"{sorted(self.mrl_dims, reverse=True)}")
         if self.mrl_weights is not None:
             if self.mrl_dims is None:
                 raise InvalidKey("mrl_weights", "is set but mrl_dims is not; set mrl_dims or remove mrl_weights")

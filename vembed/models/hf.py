@@ -59,10 +59,16 @@ def auto_config(
         chosen = model_type or given
         if chosen is None:
             raise RecipeError(key, "needs a model_type naming the transformers architecture (e.g. bert, vit)")
+        # huggingface_hub's typed configs raise StrictDataclassError (an Exception, not a ValueError) for a value of
+        # the wrong type (`projection_dim: big`); its message spans lines, the first says which field.
+        from huggingface_hub.errors import StrictDataclassError
+
         try:
             config = AutoConfig.for_model(chosen, **kwargs)
-        except (ValueError, TypeError) as err:
-            raise RecipeError(key, f"is not a valid {chosen!r} config: {err}") from None
+        except (ValueError, TypeError, StrictDataclassError) as err:
+            cause = err.__cause__ if isinstance(err, StrictDataclassError) and err.__cause__ else err
+            first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(err).__name__
+            raise RecipeError(key, f"is not a valid {chosen!r} config: {first.split('. Errors:')[0]}") from None
     if model_type is not None and config.model_type != model_type:
         raise RecipeError(key, f"points at a {config.model_type!r} model, but this adapter needs {model_type!r}")
     return config
