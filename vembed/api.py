@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from vembed.data.records import Side
-from vembed.evaluation.retrieval import encode_sides
+from vembed.models.encoding import encode_sides
 
 if TYPE_CHECKING:
     from PIL import Image
