@@ -63,11 +63,15 @@ def test_released_model_recipes_parse_and_pass_the_checks_on_a_local_checkpoint(
     recipe = load_recipe(CONFIGS / name)
     assert recipe.model_type == "qwen_vl" and recipe.loss.mask_false_negatives
     assert recipe.model.query_instruction == "Retrieve images or text relevant to the user's query."
+    assert recipe.model.prompt_ending == "generation_prompt"  # what the released embedder feeds (and serves)
     if "2b" in name:
         assert (recipe.batch_size, recipe.use_gradient_cache, recipe.gradient_cache_chunk_size) == (64, True, 8)
         assert recipe.loss.mrl_dims[0] == 2048
     else:
-        assert (recipe.batch_size, recipe.use_fsdp, recipe.use_lora, recipe.lora_r) == (16, True, True, 16)
+        # The released Qwen3-VL-Embedding LoRA table: rank 32, alpha 32, q/k/v and the MLP projections, no o_proj.
+        assert (recipe.batch_size, recipe.use_fsdp, recipe.use_lora) == (16, True, True)
+        assert (recipe.lora_r, recipe.lora_alpha) == (32, 32)
+        assert sorted(recipe.lora_target_modules) == ["down_proj", "gate_proj", "k_proj", "q_proj", "up_proj", "v_proj"]
         assert recipe.gradient_checkpointing and recipe.loss.mrl_dims[0] == 4096
 
     tiny = load_recipe(CONFIGS / "qwen3_vl_tiny.yaml", _tiny_overrides(digits, tmp_path / "unused"))
