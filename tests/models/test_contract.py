@@ -14,7 +14,9 @@ import torch
 
 from vembed.models import MODELS
 
-ADAPTERS = ["clip", "siglip", "text", "composed", "qwen_vl"]
+# Every registered adapter: a new one is held to the contract as soon as it is registered (and fails until
+# tests/models/conftest.py `recipe_for` gives it a tiny config).
+ADAPTERS = MODELS.names()
 # Parameters an adapter adds outside its towers: they stay trainable beside LoRA.
 OUTSIDE_TOWERS = {"composed": ("text_projection", "vision_projection")}
 # Settings under which every layer gets gradients (qwen_vl freezes its vision tower by default).
