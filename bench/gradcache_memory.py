@@ -50,7 +50,7 @@ def worker(data: Path, mode: str, batch: int, chunk: int, steps: int, measure: s
     import torch
     from accelerate.utils import send_to_device
 
-    from vembed.recipe import recipe_from_dict
+    from vembed.components import recipe_from_dict
     from vembed.training.loop import Trainer
 
     raw = {"model_type": "clip", "model_config": MODEL, "tokenizer_name": str(data / "tokenizer"),

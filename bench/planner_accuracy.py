@@ -55,7 +55,7 @@ QUICK = [CASES[0], (CASES[1][0], CASES[1][1], [16])]
 
 
 def _recipe(keys: dict, batch_size: int, checkpointing: bool):
-    from vembed.recipe import recipe_from_dict
+    from vembed.components import recipe_from_dict
 
     return recipe_from_dict({**keys, "tokenizer_name": "unused", "batch_size": batch_size,
                              "gradient_checkpointing": checkpointing, "mixed_precision": "no"})
@@ -65,7 +65,7 @@ def _recipe(keys: dict, batch_size: int, checkpointing: bool):
 def _batch(adapter, modality: str, n: int, tokens: int):
     import torch
 
-    from vembed.models._common import IMAGE_INDEX, PIXEL_VALUES, TEXT_INDEX
+    from vembed.models.batch import IMAGE_INDEX, PIXEL_VALUES, TEXT_INDEX
 
     rows, none = torch.arange(n), torch.full((n,), -1)
     if modality == "text":
@@ -82,10 +82,11 @@ def measure(keys: dict, batch_size: int, checkpointing: bool) -> dict[str, int]:
     """Run in the child: two real training steps; the components in bytes."""
     import torch
 
+    from vembed.components import model_class
     from vembed.losses import build_loss
-    from vembed.models import MODELS
     from vembed.planning import measure_model, workload_for
-    from vembed.training.objective import ContrastiveObjective, parameter_groups
+    from vembed.tasks.contrastive import ContrastiveObjective
+    from vembed.training.objective import parameter_groups
 
     torch.set_num_threads(2)
     recipe = _recipe(keys, batch_size, checkpointing)
@@ -93,7 +94,7 @@ def measure(keys: dict, batch_size: int, checkpointing: bool) -> dict[str, int]:
     query = "text" if "text" in work.sides else "image"  # as the planner assigns sides (workload_for)
     documents = "image" if "image" in work.sides else "text"
     before = rss_bytes()
-    adapter = MODELS.get(recipe.model_type).on_meta(recipe).to_empty(device="cpu")
+    adapter = model_class(recipe).on_meta(recipe).to_empty(device="cpu")
     with torch.no_grad():
         for parameter in adapter.parameters():
             parameter.normal_(0, 0.02)

@@ -43,7 +43,7 @@ def _forever(loader: Any) -> Any:
 
 
 def measure(scenario: str, blocks: int, block_steps: int, smoke: bool, num_workers: int = 0) -> dict[str, Any]:
-    from vembed.recipe import recipe_from_dict
+    from vembed.components import recipe_from_dict
     from vembed.training.checkpoint import TrainerState
     from vembed.training.loop import Trainer
 

@@ -26,11 +26,11 @@ from outputs import output_dir  # noqa: E402
 def _stream(data: dict, batch_size: int):
     import yaml
 
+    from vembed.components import recipe_from_dict
     from vembed.data.collate import PairCollator
     from vembed.data.stream_samples import SampleDecoder
     from vembed.data.streaming import ShardStream, open_stream
     from vembed.models import MODELS
-    from vembed.recipe import recipe_from_dict
 
     raw = yaml.safe_load((ROOT / "configs" / "demo_clip.yaml").read_text())
     raw.update(tokenizer_name=data["tokenizer"], data={"train": data["train"], "shuffle_buffer": 1000})

@@ -269,13 +269,12 @@ def build_minimal(spec: dict[str, Any]) -> tuple[list[tuple[Any, Any]], Any]:
         params, symmetric = model.parameters(), False
     else:
         # The adapter only builds the same modules from the recipe and preprocesses in advance; the loop calls them.
+        from vembed.components import model_class, recipe_from_dict
         from vembed.data.records import Side
-        from vembed.models import MODELS
-        from vembed.recipe import recipe_from_dict
 
         recipe = recipe_from_dict({**spec["recipe"], "tokenizer_name": spec["tokenizer_dir"],
                                    "max_length": spec["max_length"]})
-        adapter = MODELS.get(recipe.model_type).from_recipe(recipe)
+        adapter = model_class(recipe).from_recipe(recipe)
         batches = []
         for i in range(total):
             chunk = rows[(i * b) % len(rows):][:b]

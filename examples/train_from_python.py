@@ -13,8 +13,8 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import vembed  # noqa: E402
+from vembed.components import recipe_from_dict  # noqa: E402
 from vembed.data.synthetic import make_dummy_dataset  # noqa: E402
-from vembed.recipe import recipe_from_dict  # noqa: E402
 from vembed.training.loop import Trainer  # noqa: E402
 
 DATA = "runs/example/data"

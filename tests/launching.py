@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from deadline import limit, run_with_deadline
 
 ROOT = Path(__file__).resolve().parents[1]
 # NVIDIA_TF32_OVERRIDE=0: no TF32 in cuBLAS/cuDNN, so fp32 on a GPU is fp32 (CLIP's patch embedding is a convolution,
@@ -27,10 +28,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+LAUNCH_TIMEOUT = 900  # s; a launch takes 20-60 s on 2 idle cores (scaled by VEMBED_TEST_TIMEOUT_SCALE)
+
+
 def write_recipe(base: dict, out: Path, **changes) -> Path:
-    """A recipe file for 3 optimizer steps of `base` into `out` (checkpoint at step 2), training split only."""
-    raw = dict(base, output_dir=str(out), max_steps=3, save_steps=2, logging_steps=1, learning_rate=1e-3,
-               eval_before_training=False, data={"train": base["data"]["train"]}, **changes)
+    """A recipe file for 3 optimizer steps of `base` into `out` (checkpoint at step 2); the untrained model is
+    evaluated too when `base` has a validation split."""
+    raw = {**base, "output_dir": str(out), "max_steps": 3, "save_steps": 2, "logging_steps": 1,
+           "learning_rate": 1e-3, "eval_before_training": "validation" in base["data"], **changes}
     out.parent.mkdir(parents=True, exist_ok=True)
     path = out.parent / f"{out.name}.yaml"
     path.write_text(yaml.safe_dump(raw))
@@ -38,7 +43,7 @@ def write_recipe(base: dict, out: Path, **changes) -> Path:
 
 
 def launch(config: str | None, recipe: Path, *, processes: int = 2, mixed_precision: str = "no",
-           cpu_only: bool = False, timeout: int = 300) -> subprocess.CompletedProcess:
+           cpu_only: bool = False) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file accelerate_configs/CONFIG` on `processes` processes, or (config None) one
     process with no launcher: the reference. `cpu_only` hides GPUs, so a CPU launch and its reference both run on
     CPU on a machine that has some."""
@@ -49,7 +54,8 @@ def launch(config: str | None, recipe: Path, *, processes: int = 2, mixed_precis
                    "--num_processes", str(processes), "--mixed_precision", mixed_precision,
                    "--main_process_port", str(free_port()), "vembed/entrypoints/train.py", str(recipe)]
     env = dict(ENV, CUDA_VISIBLE_DEVICES="") if cpu_only else ENV
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    result = run_with_deadline(command, cwd=ROOT, env=env, timeout=limit(LAUNCH_TIMEOUT),
+                               log_dir=recipe.with_suffix(".logs"))
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
     return result
 

@@ -20,9 +20,9 @@ def saved(tiny_tokenizer_dir, tmp_path_factory):
     """`saved(model_type, **recipe)`: the folder of a tiny random-init model, built once per set of arguments."""
     from transformers import AutoTokenizer
 
+    from vembed.components import recipe_from_dict
     from vembed.data.tokenizer import special_token_ids
     from vembed.models import MODELS
-    from vembed.recipe import recipe_from_dict
 
     token_ids = special_token_ids(AutoTokenizer.from_pretrained(tiny_tokenizer_dir))
     text = {**TINY, **token_ids, "max_position_embeddings": 16}

@@ -25,9 +25,9 @@ def saved(tiny_tokenizer_dir, tmp_path_factory):
     """`saved(model_type, **recipe)`: the folder of a tiny random-init model (built and saved on each call)."""
     from transformers import AutoTokenizer
 
+    from vembed.components import recipe_from_dict
     from vembed.data.tokenizer import special_token_ids
     from vembed.models import MODELS
-    from vembed.recipe import recipe_from_dict
 
     token_ids = special_token_ids(AutoTokenizer.from_pretrained(tiny_tokenizer_dir))
     text = {**TINY, **token_ids, "max_position_embeddings": 16}
@@ -96,7 +96,7 @@ def test_dual_encoder_export_matches_vembed_for_texts_and_images(saved, tmp_path
 
 def test_other_model_types_are_refused_with_the_exportable_ones_named(tmp_path):
     (tmp_path / "vembed.json").write_text(json.dumps({"model_type": "composed", "embedding_dim": 8, "settings": {}}))
-    with pytest.raises(ExportError, match="'composed' cannot be exported.*text, clip, siglip"):
+    with pytest.raises(ExportError, match="'composed' cannot be exported.*clip, siglip, text"):
         export_sentence_transformers(tmp_path, tmp_path / "st")
 
 
@@ -116,9 +116,9 @@ def test_output_folder_rules(saved, tmp_path):
 
 
 def test_a_mismatching_export_fails_and_leaves_nothing(saved, tmp_path, monkeypatch):
-    import vembed.export as export
+    import vembed.models.sentence_transformers as modules
 
-    monkeypatch.setattr(export, "_normalize", lambda settings: [])  # drop the Normalize module of a normalised model
+    monkeypatch.setattr(modules, "normalize", lambda settings: [])  # drop the Normalize module of a normalised model
     with pytest.raises(ExportError, match="texts embeddings differ from vembed's"):
         export_sentence_transformers(saved("text"), tmp_path / "st")
     assert list(tmp_path.iterdir()) == []

@@ -126,7 +126,7 @@ import vembed
 from vembed.cli import build_parser
 from vembed.entrypoints.launch import _with_absolute_deepspeed_file, choose_config
 from vembed.errors import LaunchError
-from vembed.recipe import load_recipe
+from vembed.components import load_recipe
 
 ddp_cpu, _ = choose_config("ddp_cpu")
 copy = _with_absolute_deepspeed_file(choose_config("deepspeed_zero2")[0])

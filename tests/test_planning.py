@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 
+from vembed.components import recipe_from_dict
 from vembed.planning import (
     GATHERED_LAYERS,
     GIB,
@@ -23,7 +24,6 @@ from vembed.planning import (
     usable_bytes,
     workload_for,
 )
-from vembed.recipe import recipe_from_dict
 
 # A tiny BERT whose parameter count is easy to write out by hand.
 V, P, H, M, L = 100, 16, 8, 12, 2  # vocab, positions, hidden, intermediate (MLP), layers
@@ -267,7 +267,7 @@ def qwen_tokenizer(tmp_path_factory):
 
 
 def _qwen_recipe(tokenizer: str, *overrides: str):
-    from vembed.recipe import load_recipe
+    from vembed.components import load_recipe
 
     return load_recipe(QWEN_TINY, [f"tokenizer_name={tokenizer}", *overrides])
 
@@ -302,7 +302,7 @@ def test_qwen_counts_equal_the_real_model_and_peft(qwen_tokenizer):
     q = text.num_attention_heads * text.head_dim
     kv = text.num_key_value_heads * text.head_dim
     h, i = text.hidden_size, text.intermediate_size
-    per_layer = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)  # q, k, v, o, gate, up, down
+    per_layer = (h + q) + 2 * (h + kv) + 2 * (h + i) + (i + h)  # q, k, v, gate, up, down (the released LoRA's)
     assert size.trainable_lora == 4 * per_layer * text.num_hidden_layers
 
     # With the vision tower trained, it stays fully trainable beside LoRA.
@@ -321,7 +321,7 @@ def test_qwen_planned_tokens_are_what_preprocessing_makes_of_an_image_at_the_pix
     recipe = _qwen_recipe(qwen_tokenizer)
     size = measure_model(recipe)
     real = MODELS.get("qwen_vl").from_recipe(recipe)
-    side = int(recipe.max_pixels**0.5)
+    side = int(recipe.model.max_pixels**0.5)
     batch = real.preprocess([Side(image=Image.new("RGB", (side, side)), role="document")])
     image_tokens = int((batch["input_ids"] == real.model.config.image_token_id).sum())
     assert size.routes["document"]["image"] == batch["pixel_values"].shape[0]  # patches the vision tower sees
@@ -396,8 +396,8 @@ def _offline_overrides(path: Path, shards: Path) -> list[str]:
 @pytest.mark.parametrize("path", SHIPPED_RECIPES, ids=[p.name for p in SHIPPED_RECIPES])
 def test_every_shipped_recipe_plans(path, stand_in_shards, capsys):
     from vembed.cli import main
+    from vembed.components import load_recipe
     from vembed.planning import estimate_line
-    from vembed.recipe import load_recipe
 
     overrides = _offline_overrides(path, stand_in_shards)
     code = main(["plan", str(path), "--gpus", "8", "--gpu-memory", "80", *(["--config_override", *overrides]
@@ -427,7 +427,7 @@ DIT = {"model_type": "blip3o_dit", "loss_type": "flow_matching", "data": {"forma
 
 @pytest.mark.parametrize("precision", ["no", "bf16"])
 def test_dit_plan_counts_its_state_and_its_blocks_activations(precision):
-    from vembed.models.blip3o_dit import Blip3oDiT
+    from vembed.generation.dit import Blip3oDiT
 
     recipe = recipe_from_dict({**DIT, "mixed_precision": precision})
     size = measure_model(recipe)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from vembed.components import load_recipe, recipe_from_dict
 from vembed.errors import RecipeError
-from vembed.recipe import Recipe, check_recipe, load_recipe, recipe_from_dict
+from vembed.tasks import check_recipe
 
 
 def _write(tmp_path, payload, name="recipe.yaml"):
@@ -22,7 +23,7 @@ def _error(raw) -> RecipeError:
 
 
 def test_defaults_are_valid_and_documented_names():
-    recipe = Recipe()
+    recipe = recipe_from_dict({})
     assert recipe.learning_rate > 0 and recipe.batch_size > 0
     assert "model_config" in recipe.to_dict() and "model_config_dict" not in recipe.to_dict()
 
@@ -31,7 +32,7 @@ def test_defaults_are_valid_and_documented_names():
     "raw, key, hint",
     [
         ({"learnin_rate": 1e-4}, "learnin_rate", "did you mean learning_rate?"),
-        ({"lr": 1e-4}, "lr", "remove it"),
+        ({"lr": 1e-4}, "lr", "did you mean learning_rate?"),  # the name in the toolkit vembed replaces
         ({"data": {"trian": "x.jsonl"}}, "data.trian", "did you mean train?"),
         ({"data": {"columns": {"qurey": "q"}}}, "data.columns.qurey", "did you mean query?"),
     ],
@@ -71,7 +72,7 @@ def test_overrides_reach_nested_keys_and_parse_values(tmp_path):
     recipe = load_recipe(path, ["learning_rate=3e-4", "data.num_workers=2", "mrl_dims=[32, 16]", "use_lora=true"])
     assert recipe.learning_rate == pytest.approx(3e-4)
     assert recipe.data.num_workers == 2 and recipe.data.train == "a.jsonl"
-    assert recipe.mrl_dims == [32, 16] and recipe.use_lora is True
+    assert recipe.loss.mrl_dims == [32, 16] and recipe.use_lora is True
 
 
 def test_bad_override_is_a_recipe_error(tmp_path):
@@ -174,3 +175,56 @@ def test_keys_a_model_cannot_honour_are_refused_before_training(tmp_path, tiny_c
     with pytest.raises(RecipeError) as err:
         check_recipe(recipe_from_dict(dict(raw, data={"train": {"a": str(tmp_path / "nope.jsonl")}})))
     assert err.value.key == "data.train.a.files"
+@pytest.mark.parametrize("content, says", [
+    (bytes(range(256)) * 4, "is not a text file"),
+    ("", "is empty"),
+    ("# only a comment\n", "is empty"),
+    ("learning_rate: 1e-4\nbatch_size: 8\nlearning_rate: 0.5\n", "'learning_rate' is given twice (first on line 1)"),
+], ids=["binary", "empty", "comments-only", "duplicate-key"])
+def test_a_recipe_file_that_is_not_a_usable_mapping_is_one_line_naming_the_file(tmp_path, content, says):
+    path = tmp_path / "recipe.yaml"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path)
+    assert says in str(info.value) and str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("raw, key, says", [
+    ({"model_type": {"a": 1}}, "model_type", "must be a name"),  # used to reach ADAPTER_DEFAULTS: TypeError
+    ({"data": {"train": {"a": 1}}}, "data.train.a", "should be a valid"),  # a named source; was data.train.str
+    ({"batch_size": True}, "batch_size", "expects a number, not true"),  # was a batch of 1
+    ({"data": {"num_workers": False}}, "data.num_workers", "expects a number, not false"),
+    ({"mrl_dims": [8, 16]}, "mrl_dims", "not from largest to smallest; write [16, 8]"),
+], ids=["dict-for-name", "union-path", "bool-for-int", "bool-nested", "unsorted-mrl"])
+def test_values_of_the_wrong_kind_name_their_key(raw, key, says):
+    err = _error(raw)
+    assert err.key == key and says in str(err), str(err)
+    assert "(and " not in str(err)  # a union's members are one problem, not several
+
+
+def test_a_bad_override_is_reported_as_the_override_not_the_file(tmp_path):
+    path = _write(tmp_path, {"learning_rate": 1e-4})
+    for override, key in (("learning_rate=-1", "learning_rate"), ("data.num_workers=true", "data.num_workers")):
+        with pytest.raises(RecipeError) as info:
+            load_recipe(path, [override])
+        assert info.value.key == key and f"in --config_override {override}:" in str(info.value)
+        assert str(path) not in str(info.value)
+    with pytest.raises(RecipeError) as info:  # the file's own mistake is still the file's
+        load_recipe(_write(tmp_path, {"learning_rate": -1.0}), ["batch_size=4"])
+    assert f"in {tmp_path / 'recipe.yaml'}" in str(info.value)
+
+
+def test_a_model_config_value_of_the_wrong_type_is_one_line_naming_model_config(tmp_path, tiny_tokenizer_dir):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"query": "a", "positive": "b"}\n')
+    recipe = recipe_from_dict({"model_type": "clip", "tokenizer_name": tiny_tokenizer_dir, "data": {"train": str(data)},
+                               "model_config": {"projection_dim": "big"}})
+    with pytest.raises(RecipeError) as info:
+        check_recipe(recipe)
+    assert info.value.key == "model_config" and "projection_dim" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_an_override_whose_value_is_not_yaml_is_one_line(tmp_path):
+    with pytest.raises(RecipeError) as info:
+        load_recipe(_write(tmp_path, {}), ["learning_rate=[1"])
+    assert info.value.key == "--config_override" and "not valid YAML" in str(info.value)

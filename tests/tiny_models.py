@@ -12,3 +12,30 @@ TINY_CLIP_CONFIG = {
         "num_hidden_layers": 1, "num_attention_heads": 2, "dropout": 0.1,
     },
 }
+
+# Text hidden size 48 (the embedding size) differs from the vision tower's 32 on purpose.
+_QWEN_TEXT = {
+    "vocab_size": 320, "hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "pad_token_id": 0, "bos_token_id": None, "eos_token_id": None,
+}  # fmt: skip
+_MROPE = {"type": "mrope", "mrope_section": [2, 2, 2]}
+_QWEN_VISION = {"depth": 2, "num_heads": 2, "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2}
+QWEN_BACKBONES = {
+    "qwen2_vl": {
+        "text_config": {**_QWEN_TEXT, "rope_scaling": _MROPE},
+        "vision_config": {**_QWEN_VISION, "embed_dim": 32, "hidden_size": 48, "mlp_ratio": 2},
+    },
+    "qwen2_5_vl": {
+        "text_config": {**_QWEN_TEXT, "rope_scaling": _MROPE},
+        "vision_config": {**_QWEN_VISION, "hidden_size": 32, "out_hidden_size": 48, "intermediate_size": 64,
+                          "window_size": 16, "fullatt_block_indexes": [1]},
+    },
+    "qwen3_vl": {
+        "text_config": {**_QWEN_TEXT, "head_dim": 12, "rope_scaling": {
+            "rope_type": "default", "mrope_section": [2, 2, 2], "mrope_interleaved": True}},
+        "vision_config": {**_QWEN_VISION, "hidden_size": 32, "out_hidden_size": 48, "intermediate_size": 64,
+                          "num_position_embeddings": 64, "deepstack_visual_indexes": [0]},
+    },
+}
+QWEN_MODEL_CLASSES = {"qwen2_vl": "Qwen2VLModel", "qwen2_5_vl": "Qwen2_5_VLModel", "qwen3_vl": "Qwen3VLModel"}
+QWEN_PIXELS = {"min_pixels": 64, "max_pixels": 1024}  # tiny images stay tiny: at most 16 image tokens each

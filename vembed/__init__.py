@@ -10,8 +10,11 @@ if TYPE_CHECKING:
     from vembed.api import Embedder
 
 
-def load(path: str, device: str | None = None) -> "Embedder":
-    """Load a model saved by vembed (`output_dir/final`) for encoding: `vembed.load(p).encode(texts=[...])`."""
+def load(path: str, device: str | None = None, *, trust_remote_code: bool = False) -> "Embedder":
+    """Load a model saved by vembed (`output_dir/final`) for encoding: `vembed.load(p).encode(texts=[...])`.
+
+    Python code shipped inside the folder runs only with `trust_remote_code=True` (for folders you trust), never
+    because the folder's own files ask for it."""
     from vembed.api import Embedder  # lazy: keeps `import vembed` free of torch/transformers
 
-    return Embedder.from_pretrained(path, device=device)
+    return Embedder.from_pretrained(path, device=device, trust_remote_code=trust_remote_code)

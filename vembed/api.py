@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from vembed.data.records import Side
-from vembed.evaluation.retrieval import encode_sides
+from vembed.models.encoding import encode_sides
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -39,14 +39,16 @@ class Embedder:
         self.adapter = adapter.to(self.device).eval()
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, device: str | torch.device | None = None) -> "Embedder":
+    def from_pretrained(cls, path: str | os.PathLike, device: str | torch.device | None = None, *,
+                        trust_remote_code: bool = False) -> "Embedder":
         """Load a folder written by vembed (`output_dir/final` or a checkpoint's model), whatever its adapter.
 
-        `device`: where to run (default: cuda when available, else cpu).
+        `device`: where to run (default: cuda when available, else cpu). `trust_remote_code`: let the folder run
+        Python code it ships (models trained with `trust_remote_code: true` may need it); never on the folder's say.
         """
-        from vembed.models.base import load_embedding_adapter
+        from vembed.models.base import load_adapter
 
-        return cls(load_embedding_adapter(Path(path)), device=device)
+        return cls(load_adapter(Path(path), trust_remote_code=trust_remote_code), device=device)
 
     @property
     def embedding_dim(self) -> int:

@@ -7,6 +7,9 @@ import json
 import os
 import sys
 
+MIN_DUMMY_SAMPLES = 3  # one per split
+MIN_IMAGE_SIZE = 8  # the smallest image the dummy shapes and the digits are drawn into legibly
+
 
 def _data_command(args: argparse.Namespace) -> int:
     from vembed.entrypoints import run_cli
@@ -19,6 +22,7 @@ def _data_command(args: argparse.Namespace) -> int:
             return _index_command(args.paths)
         if args.out is None:
             raise RecipeError("--out", f"`vembed data {args.kind}` needs --out DIR, the folder to write")
+        _check_data_arguments(args)
         if args.kind == "webdataset":
             from vembed.data.shard_writer import write_webdataset
 
@@ -33,6 +37,20 @@ def _data_command(args: argparse.Namespace) -> int:
         return 0
 
     return run_cli(body, args.debug)
+
+
+def _check_data_arguments(args: argparse.Namespace) -> None:
+    """Out-of-range numbers are one line here, not a ValueError from deep inside the generators."""
+    from vembed.errors import RecipeError
+
+    makes_dummy = args.kind == "dummy" or (args.kind == "webdataset" and args.source == "dummy")
+    if makes_dummy and args.num_samples < MIN_DUMMY_SAMPLES:
+        raise RecipeError("--num-samples", f"must be at least {MIN_DUMMY_SAMPLES} (one record per split: train, "
+                                           f"validation, test), got {args.num_samples}")
+    if args.image_size < MIN_IMAGE_SIZE:
+        raise RecipeError("--image-size", f"must be at least {MIN_IMAGE_SIZE} pixels, got {args.image_size}")
+    if args.kind == "webdataset" and args.shard_size < 1:
+        raise RecipeError("--shard-size", f"must be at least 1, got {args.shard_size}")
 
 
 def _index_command(paths: list[str]) -> int:

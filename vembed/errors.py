@@ -57,6 +57,12 @@ class TrainingError(VembedError):
     exit_code = 1
 
 
+class CheckpointError(VembedError):
+    """A checkpoint to resume from is damaged, missing or of another run; or one cannot be written (disk full)."""
+
+    kind = "checkpoint error"
+
+
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """' (did you mean X?)' for the closest choice, or '' when nothing is close."""
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)

@@ -259,11 +259,11 @@ def measure_model(recipe: "Recipe", with_lora: bool = True) -> ModelSize:
 
     `with_lora=False` skips counting what LoRA would leave trainable (it imports peft, ~0.2 s of a run's start-up)
     for callers that only estimate the recipe's own setting; `trainable_lora` then equals `trainable`."""
-    from vembed.losses import build_loss
-    from vembed.models import MODELS
+    from vembed.components import loss_class, model_class
 
-    adapter_cls = MODELS.get(recipe.model_type)
-    loss_parameters = sum(p.numel() for p in build_loss(recipe).parameters() if p.requires_grad)
+    adapter_cls = model_class(recipe)
+    # The Matryoshka wrapper adds no parameters: the loss's own are all there are.
+    loss_parameters = sum(p.numel() for p in loss_class(recipe).from_recipe(recipe).parameters() if p.requires_grad)
     adapter: EmbeddingAdapter = adapter_cls.on_meta(recipe)
     total = sum(p.numel() for p in adapter.parameters()) + loss_parameters
     trainable = sum(p.numel() for p in adapter.parameters() if p.requires_grad) + loss_parameters
@@ -275,7 +275,7 @@ def measure_model(recipe: "Recipe", with_lora: bool = True) -> ModelSize:
     longest = {name: max(tokens[name] for tokens in routes.values() if name in tokens)
                for name in {name for tokens in routes.values() for name in tokens}} if routes else {}
     encoders = {
-        modality: EncoderShape.from_config(config, modality, adapter.max_length, longest.get(modality))
+        modality: EncoderShape.from_config(config, modality, adapter.settings.max_length, longest.get(modality))
         for modality, config in adapter.encoder_configs().items()
     }
     embedding_dim = adapter.embedding_dim
@@ -290,7 +290,7 @@ def _counted_model(model, recipe: "Recipe", total: int, trainable: int) -> Model
     """The BLIP3-o DiT: one pass per sample through its blocks, activations counted by the model itself; it trains
     without LoRA, GradCache or checkpointing (FlowMatchingTask.check_recipe refuses them)."""
     config = model.config
-    cosine = recipe.flow.cosine_weight > 0
+    cosine = recipe.loss.flow.cosine_weight > 0
     shape = CountedShape(
         layers=config.num_layers, hidden=config.hidden_size, tokens=config.num_tokens,
         block_parameters=sum(p.numel() for p in model.blocks[0].parameters()) if config.num_layers else 0,
@@ -342,8 +342,8 @@ def workload_for(recipe: "Recipe", model: ModelSize, gpus: int, device: str = "c
         negatives=negatives,
         element=2 if mixed else FP32,
         mixed_precision=mixed,
-        eager_attention=recipe.attn_implementation == "eager",
-        symmetric_loss=recipe.symmetric_loss,
+        eager_attention=getattr(recipe.model, "attn_implementation", None) == "eager",
+        symmetric_loss=getattr(recipe.loss, "symmetric_loss", False),  # InfoNCE's option; SigLIP scores one way
         kernels=KERNELS[device],
     )
 

@@ -1,34 +1,120 @@
 """The recipe: one typed schema, the only home of defaults, plus YAML loading, overrides and saving.
 
+The recipe's own keys (data, optimisation, strategies, checkpoints, logging) are declared here. The keys of the
+adapter (`model_type`) and of the loss (`loss_type`) are declared beside them, each as a `Settings` class
+(`vembed/models/clip.py`, `vembed/losses/contrastive.py`, ...), and typed by it into `recipe.model` / `recipe.loss`.
+YAML stays flat: `pooling: cls` sits beside `learning_rate`. This module imports nothing above it, so it cannot look
+the components up itself: `recipe_from_dict` and `load_recipe` take a `Catalog` of them, and
+`vembed.components.load_recipe` passes the registries' (what everything else calls).
+
 A recipe is validated in two stages, both before any model is built:
-1. `load_recipe` checks keys, types and ranges (pydantic, `extra="forbid"`), turning the first problem into a
-   `RecipeError` naming the key path and the fix.
-2. `check_recipe` checks what needs the registries or the file system: the adapter and loss exist, the data files
-   exist, `mrl_dims` fit the embedding size the model's config declares.
+1. loading checks keys, types and ranges (pydantic, `extra="forbid"`), turning the first problem into a
+   `RecipeError` naming the key path and the fix; a key that belongs to another adapter or loss than the recipe's
+   names its owner, a key of the toolkit vembed replaces names vembed's.
+2. `vembed.tasks.check_recipe` checks what needs the file system or the model's config: the data files exist,
+   `mrl_dims` fit the embedding size the model's config declares.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import types
+import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
 from vembed.errors import RecipeError, did_you_mean
 
 TRACKERS = ("tensorboard", "wandb", "trackio")
 
-
-# Defaults that differ per adapter, applied when a recipe leaves the key out. qwen_vl: the released
-# Qwen3-VL-Embedding LoRA is r=32, alpha=32.
-ADAPTER_DEFAULTS: dict[str, dict[str, Any]] = {"qwen_vl": {"lora_r": 32, "lora_alpha": 32}}
+# Keys of the recipe format of the toolkit vembed replaces (and of transformers' TrainingArguments), with vembed's
+# way to say the same: a person migrating a recipe gets a pointer instead of "unknown key".
+RENAMED_KEYS: dict[str, str] = {
+    "lr": "learning_rate",
+    "num_epochs": "epochs",
+    "num_train_epochs": "epochs",
+    "train_batch_size": "batch_size",
+    "per_device_train_batch_size": "batch_size",
+    "per_device_eval_batch_size": "eval_batch_size",
+    "lr_scheduler_type": "scheduler_type",
+    "scheduler": "scheduler_type",
+    "warmup_steps": "warmup_ratio (a share of the optimizer steps, e.g. 0.05)",
+    "model_path": "model_name",
+    "model_name_or_path": "model_name",
+    "train_file": "data.train",
+    "train_data": "data.train",
+    "validation_file": "data.validation",
+    "eval_file": "data.validation",
+    "test_file": "data.test",
+    "temp": "temperature",
+    "matryoshka_dims": "mrl_dims",
+    "use_mixed_precision": "mixed_precision (no, fp16 or bf16)",
+    "fp16": "mixed_precision: fp16",
+    "bf16": "mixed_precision: bf16",
+    "fsdp_mixed_precision": "mixed_precision (no, fp16 or bf16)",
+    "gradient_cache_chunks": "gradient_cache_chunk_size (samples per chunk)",
+    "chunk_size": "gradient_cache_chunk_size (samples per chunk)",
+    "use_heun": "flow.sampler: heun",
+    "num_inference_steps": "flow.num_steps",
+    "fsdp_cpu_offload": "fsdp_offload_params: true in an accelerate FSDP config (accelerate_configs/fsdp.yaml)",
+    "cpu_offload": "fsdp_offload_params: true in an accelerate FSDP config (accelerate_configs/fsdp.yaml)",
+    "fsdp_sharding_strategy": "the accelerate config (accelerate_configs/fsdp.yaml); the recipe's use_fsdp picks it",
+    "deepspeed": "an accelerate DeepSpeed config: accelerate launch --config_file accelerate_configs/zero2.yaml",
+    "deepspeed_config": "an accelerate DeepSpeed config: accelerate launch --config_file accelerate_configs/zero2.yaml",
+    "create_dummy_data": "`vembed data dummy --out DIR` (then point data.train at it)",
+    "num_dummy_samples": "`vembed data dummy --out DIR --num-samples N`",
+}
 
 
 class _Strict(BaseModel):
     # Unknown keys are errors (with a hint), never silently ignored; assignments are validated too.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: Any) -> Any:
+        # pydantic reads true as 1 for a number; `batch_size: true` is a mistake, not a batch of one.
+        if isinstance(value, bool) and _numbers_only(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"expects a number, not {str(value).lower()}")
+        return value
+
+
+def _numbers_only(annotation: Any) -> bool:
+    """The annotation admits numbers (int/float, maybe None) and nothing else."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        leaves = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+    else:
+        leaves = [annotation]
+    return bool(leaves) and all(leaf in (int, float) for leaf in leaves)
+
+
+class Settings(_Strict):
+    """The recipe keys one component (an adapter, a loss) reads, declared beside it as a subclass; flat in YAML.
+
+    Field comments are the reference documentation of each key, as in `Recipe`. Every embedding adapter's settings
+    derive from `vembed.models.base.AdapterSettings`; a key no class of the recipe's components declares is refused,
+    naming the component it belongs to."""
+
+    # Recipe keys (declared in `Recipe`) whose default this component changes when the recipe leaves them out.
+    recipe_defaults: ClassVar[dict[str, Any]] = {}
+
+    def explicit(self, key: str) -> bool:
+        """Whether the recipe set `key` itself (rather than leaving the default)."""
+        return key in self.model_fields_set
+
+
+class Catalog(Protocol):
+    """What the registries know, handed to the parser (this module imports nothing above it):
+    `settings_for("model_type", "clip")` is that adapter's Settings class (a RecipeError for an unknown name), and
+    `owners_of("pooling")` the components declaring a key, e.g. `{"model_type": ["composed", "text"]}`."""
+
+    def settings_for(self, selector: str, name: str) -> type[Settings]: ...
+
+    def owners_of(self, key: str) -> dict[str, list[str]]: ...
 
 
 class ColumnMap(_Strict):
@@ -187,39 +273,6 @@ class StageConfig(_Strict):
         return value
 
 
-class DiTSettings(_Strict):
-    """`dit:` the BLIP3-o diffusion transformer (model_type: blip3o_dit). Token shapes come from the shards; any
-    stated here must match them."""
-
-    size: Literal["tiny", "small", "base", "large"] | None = "base"  # hidden/layers/heads preset; explicit keys win
-    hidden_size: int | None = Field(default=None, gt=0)  # unset: from size (tiny 384, small 512, base 768, large 1024)
-    num_layers: int | None = Field(default=None, gt=0)  # DiT blocks (unset: from size: 6, 8, 12, 20)
-    num_heads: int | None = Field(default=None, gt=0)  # attention heads (unset: from size)
-    num_kv_heads: int | None = Field(default=None, gt=0)  # key/value heads of grouped-query attention (unset: size)
-    mlp_ratio: float = Field(default=4.0, gt=0)  # SwiGLU width = hidden_size * mlp_ratio * 2/3
-    eva_adapter_layers: int = Field(default=6, gt=0)  # blocks taking the EVA dim down to hidden_size
-    layer_scale_init: float = Field(default=0.1, gt=0)  # initial per-channel scale of every residual branch
-    rope_theta: float = Field(default=10000.0, gt=0)  # rotary base of the 2-D token-grid positions
-    eva_dim: int | None = Field(default=None, gt=0)  # checked against the shards (unset: taken from them)
-    clip_dim: int | None = Field(default=None, gt=0)  # checked against the shards (unset: taken from them)
-    num_tokens: int | None = Field(default=None, gt=0)  # CLIP tokens per image; checked against the shards
-
-
-class FlowSettings(_Strict):
-    """`flow:` rectified flow matching (loss_type: flow_matching): t=0 noise, t=1 data, v = data - noise."""
-
-    time_sampling: Literal["uniform", "logit_normal", "beta"] = "uniform"  # training time distribution on [0, 1]
-    logit_normal_mean: float = 0.0  # logit_normal: t = sigmoid(N(mean, std))
-    logit_normal_std: float = Field(default=1.0, gt=0)
-    beta_a: float = Field(default=1.0, gt=0)  # beta: t ~ Beta(a, b)
-    beta_b: float = Field(default=1.0, gt=0)
-    cosine_weight: float = Field(default=0.0, ge=0)  # weight of (1 - cos) between the clean estimate and the data
-    data_scale: float = Field(default=1.0, gt=0)  # fixed multiplier of the CLIP tokens (no data statistics)
-    sampler: Literal["euler", "heun"] = "heun"  # ODE solver used by evaluation
-    num_steps: int = Field(default=50, gt=0)  # solver steps (heun evaluates the model twice per step)
-    eval_seed: int = 0  # seed of the evaluation noise: generation is deterministic given it
-
-
 class ProfileConfig(_Strict):
     """`profile:` — torch.profiler over a window of training batches: a Chrome trace per rank (open it in
     https://ui.perfetto.dev or chrome://tracing) and a printed step-time breakdown (data wait, forward, backward,
@@ -234,41 +287,18 @@ class ProfileConfig(_Strict):
 
 
 class Recipe(_Strict):
-    """Everything a training run needs. Field comments are the reference documentation of each key."""
+    """Everything a training run needs. Field comments are the reference documentation of each key; the keys of the
+    adapter and the loss are documented in their Settings classes (see the module docstring)."""
 
-    # --- model -----------------------------------------------------------------------------------------------------
-    model_type: str = "clip"  # adapter name: clip, siglip, text, composed, qwen_vl, blip3o_dit
-    model_name: str | None = None  # hub id or local path of pretrained weights
-    # `model_config` in YAML: a config dict to build a randomly initialised model instead. (Renamed in Python only
-    # because pydantic reserves `model_config`.)
-    model_config_dict: dict[str, Any] | None = Field(default=None, alias="model_config")
-    tokenizer_name: str | None = None  # tokenizer/processor path when it is not beside model_name
-    text_model_name: str | None = None  # composed: text tower (hub id or path) ...
-    text_model_config: dict[str, Any] | None = None  # ... or its config for random init
-    vision_model_name: str | None = None  # composed: vision tower (hub id or path) ...
-    vision_model_config: dict[str, Any] | None = None  # ... or its config for random init
-    projection_dim: int | None = Field(default=None, gt=0)  # composed: shared embedding size (unset: text hidden size)
-    pooling: Literal["cls", "mean", "last"] = "mean"  # text and composed adapters
-    normalize: bool = True  # L2-normalise embeddings
-    max_length: int | None = Field(default=None, gt=0)  # tokens per text (unset: the model's own limit)
-    trust_remote_code: bool = False
-    attn_implementation: str | None = None  # e.g. sdpa, eager, flash_attention_2 (unset: transformers' choice)
-
-    # --- qwen_vl: instruction-aware VLM embedders (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-Embedding) --------------
-    # The system-turn instruction of query sides; unset: document_instruction.
-    query_instruction: str | None = None
-    # The system-turn instruction of documents (positives, hard negatives) and of sides of unknown role.
-    document_instruction: str = "Represent the user's input."
-    min_pixels: int | None = Field(default=None, gt=0)  # images are resized to hold at least this many pixels ...
-    max_pixels: int | None = Field(default=None, gt=0)  # ... and at most this many (unset: the checkpoint's values)
-    train_vision_tower: bool = False  # false: the vision tower is frozen (with or without LoRA)
-    # With use_lora, what the saved model holds: "merged" (LoRA folded in; a plain transformers folder) or "adapter"
-    # (only the LoRA weights, PEFT file names; loading reads model_name again). Read by qwen_vl only so far.
-    lora_save: Literal["merged", "adapter"] = "merged"
-    # How each sequence ends (the embedding is the state at its last token): "endoftext", the technical report's
-    # "<|im_end|>, newline, <|endoftext|>"; or "generation_prompt", "<|im_end|>, newline, <|im_start|>assistant,
-    # newline", what the released Qwen3-VL-Embedding inference code feeds (to match embeddings it or vLLM makes).
-    prompt_ending: Literal["endoftext", "generation_prompt"] = "endoftext"
+    # --- what to train -------------------------------------------------------------------------------------------
+    # The adapter (its keys: `recipe.model`): clip, siglip, text, composed, qwen_vl; blip3o_dit (a generator).
+    model_type: str = "clip"
+    # The loss (its keys: `recipe.loss`): infonce, siglip (embedding models); flow_matching (blip3o_dit).
+    loss_type: str = "infonce"
+    # The recipe's adapter and loss settings, typed by their owners' Settings classes (`vembed.components` fills
+    # them from the flat keys); `recipe.model.pooling`, `recipe.loss.temperature`.
+    model: SerializeAsAny[Settings]
+    loss: SerializeAsAny[Settings]
 
     # --- data and output -------------------------------------------------------------------------------------------
     data: DataConfig = Field(default_factory=DataConfig)
@@ -288,7 +318,7 @@ class Recipe(_Strict):
     # Curriculum: stages trained one after another (see StageConfig); unset: one stage made of the keys above.
     stages: list[StageConfig] | None = None
     scheduler_type: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_ratio: float = Field(default=0.0, ge=0.0, lt=1.0)
+    warmup_ratio: float = Field(default=0.0, ge=0.0, lt=1.0)  # cosine and linear only: constant has no warmup
     max_grad_norm: float | None = Field(default=1.0, gt=0)  # unset: no clipping
     # Plain accumulation averages gradients of several batches; it does NOT add negatives to the contrastive batch
     # (use use_gradient_cache for that).
@@ -297,28 +327,9 @@ class Recipe(_Strict):
     mixed_precision: Literal["no", "fp16", "bf16"] | None = None  # unset: what the accelerate config says
     seed: int = 42
 
-    # --- loss ------------------------------------------------------------------------------------------------------
-    loss_type: str = "infonce"  # infonce, siglip (contrastive models); flow_matching (blip3o_dit)
-    temperature: float = Field(default=0.05, gt=0)  # infonce: logits / temperature; siglip: initial scale 1/temperature
-    learnable_temperature: bool = False
-    symmetric_loss: bool = True  # infonce: also score documents -> queries
-    siglip_bias_init: float = -10.0  # siglip: initial learnable bias
-    # infonce, as in the Qwen3-(VL-)Embedding recipe: drop in-batch negatives scoring above the positive + margin
-    # (likely unlabelled positives) ...
-    mask_false_negatives: bool = False
-    false_negative_margin: float = Field(default=0.1, ge=0.0)  # ... by this margin of cosine similarity
-    query_query_loss: bool = False  # infonce: other queries of the batch are negatives of each query too
-    document_document_loss: bool = False  # infonce: other positives of the batch are negatives of each positive
-    mrl_dims: list[int] | None = None  # Matryoshka: apply the loss at each truncated dimension
-    mrl_weights: list[float] | None = None  # per-dimension weights (unset: all 1)
-
-    # --- BLIP3-o DiT and flow matching (model_type: blip3o_dit, loss_type: flow_matching) --------------------------
-    dit: DiTSettings = Field(default_factory=DiTSettings)
-    flow: FlowSettings = Field(default_factory=FlowSettings)
-
     # --- LoRA ------------------------------------------------------------------------------------------------------
     use_lora: bool = False
-    lora_r: int = Field(default=16, gt=0)
+    lora_r: int = Field(default=16, gt=0)  # qwen_vl: 32, the released Qwen3-VL-Embedding LoRA's rank
     lora_alpha: int = Field(default=32, gt=0)
     lora_dropout: float = Field(default=0.05, ge=0.0, lt=1.0)
     lora_target_modules: list[str] | None = None  # unset: the adapter's default
@@ -344,15 +355,11 @@ class Recipe(_Strict):
     # Every log line also records samples/s, tokens/s, peak memory and MFU (vembed/training/throughput.py).
     report_to: list[Literal["tensorboard", "wandb", "trackio"]] = Field(default_factory=list)
     run_name: str | None = None
-    resume_from: str | None = None  # "auto" (latest checkpoint in output_dir) or a checkpoint path
-
-    @model_validator(mode="before")
-    @classmethod
-    def _adapter_defaults(cls, raw: Any) -> Any:
-        if isinstance(raw, dict):
-            raw = {**ADAPTER_DEFAULTS.get(raw.get("model_type"), {}), **raw}  # the recipe's own values win
-        return raw
-
+    # "auto": the newest good checkpoint in output_dir (damaged ones are skipped, naming the bad file; another run's
+    # are refused), or a fresh start when there is none; or a checkpoint path. Unset: a new run, refused when
+    # output_dir already holds checkpoints or a final model.
+    resume_from: str | None = None
+    overwrite_output_dir: bool = False  # start again in an output_dir holding a run: its outputs are removed first
 
     # --- profiling -------------------------------------------------------------------------------------------------
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
@@ -377,25 +384,13 @@ class Recipe(_Strict):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Recipe":
-        if self.mrl_dims is not None:
-            if not self.mrl_dims:
-                raise _KeyError("mrl_dims", "is empty; list at least one dimension or remove the key")
-            if any(d <= 0 for d in self.mrl_dims):
-                raise _KeyError("mrl_dims", f"dimensions must be positive, got {self.mrl_dims}")
-            if len(set(self.mrl_dims)) != len(self.mrl_dims):
-                raise _KeyError("mrl_dims", f"has repeated dimensions: {self.mrl_dims}")
-        if self.mrl_weights is not None:
-            if self.mrl_dims is None:
-                raise _KeyError("mrl_weights", "is set but mrl_dims is not; set mrl_dims or remove mrl_weights")
-            if len(self.mrl_weights) != len(self.mrl_dims):
-                raise _KeyError(
-                    "mrl_weights",
-                    f"has {len(self.mrl_weights)} weights for {len(self.mrl_dims)} mrl_dims; give one per dimension",
-                )
         if self.stages is not None:
             self._check_stages()
         if self.gradient_cache_chunk_size is not None and self.use_gradient_cache is False:
-            raise _KeyError("gradient_cache_chunk_size", "is set but use_gradient_cache is false; set it to true")
+            raise InvalidKey("gradient_cache_chunk_size", "is set but use_gradient_cache is false; set it to true")
+        if self.scheduler_type == "constant" and self.warmup_ratio > 0:
+            raise InvalidKey("warmup_ratio", "does nothing with scheduler_type constant (no warmup); use cosine or "
+                                             "linear, or remove warmup_ratio")
         return self
 
     def _check_stages(self) -> None:
@@ -408,7 +403,8 @@ class Recipe(_Strict):
                 known = f"data.train names {named}" if named else "data.train is not a mapping of named sources"
                 raise _KeyError(f"stages.{number}.sources",
                                 f"names {unknown}{did_you_mean(unknown[0], named)}, but {known}")
-            low, high = stage.min_pixels or self.min_pixels, stage.max_pixels or self.max_pixels
+            built_low, built_high = getattr(self.model, "min_pixels", None), getattr(self.model, "max_pixels", None)
+            low, high = stage.min_pixels or built_low, stage.max_pixels or built_high
             if low is not None and high is not None and low > high:
                 raise _KeyError(f"stages.{number}.min_pixels", f"{low} exceeds max_pixels {high}")
 
@@ -418,7 +414,11 @@ class Recipe(_Strict):
         return self.eval_batch_size or self.batch_size
 
     def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json", by_alias=True)
+        """The flat key: value mapping of the YAML (the adapter's and the loss's keys beside the recipe's own)."""
+        raw = self.model_dump(mode="json", by_alias=True, exclude={"model", "loss"})
+        for part in (self.model, self.loss):
+            raw.update(part.model_dump(mode="json", by_alias=True))
+        return raw
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the resolved recipe (defaults and overrides applied) as YAML, atomically."""
@@ -429,12 +429,20 @@ class Recipe(_Strict):
         tmp.replace(path)
 
 
-class _KeyError(ValueError):
-    """Raised inside validators so the error names the key it is about, not the model."""
+class InvalidKey(ValueError):
+    """Raised inside validators (of the recipe or of a component's Settings) so the error names the key it is
+    about, not the model."""
 
     def __init__(self, key: str, message: str):
         self.key, self.message = key, message
         super().__init__(f"{key}: {message}")
+
+
+_KeyError = InvalidKey  # the name validators in this module used before Settings classes could raise it too
+
+# The keys declared by Recipe itself (not by a component), as written in YAML.
+RECIPE_KEYS = tuple(field.alias or name for name, field in Recipe.model_fields.items() if name not in ("model", "loss"))
+SELECTORS = {"model_type": "model", "loss_type": "loss"}  # the key choosing a component -> where its settings go
 
 
 # --- loading -------------------------------------------------------------------------------------------------------
@@ -447,7 +455,12 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
     key = key.strip()
     if not key:
         raise RecipeError("--config_override", f"{text!r} has no key before '='")
-    value = yaml.safe_load(raw) if raw.strip() else None
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise RecipeError("--config_override", f"{text!r}: the value is not valid YAML ({problem}); quote text "
+                                               "with spaces or brackets") from None
     return key.split("."), value
 
 
@@ -476,10 +489,10 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return raw
 
 
-def _fields_at(loc: tuple[str | int, ...]) -> list[str]:
-    """Names of the keys valid at the level of `loc` (for 'did you mean'), through nested sections, named sources
-    (`data.train.<name>.`) and list items (`stages.<n>.`)."""
-    model: type[BaseModel] = Recipe
+def _fields_at(root: type[BaseModel], loc: tuple[str | int, ...]) -> list[str]:
+    """Names of the keys valid at the level of `loc` under `root` (for 'did you mean'), through nested sections,
+    named sources (`data.train.<name>.`) and list items (`stages.<n>.`)."""
+    model = root
     parts = list(loc[:-1])
     while parts:
         field = next((f for n, f in model.model_fields.items() if (f.alias or n) == str(parts[0])), None)
@@ -505,41 +518,98 @@ def _section_model(annotation: Any, keyed: bool = False) -> tuple[type[BaseModel
     return None
 
 
-def _without_union_tags(loc: tuple[str | int, ...]) -> tuple[str | int, ...]:
-    # pydantic names the union member (`str`, `list[str]`, `dict[str,SourceConfig]`) and validators in the location.
-    return tuple(p for p in loc if not (isinstance(p, str) and (p in ("str", "int", "float", "bool") or "[" in p)))
+# pydantic names the member of a union (`str`, `list[str]`, `dict[str,SourceConfig]`) or the validator in an error's
+# location; no key is.
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|[a-z_-]+\[.*\])$")
 
 
-def _error_to_recipe_error(err: ValidationError, source: str | None) -> RecipeError:
+def _key_path(error: dict[str, Any]) -> tuple[str | int, ...]:
+    loc = tuple(error["loc"])
+    if error["type"] == "extra_forbidden":  # the last part is the user's unknown key, whatever it is called
+        return tuple(p for p in loc[:-1] if not (isinstance(p, str) and _TYPE_TAG.match(p))) + loc[-1:]
+    return tuple(p for p in loc if not (isinstance(p, str) and _TYPE_TAG.match(p)))
+
+
+def _error_to_recipe_error(err: ValidationError, source: str | None, root: type[BaseModel]) -> RecipeError:
     # A key that takes one of several types (data.train: files or named sources) fails once per type; the error that
-    # reached deepest into the value is the one about what the user wrote.
-    # An unknown key explains a missing one beside it (`filez` for `files`), so it wins a tie.
-    first = max(err.errors(), key=lambda error: (len(_without_union_tags(error["loc"])),
-                                                 error["type"] == "extra_forbidden"))
-    loc = _without_union_tags(first["loc"])
+    # reached deepest into the value is the one about what the user wrote. An unknown key explains a missing one
+    # beside it (`filez` for `files`), so it wins a tie.
+    first = max(err.errors(), key=lambda error: (len(_key_path(error)), error["type"] == "extra_forbidden"))
+    loc = _key_path(first)
     key = ".".join(str(p) for p in loc) or "recipe"
-    more = len(err.errors()) - 1
+    # A union reports each member, and the members' errors above the chosen key are its alternatives: one problem.
+    more = len({path for path in map(_key_path, err.errors()) if path != loc and path != loc[:len(path)]})
     suffix = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
     ctx = first.get("ctx") or {}
     inner = ctx.get("error")
-    if isinstance(inner, _KeyError):
+    if isinstance(inner, InvalidKey):
         return RecipeError(inner.key, inner.message + suffix, source)
+    if isinstance(inner, ValueError):  # our own validators' messages, as written
+        return RecipeError(key, str(inner) + suffix, source)
     if first["type"] == "extra_forbidden":
-        hint = did_you_mean(str(loc[-1]), _fields_at(loc)) or "; remove it (see vembed/recipe.py for every key)"
+        hint = did_you_mean(str(loc[-1]), _fields_at(root, loc)) or "; remove it (see vembed/recipe.py for every key)"
         return RecipeError(key, f"unknown key{hint}{suffix}", source)
     given = first.get("input")
     shown = repr(given) if not isinstance(given, dict) else "a mapping"
     return RecipeError(key, f"{first['msg'].lower()} (got {shown}){suffix}", source)
 
 
-def recipe_from_dict(raw: dict[str, Any], source: str | None = None) -> Recipe:
+def _validate(model: type[BaseModel], raw: dict[str, Any], source: str | None) -> Any:
+    try:
+        return model.model_validate(raw)
+    except ValidationError as err:
+        raise _error_to_recipe_error(err, source, model) from None
+
+
+def _foreign_key(
+    key: str, chosen: dict[str, str], known: list[str], catalog: Catalog, source: str | None
+) -> RecipeError:
+    """The error for a top-level key that neither the recipe nor its chosen components declare."""
+    owners = catalog.owners_of(key)
+    if owners:
+        selector, names = next(iter(owners.items()))
+        article = "an" if names[0][0] in "aeiou" else "a"
+        return RecipeError(key, f"is {article} {' / '.join(names)} setting; this recipe's {selector} is "
+                                f"{chosen[selector]} (remove {key}, or choose {selector}: {names[0]})", source)
+    if key in RENAMED_KEYS:
+        return RecipeError(key, f"is not a vembed key; did you mean {RENAMED_KEYS[key]}?", source)
+    hint = did_you_mean(key, known) or "; remove it (see vembed/recipe.py and the adapters' and losses' Settings)"
+    return RecipeError(key, f"unknown key{hint}", source)
+
+
+def recipe_from_dict(raw: dict[str, Any], source: str | None, catalog: Catalog) -> Recipe:
+    """Validate a flat recipe mapping: the recipe's own keys here, the adapter's and the loss's keys by the Settings
+    classes `catalog` names for `model_type` and `loss_type`. Callers pass the registries' catalog; most use
+    `vembed.components.recipe_from_dict`, which does."""
     if not isinstance(raw, dict):
         raise RecipeError("recipe", "must be a mapping of key: value at the top level", source)
     raw = _coerce_numbers(raw)
-    try:
-        return Recipe.model_validate(raw)
-    except ValidationError as err:
-        raise _error_to_recipe_error(err, source) from None
+    chosen: dict[str, str] = {}
+    classes: dict[str, type[Settings]] = {}
+    for selector in SELECTORS:
+        name = raw.get(selector, Recipe.model_fields[selector].default)
+        if not isinstance(name, str):
+            raise RecipeError(selector, f"must be a name (got {name!r})", source)
+        chosen[selector] = name
+        try:
+            classes[selector] = catalog.settings_for(selector, name)
+        except RecipeError as err:
+            raise RecipeError(err.key, err.message, source) from None
+    own: dict[str, Any] = {}
+    parts: dict[str, dict[str, Any]] = {selector: {} for selector in SELECTORS}
+    component_keys = {selector: _fields_at(cls, ("",)) for selector, cls in classes.items()}
+    for key, value in raw.items():
+        owner = next((selector for selector, keys in component_keys.items() if key in keys), None)
+        if owner is not None:
+            parts[owner][key] = value
+        elif key in RECIPE_KEYS:
+            own[key] = value
+        else:
+            known = [*RECIPE_KEYS, *(k for keys in component_keys.values() for k in keys)]
+            raise _foreign_key(str(key), chosen, known, catalog, source)
+    settings = {SELECTORS[selector]: _validate(classes[selector], parts[selector], source) for selector in SELECTORS}
+    defaults = {k: v for cls in classes.values() for k, v in cls.recipe_defaults.items()}
+    return _validate(Recipe, {**defaults, **own, **settings}, source)
 
 
 def _coerce_numbers(raw: Any) -> Any:
@@ -550,59 +620,70 @@ def _coerce_numbers(raw: Any) -> Any:
     return _coerce_scientific(raw)
 
 
-def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> Recipe:
-    """Read a YAML recipe (safe_load), apply `key=value` overrides (dotted keys reach into `data`), validate."""
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (plain YAML keeps the last, silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults` overrides by design
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: the schema reports it
+                continue
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice (first on line {first}); keep one",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_recipe_file(path: str | os.PathLike, overrides: list[str] | None = None) -> dict[str, Any]:
+    """The mapping of a YAML recipe (safe, duplicate keys refused) with `key=value` overrides applied (dotted keys
+    reach into `data`)."""
     path = Path(path)
     if not path.is_file():
-        raise RecipeError("recipe", f"file {str(path)!r} not found; pass the path of a YAML recipe (see configs/)")
+        what = "is a directory" if path.is_dir() else "not found"
+        raise RecipeError("recipe", f"file {str(path)!r} {what}; pass the path of a YAML recipe (see configs/)")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text(encoding="utf-8")
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except UnicodeDecodeError:
+        raise RecipeError("recipe", "is not a text file; pass a YAML recipe (see configs/)", str(path)) from None
+    except OSError as err:
+        raise RecipeError("recipe", f"cannot be read: {err.strerror}", str(path)) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise RecipeError("recipe", f"is not valid YAML{where}: {getattr(err, 'problem', err)}", str(path)) from None
+    if raw is None:
+        raise RecipeError("recipe", "is empty; write the recipe's keys in it (see configs/ for examples)", str(path))
     if not isinstance(raw, dict):
         raise RecipeError("recipe", "must be a mapping of key: value at the top level", str(path))
-    raw = apply_overrides(raw, overrides or [])
-    return recipe_from_dict(raw, str(path))
+    return apply_overrides(raw, overrides or [])
 
 
-# --- checks that need the registries or the file system ------------------------------------------------------------
+def load_recipe(path: str | os.PathLike, overrides: list[str] | None, catalog: Catalog) -> Recipe:
+    """Read a YAML recipe, apply overrides, validate (see `recipe_from_dict`). A problem with an overridden key names
+    the override, not the file."""
+    overrides = overrides or []
+    raw = read_recipe_file(path, overrides)
+    try:
+        return recipe_from_dict(raw, str(path), catalog)
+    except RecipeError as err:
+        override = _override_of(err.key, overrides)
+        if override is None:
+            raise
+        raise RecipeError(err.key, err.message, f"--config_override {override}") from None
 
 
-def _check_data_paths(recipe: Recipe, splits: tuple[str, ...]) -> None:
-    from vembed.data.sources import resolve_files  # data owns what counts as a source
-
-    for split in splits:
-        value = getattr(recipe.data, split)
-        if value is None:
-            continue
-        sources = recipe.data.sources(split)
-        if sources is None:
-            resolve_files(value, recipe.data.format, key=f"data.{split}")
-        for name, source in (sources or {}).items():
-            resolve_files(source.files, source.format, key=f"data.{split}.{name}.files")
-            if source.image_root is not None and not Path(source.image_root).is_dir():
-                raise RecipeError(f"data.{split}.{name}.image_root", f"directory {source.image_root!r} not found")
-    if recipe.data.image_root is not None and not Path(recipe.data.image_root).is_dir():
-        raise RecipeError("data.image_root", f"directory {recipe.data.image_root!r} not found")
-
-
-def _check_trackers(recipe: Recipe) -> None:
-    # accelerate drops a tracker whose package is missing with only a log line; a user asked for it, so refuse.
-    import importlib.util
-
-    for tracker in recipe.report_to:
-        if importlib.util.find_spec(tracker) is None:
-            raise RecipeError("report_to", f"{tracker} is not installed; pip install 'vembed[{tracker}]' or remove it")
-
-
-def check_recipe(recipe: Recipe, *, for_training: bool = True) -> None:
-    """Every check that needs more than the schema, still before any model is built."""
-    from vembed.tasks import task_for
-
-    task = task_for(recipe)  # the model and loss exist and train the same task (contrastive, flow matching)
-    if for_training and recipe.data.train is None:
-        raise RecipeError("data.train", "is required for training; point it at a JSONL/CSV/Parquet file or directory")
-    _check_trackers(recipe)
-    task.check_recipe(recipe, for_training=for_training)  # data files, model config, task-specific keys
+def _override_of(key: str, overrides: list[str]) -> str | None:
+    """The override that set `key` (or a key above or below it), if any: the last one wins, as when applying."""
+    for text in reversed(overrides):
+        name = text.split("=", 1)[0].strip()
+        if key == name or key.startswith(f"{name}.") or name.startswith(f"{key}."):
+            return text
+    return None

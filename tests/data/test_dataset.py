@@ -85,3 +85,18 @@ def test_load_image_converts_modes_and_names_bad_files(tmp_path):
     assert err.value.file == str(tmp_path / "bad.png")
     with pytest.raises(DataError, match="not found"):
         load_image(tmp_path / "missing.png")
+
+
+def test_decode_counts_reach_the_training_process_from_dataloader_workers(tmp_path):
+    """Workers hold their own copy of the dataset; their failures used to be lost (the loop saw 0 with workers)."""
+    from torch.utils.data import DataLoader
+
+    examples = [_example(i, _corrupt(tmp_path / f"{i}.png") if i % 4 == 0 else _png(tmp_path / f"{i}.png", (i, 0, 0)))
+                for i in range(16)]
+    dataset = PairDataset(examples)
+    for _ in DataLoader(dataset, batch_size=4, num_workers=2, collate_fn=list):
+        pass
+    counts = dataset.decode_counts()
+    assert (counts.fetched, counts.replaced) == (16, 4)
+    assert counts.first_bad is not None and counts.first_bad % 4 == 0
+    assert dataset.decode_failures == 0  # the training process itself decoded nothing

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from vembed.data.sources import load_examples, resolve_files
+from vembed.data.sources import check_data_paths, load_examples, resolve_files
 from vembed.errors import DataError, RecipeError
 from vembed.recipe import DataConfig
 
@@ -215,11 +215,11 @@ def test_resolve_files_errors_name_the_key_and_the_fix(tmp_path, monkeypatch, va
 
 
 def test_check_recipe_reports_a_missing_training_file_by_key(tmp_path):
-    from vembed.recipe import _check_data_paths, recipe_from_dict
+    from vembed.components import recipe_from_dict
 
     recipe = recipe_from_dict({"data": {"train": str(tmp_path / "nope.jsonl")}})
     with pytest.raises(RecipeError) as err:
-        _check_data_paths(recipe, ("train",))
+        check_data_paths(recipe.data, ("train",))
     assert err.value.key == "data.train" and "not found" in str(err.value)
 
 
@@ -363,7 +363,7 @@ TRICKY_ROWS = [
     {"query": "q", "positive": None},  # 5: empty positive
     {"query": "q", "query_image": "gone.png", "positive": ""},  # 6: missing image wins over empty positive
     {"query": "q", "positive": "p", "negatives": ["n1", "n2"], "negative_images": [None, "gone.png"]},  # 7
-    {"query": 7, "positive": 3.0, "negatives": [None, "x"]},  # 8: numbers are text
+    {"query": 7, "positive": 3.0, "negatives": [None, "x"]},  # 8: numbers are not text (parquet: written as text)
     {"query": "", "positive": "p", "query_image": ""},  # 9: empty query
     {"query": "q", "positive": "p", "negatives": "just one"},  # 10
 ]
@@ -412,7 +412,8 @@ def test_column_checks_agree_with_the_row_reader_on_every_row(tmp_path, fmt, jso
         most = max(len(side.images) for side in sides + example.negatives)
         assert checks.max_images[position] == most, f"row {position + 1}"
     assert sorted(REASONS[code] for code in checks.reason if code) == sorted(
-        ["empty_query", "empty_positive", "missing_image", "missing_image", "empty_query"])
+        ["empty_query", "empty_positive", "missing_image", "missing_image", "empty_query"]
+        + (["bad_text"] if fmt == "jsonl" else []))
 
 
 def test_large_files_are_memory_mapped_and_records_are_made_on_fetch(tmp_path, monkeypatch):
@@ -501,3 +502,53 @@ def test_image_rows_are_checked_in_worker_processes_with_the_same_result(tmp_pat
     assert used == [2]
     assert again.to_dict() == report.to_dict() and report.skipped == {"missing_image": 6}
     assert [e.query.text for e in in_workers] == [e.query.text for e in in_process]
+def test_numbers_or_lists_where_text_is_expected_are_bad_rows_not_text(tmp_path):
+    """str() used to turn them into "12" or "['a', 'b']" and train on that."""
+    rows = [{"query": "a red square", "positive": "doc one"}, {"query": 12, "positive": "doc two"},
+            {"query": "a blue circle", "positive": ["a", "b"]}]
+    path = _jsonl(tmp_path / "pairs.jsonl", rows)
+    with pytest.raises(DataError, match="2 of 3 rows .* unusable \\(2 bad_text.*query cell holds int 12, not text"):
+        load_examples(DataConfig(train=str(path)), "train")
+    examples, report = load_examples(DataConfig(train=str(path), max_bad_fraction=1.0), "train")
+    assert [e.query.text for e in examples] == ["a red square"] and report.skipped == {"bad_text": 2}
+    assert "positive cell holds list ['a', 'b']" in str(report.bad_rows[1])
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_a_column_of_numbers_mapped_as_text_is_one_line(tmp_path, fmt):
+    rows = [{"query": i, "positive": f"doc {i}"} for i in range(5)]
+    path = _write(tmp_path, fmt, rows) if fmt == "parquet" else tmp_path / "pairs.csv"
+    if fmt == "csv":
+        path.write_text("query,positive\n" + "".join(f"{i},doc {i}\n" for i in range(5)))
+    with pytest.raises(DataError) as err:
+        load_examples(DataConfig(train=str(path)), "train")
+    assert "all 5 skipped (5 bad_text)" in str(err.value) and "data.columns" in str(err.value)
+
+
+def test_an_empty_file_is_one_error_without_a_warning_first(tmp_path, caplog):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DataError, match="has no rows"):
+        load_examples(DataConfig(train=str(empty)), "train")
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    # Beside a file with rows, an empty one is still worth a warning.
+    load_examples(DataConfig(train=[str(empty), str(_write(tmp_path, "jsonl"))]), "train")
+    assert [r for r in caplog.records if "no rows, ignored" in r.getMessage()]
+
+
+def test_a_truncated_parquet_file_is_one_line_with_no_library_log_before_it(tmp_path):
+    import logging
+
+    whole = _write(tmp_path, "parquet").read_bytes()
+    cut = tmp_path / "cut.parquet"
+    cut.write_bytes(whole[: len(whole) // 2])
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # datasets' loggers do not reach pytest's caplog
+    logging.getLogger("datasets").addHandler(handler)
+    try:
+        with pytest.raises(DataError, match="cut.parquet: cannot read as parquet"):
+            load_examples(DataConfig(train=str(cut)), "train")
+    finally:
+        logging.getLogger("datasets").removeHandler(handler)
+    assert not [r.getMessage() for r in records if r.levelno >= logging.WARNING]  # "Failed to read schema ..."

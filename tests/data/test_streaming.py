@@ -13,10 +13,11 @@ pytest.importorskip("webdataset")  # the streaming extra (in dev)
 
 from streams import jsonl_shards, png_bytes, tar_shards, write_tar
 
+from vembed.components import recipe_from_dict
 from vembed.data.stream_samples import SampleDecoder
 from vembed.data.streaming import ShardStream, SlotPosition, StreamLayout, open_stream
 from vembed.errors import DataError, RecipeError
-from vembed.recipe import ColumnMap, DataConfig, recipe_from_dict
+from vembed.recipe import ColumnMap, DataConfig
 
 
 def _stream(train: str, batch_size: int = 4, shuffle_buffer: int = 8, seed: int = 0, **data) -> ShardStream:

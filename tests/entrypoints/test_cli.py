@@ -142,8 +142,12 @@ def test_run_py_launches_two_cpu_processes_and_returns_their_exit_code(tiny_clip
     raw = dict(raw, output_dir=str(tmp_path / "failed"), data={"train": str(broken)})
     result = _run([sys.executable, "run.py", str(_write_recipe(tmp_path, raw)), "--accelerate_config", "ddp_cpu"])
     assert result.returncode == 2, result.stderr[-3000:]
-    assert "line 2 is not valid JSON" in result.stderr and "launch error: rank " in result.stderr
+    # One line: the failing rank's own error, naming the rank (both ranks read the file; either may be first).
+    lines = [line for line in result.stderr.splitlines() if line.strip() and not line.startswith("launching ")]
+    assert len(lines) == 1 and "line 2 is not valid JSON" in lines[0], result.stderr[-3000:]
+    assert " of 2 failed first; the other ranks were stopped]" in lines[0]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert not Path(raw["output_dir"]).exists()  # nothing written by a launch that failed
 
 
 def test_data_command_writes_a_dummy_data_set(tmp_path):
@@ -161,3 +165,32 @@ def test_eval_of_a_folder_that_is_not_a_model_is_one_line(tmp_path, dummy_data_d
     result = _run([sys.executable, "-m", "vembed", "eval", str(tmp_path), str(dummy_data_dir / "test.jsonl")])
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "vembed.json" in result.stderr
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["data", "dummy", "--num-samples", "0"], "--num-samples: must be at least 3"),
+    (["data", "dummy", "--image-size", "0"], "--image-size: must be at least 8"),
+    (["data", "digits", "--image-size", "-1"], "--image-size: must be at least 8"),
+], ids=["no-samples", "no-pixels", "negative-size"])
+def test_the_cli_helpers_answer_out_of_range_arguments_in_one_line(tmp_path, capsys, argv, says):
+    from vembed.cli import main
+
+    out = tmp_path / "data"
+    assert main([*argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and "\n" not in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_eval_and_export_arguments_out_of_range_are_one_line(tmp_path, capsys, dummy_data_dir):
+    from vembed.cli import main
+
+    taken = tmp_path / "taken.txt"
+    taken.write_text("x")
+    test = str(dummy_data_dir / "test.jsonl")
+    for argv, says in ((["eval", str(tmp_path), test, "--batch-size", "0"], "--batch-size: must be at least 1"),
+                       (["eval", str(tmp_path), test, "--max-samples", "-3"], "--max-samples: must be at least 1"),
+                       (["eval", str(tmp_path), test, "--output", str(taken / "m.json")], "taken.txt is a file")):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert says in err and "\n" not in err, err

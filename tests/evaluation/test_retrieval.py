@@ -16,7 +16,7 @@ from vembed.evaluation.retrieval import (
     retrieval_metrics,
     zero_shot_accuracy,
 )
-from vembed.models.base import EmbeddingAdapter
+from vembed.models.base import AdapterSettings, EmbeddingAdapter
 
 
 class LookupAdapter(EmbeddingAdapter):
@@ -25,7 +25,7 @@ class LookupAdapter(EmbeddingAdapter):
     model_type = "test_lookup"
 
     def __init__(self, table: dict[str, list[float]]):
-        super().__init__()
+        super().__init__(AdapterSettings())
         self.names = list(table)
         self.table = torch.nn.Parameter(torch.tensor([table[n] for n in self.names], dtype=torch.float32))
 
@@ -329,9 +329,9 @@ def test_real_clip_on_captions_and_image_files_matches_scoring_by_hand(tiny_clip
     """A tiny CLIP on the dummy shapes: captions retrieve image files, relevance by label (shape-colour)."""
     import json
 
+    from vembed.components import recipe_from_dict
     from vembed.data.sources import load_examples
     from vembed.models import MODELS
-    from vembed.recipe import recipe_from_dict
 
     recipe = recipe_from_dict(tiny_clip_recipe)
     torch.manual_seed(0)

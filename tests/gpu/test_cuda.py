@@ -29,7 +29,7 @@ def _tiny_clip(dummy_data_dir: Path, tmp_path: Path) -> dict:
 @pytest.mark.gpu
 @needs_cuda
 def test_bf16_training_on_one_gpu_improves_and_saves(tiny_clip_recipe):
-    from vembed.recipe import recipe_from_dict
+    from vembed.components import recipe_from_dict
     from vembed.training.loop import Trainer
 
     recipe = recipe_from_dict(dict(tiny_clip_recipe, mixed_precision="bf16", max_steps=20, eval_before_training=True))
@@ -70,7 +70,7 @@ def test_grad_cache_bf16_on_one_gpu_matches_the_plain_step(tiny_clip_recipe):
 def _bf16_grad_cache_worker(raw: dict) -> None:
     from accelerate.utils import send_to_device
 
-    from vembed.recipe import recipe_from_dict
+    from vembed.components import recipe_from_dict
     from vembed.training.loop import Trainer
 
     grads = {}

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vembed.components import recipe_from_dict
 from vembed.errors import RecipeError
 from vembed.losses import LOSSES, build_loss
 from vembed.losses.contrastive import MAX_LOGIT_SCALE, InfoNCELoss, SigLIPLoss
-from vembed.recipe import Recipe
 
 B, K, D = 5, 3, 8
 
@@ -123,7 +123,7 @@ def test_infonce_rejects_learnable_temperature_below_the_cap():
         InfoNCELoss(temperature=0.001, learnable_temperature=True)
     InfoNCELoss(temperature=0.001)  # a fixed temperature is used as given
     with pytest.raises(RecipeError, match="temperature"):
-        build_loss(Recipe(temperature=0.001, learnable_temperature=True))
+        build_loss(recipe_from_dict(dict(temperature=0.001, learnable_temperature=True)))
 
 
 @pytest.mark.parametrize(
@@ -203,7 +203,9 @@ def test_losses_reject_mismatched_shapes():
 
 
 def test_from_recipe_builds_each_loss_by_name_with_recipe_values():
-    recipe = Recipe(loss_type="infonce", temperature=0.02, learnable_temperature=True, symmetric_loss=False)
+    recipe = recipe_from_dict(
+        dict(loss_type="infonce", temperature=0.02, learnable_temperature=True, symmetric_loss=False)
+    )
     infonce = build_loss(recipe)
     assert isinstance(infonce, InfoNCELoss) and LOSSES.get("infonce") is InfoNCELoss
     assert infonce.config == {
@@ -217,7 +219,7 @@ def test_from_recipe_builds_each_loss_by_name_with_recipe_values():
         "document_document": False,
         "learned_temperature": pytest.approx(0.02),
     }
-    siglip = build_loss(Recipe(loss_type="siglip", temperature=0.1, siglip_bias_init=-5.0))
+    siglip = build_loss(recipe_from_dict(dict(loss_type="siglip", temperature=0.1, siglip_bias_init=-5.0)))
     assert isinstance(siglip, SigLIPLoss) and LOSSES.get("siglip") is SigLIPLoss
     assert siglip.config["bias_init"] == -5.0 and siglip.config["learnable_temperature"] is False
     assert siglip.log_scale.exp().item() == pytest.approx(10.0) and siglip.bias.item() == -5.0
@@ -225,7 +227,7 @@ def test_from_recipe_builds_each_loss_by_name_with_recipe_values():
 
 @pytest.mark.parametrize("cls", [InfoNCELoss, SigLIPLoss])
 def test_constructor_defaults_are_the_recipe_defaults(cls):
-    recipe = Recipe()
+    settings = cls.Settings()  # the loss's recipe keys, as a recipe that leaves them out has them
     keys = {
         "temperature": "temperature",
         "learnable_temperature": "learnable_temperature",
@@ -236,6 +238,6 @@ def test_constructor_defaults_are_the_recipe_defaults(cls):
     }
     for name, param in inspect.signature(cls).parameters.items():
         if name == "false_negative_margin":  # None (off) unless the recipe sets mask_false_negatives
-            assert param.default is None and recipe.mask_false_negatives is False
+            assert param.default is None and settings.mask_false_negatives is False
             continue
-        assert param.default == getattr(recipe, keys[name]), name
+        assert param.default == getattr(settings, keys[name]), name

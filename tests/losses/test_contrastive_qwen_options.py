@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vembed.components import recipe_from_dict
+from vembed.errors import RecipeError
 from vembed.losses import build_loss
 from vembed.losses.contrastive import InfoNCELoss
-from vembed.recipe import recipe_from_dict
 
 B, K, D, TEMPERATURE = 6, 2, 8, 0.1
 
@@ -79,4 +80,5 @@ def test_recipe_keys_build_the_options():
     recipe = recipe_from_dict({"mask_false_negatives": True, "query_query_loss": True, "document_document_loss": True})
     loss = build_loss(recipe)
     assert (loss.false_negative_margin, loss.query_query, loss.document_document) == (0.1, True, True)
-    assert build_loss(recipe_from_dict({"false_negative_margin": 0.3})).false_negative_margin is None  # not enabled
+    with pytest.raises(RecipeError, match="false_negative_margin: does nothing unless mask_false_negatives"):
+        recipe_from_dict({"false_negative_margin": 0.3})  # a margin that would mask nothing is refused

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vembed.components import recipe_from_dict
 from vembed.losses import build_loss
 from vembed.losses.contrastive import InfoNCELoss, SigLIPLoss
 from vembed.losses.matryoshka import MatryoshkaLoss
-from vembed.recipe import Recipe
 
 B, K, D = 4, 2, 8
 
@@ -76,7 +76,7 @@ def test_matryoshka_rejects_bad_dims_and_weights():
 
 
 def test_build_loss_wraps_the_recipe_loss_in_matryoshka_when_mrl_dims_set():
-    loss = build_loss(Recipe(loss_type="siglip", mrl_dims=[8, 4], mrl_weights=[1.0, 0.5]))
+    loss = build_loss(recipe_from_dict(dict(loss_type="siglip", mrl_dims=[8, 4], mrl_weights=[1.0, 0.5])))
     assert isinstance(loss, MatryoshkaLoss) and isinstance(loss.loss, SigLIPLoss)
     assert loss.config["dims"] == [8, 4] and loss.config["weights"] == [1.0, 0.5]
     assert loss.config["loss"]["name"] == "SigLIPLoss"

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import QWEN_BACKBONES, QWEN_PIXELS
 
 SMALL = {"hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2, "num_attention_heads": 4}
 SMALL_VISION = {**SMALL, "image_size": 32, "patch_size": 8}
@@ -30,9 +31,20 @@ def token_ids(tiny_tokenizer_dir):
 
 
 @pytest.fixture(scope="session")
-def recipe_for(tiny_tokenizer_dir, token_ids):
+def qwen_tokenizer_dir(tmp_path_factory):
+    """A byte-level BPE tokenizer with Qwen's chat and vision tokens (what qwen_vl needs), trained offline."""
+    from tests.conftest import CAPTIONS
+    from vembed.data.tokenizer import train_qwen_tokenizer
+
+    path = tmp_path_factory.mktemp("qwen_tokenizer")
+    train_qwen_tokenizer(CAPTIONS * 4 + ["Represent the user's input.", "Find the image."], path, vocab_size=300)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def recipe_for(tiny_tokenizer_dir, token_ids, qwen_tokenizer_dir):
     """`recipe_for(model_type, **overrides)`: a validated recipe for a tiny random-init model of that adapter."""
-    from vembed.recipe import recipe_from_dict
+    from vembed.components import recipe_from_dict
 
     text = {**SMALL, **token_ids, "max_position_embeddings": 16}
     models = {
@@ -44,6 +56,8 @@ def recipe_for(tiny_tokenizer_dir, token_ids):
             "vision_model_config": {"model_type": "vit", **SMALL_VISION, **NO_DROPOUT},
             "projection_dim": 24,
         },
+        "qwen_vl": {"model_config": {"model_type": "qwen3_vl", **QWEN_BACKBONES["qwen3_vl"]}, **QWEN_PIXELS,
+                    "tokenizer_name": qwen_tokenizer_dir},
     }
 
     def make(model_type: str, **overrides):
@@ -138,7 +152,7 @@ def check_save_load_round_trip(adapter, sides, path):
     adapter.save(path)
     loaded = load_adapter(path).eval()
     assert type(loaded) is type(adapter)
-    assert loaded.settings() == adapter.settings()
+    assert loaded.settings_to_save() == adapter.settings_to_save()
     torch.testing.assert_close(_encode(loaded, sides), before, atol=1e-6, rtol=0)
     return loaded
 

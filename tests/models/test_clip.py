@@ -14,9 +14,8 @@ def clip(build):
     return build("clip")
 
 
-def test_embeddings_have_projection_dim_and_unit_norm(clip, mixed_sides, checks):
+def test_embedding_size_is_the_projection_dim(clip):
     assert clip.embedding_dim == 24
-    checks.shapes_and_norms(clip, mixed_sides)
 
 
 def test_unnormalized_text_and_image_rows_are_raw_projected_features(build, mixed_sides, checks):
@@ -41,10 +40,6 @@ def test_text_and_image_side_is_normalized_sum_of_both(clip, mixed_sides, checks
     torch.testing.assert_close(checks.encode(clip, [side]), checks.normalize(text + image), atol=1e-6, rtol=0)
 
 
-def test_mixed_batch_rows_match_separate_encoding(clip, mixed_sides, checks):
-    checks.mixed_batch_matches_parts(clip, mixed_sides)
-
-
 def test_preprocess_layout_marks_text_and_image_rows(clip, mixed_sides):
     batch = clip.preprocess(mixed_sides)
     assert set(batch) == {"input_ids", "attention_mask", "pixel_values", "text_index", "image_index"}
@@ -61,24 +56,9 @@ def test_empty_side_is_rejected(clip):
         clip.preprocess([Side(text="a star"), Side()])
 
 
-def test_slice_batch_encodes_like_the_rows_of_the_full_batch(clip, mixed_sides, checks):
-    from vembed.models._common import slice_batch
-
-    batch = clip.preprocess(mixed_sides)
-    with torch.no_grad():
-        full = clip.encode(batch)
-        for start, stop in ((0, 3), (1, 2), (3, 7), (5, 6)):
-            part = clip.encode(slice_batch(batch, start, stop))
-            torch.testing.assert_close(part, full[start:stop], atol=1e-5, rtol=0)
-
-
 def test_logit_scale_is_frozen(clip):
     assert not clip.model.logit_scale.requires_grad
     assert all(p.requires_grad for name, p in clip.named_parameters() if "logit_scale" not in name)
-
-
-def test_save_load_round_trip_gives_identical_embeddings(clip, mixed_sides, checks, tmp_path):
-    checks.save_load_round_trip(clip, mixed_sides, tmp_path / "final")
 
 
 def test_saved_folder_loads_with_plain_transformers(clip, mixed_sides, checks, tmp_path):
@@ -100,10 +80,8 @@ def test_saved_folder_loads_with_plain_transformers(clip, mixed_sides, checks, t
     torch.testing.assert_close(ours, checks.normalize(torch.cat([text, image])), atol=1e-5, rtol=0)
 
 
-def test_lora_trains_only_lora_and_save_merges_it(build, recipe_for, mixed_sides, checks, tmp_path):
-    clip = build("clip")
-    recipe = recipe_for("clip", use_lora=True, lora_r=4, lora_alpha=8)
-    checks.lora_trains_only_lora_and_merges_on_save(clip, recipe, mixed_sides, tmp_path / "merged")
+def test_lora_wraps_the_attention_projections_of_both_towers(clip, recipe_for):
+    clip.apply_lora(recipe_for("clip", use_lora=True, lora_r=4, lora_alpha=8))
     wrapped = {name.split(".lora_A")[0].rsplit(".", 1)[-1] for name, _ in clip.named_parameters() if "lora_A" in name}
     assert wrapped == {"q_proj", "k_proj", "v_proj", "out_proj"}
     towers = {name.split(".")[1] for name, _ in clip.named_parameters() if "lora_A" in name}
@@ -113,19 +91,6 @@ def test_lora_trains_only_lora_and_save_merges_it(build, recipe_for, mixed_sides
 def test_lora_target_that_matches_nothing_is_a_recipe_error(clip, recipe_for):
     with pytest.raises(RecipeError, match="lora_target_modules.*query"):
         clip.apply_lora(recipe_for("clip", use_lora=True, lora_target_modules=["q_proj", "query"]))
-
-
-def test_gradient_checkpointing_gives_same_gradients(build, mixed_sides, checks):
-    checks.checkpointing_keeps_gradients(lambda: build("clip"), mixed_sides)
-
-
-def test_gradient_checkpointing_with_lora_gives_same_gradients(build, recipe_for, mixed_sides, checks):
-    lora = recipe_for("clip", use_lora=True, lora_r=4, lora_dropout=0.0)
-    checks.checkpointing_keeps_gradients(lambda: build("clip"), mixed_sides, lora_recipe=lora)
-
-
-def test_embedding_dim_for_reads_the_config(clip, recipe_for, checks):
-    checks.embedding_dim_for_matches(clip, recipe_for("clip"))
 
 
 def test_recipe_checks(recipe_for):
@@ -141,15 +106,11 @@ def test_recipe_checks(recipe_for):
         ClipAdapter.embedding_dim_for(recipe_for("clip", model_config={"model_type": "bert"}))
 
 
-def test_model_name_builds_from_a_pretrained_folder(clip, recipe_for, mixed_sides, checks, tmp_path):
+def test_attn_implementation_reaches_a_pretrained_model(clip, recipe_for, tmp_path):
     from vembed.models.clip import ClipAdapter
 
     clip.save(tmp_path)
     recipe = recipe_for(
         "clip", model_config=None, tokenizer_name=None, model_name=str(tmp_path), attn_implementation="eager"
     )
-    pretrained = ClipAdapter.from_recipe(recipe).eval()
-    assert pretrained.model.config._attn_implementation == "eager"
-    assert ClipAdapter.embedding_dim_for(recipe) == pretrained.embedding_dim == 24
-    expected = checks.encode(clip, mixed_sides)
-    torch.testing.assert_close(checks.encode(pretrained, mixed_sides), expected, atol=1e-5, rtol=0)
+    assert ClipAdapter.from_recipe(recipe).model.config._attn_implementation == "eager"

@@ -9,48 +9,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import QWEN_BACKBONES as BACKBONES
+from tiny_models import QWEN_MODEL_CLASSES as MODEL_CLASSES
+from tiny_models import QWEN_PIXELS as PIXELS
 
+from vembed.components import recipe_from_dict
 from vembed.data.records import Side
 from vembed.errors import RecipeError
 from vembed.models import MODELS
-from vembed.recipe import recipe_from_dict
-
-# Text hidden size 48 (the embedding size) differs from the vision tower's 32 on purpose.
-TEXT = {
-    "vocab_size": 320, "hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "pad_token_id": 0, "bos_token_id": None, "eos_token_id": None,
-}  # fmt: skip
-MROPE = {"type": "mrope", "mrope_section": [2, 2, 2]}
-VISION = {"depth": 2, "num_heads": 2, "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2}
-BACKBONES = {
-    "qwen2_vl": {
-        "text_config": {**TEXT, "rope_scaling": MROPE},
-        "vision_config": {**VISION, "embed_dim": 32, "hidden_size": 48, "mlp_ratio": 2},
-    },
-    "qwen2_5_vl": {
-        "text_config": {**TEXT, "rope_scaling": MROPE},
-        "vision_config": {**VISION, "hidden_size": 32, "out_hidden_size": 48, "intermediate_size": 64,
-                          "window_size": 16, "fullatt_block_indexes": [1]},
-    },
-    "qwen3_vl": {
-        "text_config": {**TEXT, "head_dim": 12, "rope_scaling": {"rope_type": "default", "mrope_section": [2, 2, 2],
-                                                                 "mrope_interleaved": True}},
-        "vision_config": {**VISION, "hidden_size": 32, "out_hidden_size": 48, "intermediate_size": 64,
-                          "num_position_embeddings": 64, "deepstack_visual_indexes": [0]},
-    },
-}
-MODEL_CLASSES = {"qwen2_vl": "Qwen2VLModel", "qwen2_5_vl": "Qwen2_5_VLModel", "qwen3_vl": "Qwen3VLModel"}
-PIXELS = {"min_pixels": 64, "max_pixels": 1024}  # tiny images stay tiny: at most 16 image tokens each
-
-
-@pytest.fixture(scope="module")
-def qwen_tokenizer_dir(tmp_path_factory):
-    from tests.conftest import CAPTIONS
-    from vembed.data.tokenizer import train_qwen_tokenizer
-
-    path = tmp_path_factory.mktemp("qwen_tokenizer")
-    train_qwen_tokenizer(CAPTIONS * 4 + ["Represent the user's input.", "Find the image."], path, vocab_size=300)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +124,7 @@ def test_prompt_matches_the_report_template_token_for_token(qwen_build):
     image_pad = adapter.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     assert torch.equal(inputs["mm_token_type_ids"].bool(), inputs["input_ids"] == image_pad)
     # The released inference code's ending (chat template with the generation prompt) instead of <|endoftext|>.
-    adapter.prompt_ending = "generation_prompt"
+    adapter.settings = adapter.settings.model_copy(update={"prompt_ending": "generation_prompt"})
     official = adapter.preprocess([query])["input_ids"][0].tolist()
     report_end, official_end = "<|im_end|>\n<|endoftext|>", "<|im_end|>\n<|im_start|>assistant\n"
     official_text = expected[0].replace(report_end, official_end)
@@ -168,6 +134,39 @@ def test_prompt_matches_the_report_template_token_for_token(qwen_build):
     assert inputs["images_per_side"].tolist() == [2, 0, 1]
 
 
+@pytest.mark.parametrize("model_name, ending", [
+    ("Qwen/Qwen3-VL-Embedding-2B", "generation_prompt"),  # the released embedders: their serving code's ending
+    ("/models/qwen3-vl-embedding-8b", "generation_prompt"),  # a local copy keeping the name
+    ("Qwen/Qwen3-VL-2B-Instruct", "endoftext"),  # a VLM that is not an embedder: the technical report's
+    (None, "endoftext"),  # random init
+])
+def test_default_prompt_ending_follows_the_checkpoint(model_name, ending):
+    from vembed.models.qwen_vl import default_ending
+
+    assert default_ending(model_name) == ending
+
+
+def test_a_qwen3_vl_embedding_checkpoint_ends_with_the_generation_prompt_unless_the_recipe_says(
+    qwen_build, qwen_recipe, tmp_path
+):
+    """Unset prompt_ending on a checkpoint named Qwen3-VL-Embedding: the newline after <|im_start|>assistant is the
+    last token, as the released embedder feeds it; the recipe's own value wins; a folder saved by vembed keeps its
+    recorded ending whatever its name."""
+    checkpoint = tmp_path / "Qwen3-VL-Embedding-tiny"
+    qwen_build("qwen3_vl").save(checkpoint)
+    (checkpoint / "vembed.json").unlink()  # a plain transformers folder, as downloaded
+    pretrained = {"model_config": None, "tokenizer_name": None, "model_name": str(checkpoint)}
+    adapter = MODELS.get("qwen_vl").from_recipe(qwen_recipe("qwen3_vl", **pretrained))
+    assert adapter.settings.prompt_ending == "generation_prompt"
+    ids = adapter.preprocess([Side(text="a red square")])["input_ids"][0].tolist()
+    assert adapter.tokenizer.decode(ids).endswith("<|im_end|>\n<|im_start|>assistant\n")
+    chosen = MODELS.get("qwen_vl").from_recipe(qwen_recipe("qwen3_vl", **pretrained, prompt_ending="endoftext"))
+    assert chosen.settings.prompt_ending == "endoftext"
+    chosen.save(tmp_path / "fine-tuned-Qwen3-VL-Embedding")  # records endoftext in its vembed.json
+    again = qwen_recipe("qwen3_vl", **{**pretrained, "model_name": str(tmp_path / "fine-tuned-Qwen3-VL-Embedding")})
+    assert MODELS.get("qwen_vl").from_recipe(again).settings.prompt_ending == "endoftext"
+
+
 def test_truncation_cuts_only_the_text(qwen_build):
     adapter = qwen_build("qwen3_vl", max_length=64)
     long = Side(text="a photo of a red square " * 20, image=_image(1, (24, 24)))
@@ -175,7 +174,7 @@ def test_truncation_cuts_only_the_text(qwen_build):
     ids = inputs["input_ids"][0].tolist()
     assert len(ids) == 64
     assert ids.count(adapter.tokenizer.convert_tokens_to_ids("<|image_pad|>")) == 9  # every image token kept
-    assert adapter.tokenizer.decode(ids[-4:]).endswith("<|im_end|>\n<|endoftext|>")
+    assert adapter.tokenizer.decode(ids).endswith("<|im_end|>\n<|endoftext|>")
 
 
 def test_full_processor_gives_identical_tensors(qwen_build):
@@ -251,7 +250,8 @@ def test_lora_defaults_target_the_language_model_and_merge_on_save(qwen_build, q
     lora_layers = {name.rsplit(".lora_", 1)[0] for name, _ in adapter.named_parameters() if "lora_A" in name}
     assert lora_layers and all(".language_model." in name for name in lora_layers)
     wrapped = {name.rsplit(".", 1)[-1] for name in lora_layers}
-    assert wrapped == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    # The released LoRA table (Qwen3-VL-Embedding README): q/k/v and the MLP projections, no o_proj.
+    assert wrapped == {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj"}
     assert next(p for n, p in adapter.named_parameters() if "lora_A" in n).shape[0] == 32
     assert not any(p.requires_grad for p in adapter.model.visual.parameters())  # the vision tower stays frozen
     # The merged folder is a plain transformers Qwen3-VL model giving the same states.
@@ -283,7 +283,7 @@ def test_lora_adapter_only_save_loads_back_and_equals_the_merged_model(qwen_buil
     saved = {path.name for path in (tmp_path / "lora").iterdir()}
     assert {"adapter_model.safetensors", "adapter_config.json", "vembed.json"} <= saved
     assert "model.safetensors" not in saved  # no base weights
-    adapter.lora_save = "merged"
+    adapter.settings = adapter.settings.model_copy(update={"lora_save": "merged"})
     adapter.save(tmp_path / "merged")
     for folder in ("lora", "merged"):
         loaded = load_adapter(tmp_path / folder).eval()
@@ -294,21 +294,12 @@ def test_lora_adapter_only_save_loads_back_and_equals_the_merged_model(qwen_buil
         MODELS.get("qwen_vl").check_recipe(qwen_recipe("qwen3_vl", use_lora=True, lora_save="adapter"))
 
 
-def test_gradient_checkpointing_keeps_gradients(qwen_build, qwen_recipe, checks):
-    sides = _sides_of_mixed_image_sizes()[:4]
-    checks.checkpointing_keeps_gradients(lambda: qwen_build("qwen3_vl", train_vision_tower=True), sides)
-    # LoRA on the frozen language model: its checkpointed layers get inputs that need no gradient. (The vision
-    # tower is trainable here only so that every checkpointed layer has a backward to recompute for.)
-    checks.checkpointing_keeps_gradients(lambda: qwen_build("qwen3_vl", train_vision_tower=True), sides,
-                                         lora_recipe=qwen_recipe("qwen3_vl", use_lora=True, lora_r=4))
-
-
 def test_backbone_is_chosen_from_the_config_and_checked(qwen_recipe, qwen_tokenizer_dir, tmp_path):
-    from vembed.recipe import check_recipe
+    from vembed.tasks import check_recipe
 
     with pytest.raises(RecipeError, match="mrl_dims"):
-        check_recipe(qwen_recipe("qwen2_vl", mrl_dims=[32, 64]), for_training=False)
-    check_recipe(qwen_recipe("qwen2_vl", mrl_dims=[16, 48]), for_training=False)
+        check_recipe(qwen_recipe("qwen2_vl", mrl_dims=[64, 32]), for_training=False)
+    check_recipe(qwen_recipe("qwen2_vl", mrl_dims=[48, 16]), for_training=False)
     bert = recipe_from_dict({"model_type": "qwen_vl", "tokenizer_name": qwen_tokenizer_dir,
                              "model_config": {"model_type": "bert", "hidden_size": 32}})
     with pytest.raises(RecipeError, match="qwen2_vl, qwen2_5_vl, qwen3_vl"):

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vembed.recipe import check_recipe, load_recipe
+from vembed.components import load_recipe
+from vembed.tasks import check_recipe
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -63,14 +64,18 @@ def test_released_model_recipes_parse_and_pass_the_checks_on_a_local_checkpoint(
     from vembed.models import MODELS
 
     recipe = load_recipe(CONFIGS / name)
-    assert recipe.model_type == "qwen_vl" and recipe.mask_false_negatives
-    assert recipe.query_instruction == "Retrieve images or text relevant to the user's query."
+    assert recipe.model_type == "qwen_vl" and recipe.loss.mask_false_negatives
+    assert recipe.model.query_instruction == "Retrieve images or text relevant to the user's query."
+    assert recipe.model.prompt_ending == "generation_prompt"  # what the released embedder feeds (and serves)
     if "2b" in name:
         assert (recipe.batch_size, recipe.use_gradient_cache, recipe.gradient_cache_chunk_size) == (64, True, 8)
-        assert recipe.mrl_dims[0] == 2048
+        assert recipe.loss.mrl_dims[0] == 2048
     else:
-        assert (recipe.batch_size, recipe.use_fsdp, recipe.use_lora, recipe.lora_r) == (16, True, True, 16)
-        assert recipe.gradient_checkpointing and recipe.mrl_dims[0] == 4096
+        # The released Qwen3-VL-Embedding LoRA table: rank 32, alpha 32, q/k/v and the MLP projections, no o_proj.
+        assert (recipe.batch_size, recipe.use_fsdp, recipe.use_lora) == (16, True, True)
+        assert (recipe.lora_r, recipe.lora_alpha) == (32, 32)
+        assert sorted(recipe.lora_target_modules) == ["down_proj", "gate_proj", "k_proj", "q_proj", "up_proj", "v_proj"]
+        assert recipe.gradient_checkpointing and recipe.loss.mrl_dims[0] == 4096
 
     tiny = load_recipe(CONFIGS / "qwen3_vl_tiny.yaml", _tiny_overrides(digits, tmp_path / "unused"))
     torch.manual_seed(0)
@@ -96,7 +101,7 @@ def _gradients(raw: dict, rows: list[int]) -> dict[str, torch.Tensor]:
     """One forward/backward of the loop's prepared objective (DDP-wrapped on 2 ranks) on `rows` of the data."""
     from accelerate.utils import send_to_device
 
-    from vembed.recipe import recipe_from_dict
+    from vembed.components import recipe_from_dict
     from vembed.training.loop import Trainer
 
     trainer = Trainer(recipe_from_dict(raw))
@@ -163,7 +168,8 @@ def test_grad_cache_with_mixed_image_sizes_equals_the_full_batch(digits, tmp_pat
         trainer.build()
         batch = send_to_device(trainer.loader.collate_fn([trainer.dataset[i] for i in range(8)]), "cpu")
         if name == "cached":
-            assert trainer.plan.grad_cache.enabled and len(set(batch["positive"]["image_grid_thw"].prod(-1).tolist())) > 1
+            assert trainer.plan.grad_cache.enabled
+            assert len(set(batch["positive"]["image_grid_thw"].prod(-1).tolist())) > 1
         trainer.train_step(batch)
         model = trainer.accelerator.unwrap_model(trainer.model)
         grads[name] = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -19,8 +19,8 @@ SENTENCES = ["A man is eating food.", "A man is riding a horse.", "The new movie
 
 
 def _adapter():
+    from vembed.components import recipe_from_dict
     from vembed.models import MODELS
-    from vembed.recipe import recipe_from_dict
 
     recipe = recipe_from_dict({"model_type": "text", "model_name": str(MODEL_DIR), "pooling": "mean",
                                "max_length": 128})
@@ -44,8 +44,8 @@ def test_text_adapter_matches_sentence_transformers_on_real_weights():
 @pytest.mark.slow
 def test_fine_tune_real_minilm_then_export_loads_in_sentence_transformers(tmp_path):
     st = pytest.importorskip("sentence_transformers")
+    from vembed.components import recipe_from_dict
     from vembed.export import export_sentence_transformers
-    from vembed.recipe import recipe_from_dict
     from vembed.training.loop import Trainer
 
     rows = [{"query": f"what is item {i}?", "positive": f"item {i} is a thing numbered {i}", "label": str(i)}

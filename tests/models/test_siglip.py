@@ -14,16 +14,15 @@ def siglip(build):
     return build("siglip")
 
 
-def test_embeddings_have_vision_width_and_unit_norm(siglip, mixed_sides, checks):
+def test_embedding_size_is_the_vision_width(siglip):
     assert siglip.embedding_dim == 32
-    checks.shapes_and_norms(siglip, mixed_sides)
 
 
 def test_texts_are_padded_to_a_fixed_length(siglip):
     # SigLIP pools the last position, so a text must not depend on how long its batch-mates are.
     short = siglip.preprocess([Side(text="a star")])["input_ids"]
     long = siglip.preprocess([Side(text="a star"), Side(text="two black lines crossing on white")])["input_ids"]
-    assert short.shape[1] == long.shape[1] == siglip.max_length == 16
+    assert short.shape[1] == long.shape[1] == siglip.settings.max_length == 16
 
 
 def test_text_and_image_side_is_normalized_sum_of_both(siglip, mixed_sides, checks):
@@ -33,17 +32,9 @@ def test_text_and_image_side_is_normalized_sum_of_both(siglip, mixed_sides, chec
     torch.testing.assert_close(checks.encode(siglip, [side]), checks.normalize(text + image), atol=1e-6, rtol=0)
 
 
-def test_mixed_batch_rows_match_separate_encoding(siglip, mixed_sides, checks):
-    checks.mixed_batch_matches_parts(siglip, mixed_sides)
-
-
 def test_logit_scale_and_bias_are_frozen(siglip):
     frozen = {name for name, p in siglip.named_parameters() if not p.requires_grad}
     assert frozen == {"model.logit_scale", "model.logit_bias"}
-
-
-def test_save_load_round_trip_gives_identical_embeddings(siglip, mixed_sides, checks, tmp_path):
-    checks.save_load_round_trip(siglip, mixed_sides, tmp_path / "final")
 
 
 def test_saved_folder_loads_with_plain_transformers(siglip, mixed_sides, checks, tmp_path):
@@ -65,25 +56,11 @@ def test_saved_folder_loads_with_plain_transformers(siglip, mixed_sides, checks,
     torch.testing.assert_close(ours, checks.normalize(torch.cat([text, image])), atol=1e-5, rtol=0)
 
 
-def test_lora_trains_only_lora_and_save_merges_it(build, recipe_for, mixed_sides, checks, tmp_path):
-    siglip = build("siglip")
-    recipe = recipe_for("siglip", use_lora=True, lora_r=4, lora_alpha=8)
-    checks.lora_trains_only_lora_and_merges_on_save(siglip, recipe, mixed_sides, tmp_path / "merged")
+def test_lora_leaves_the_pooling_heads_attention_alone(siglip, recipe_for):
+    siglip.apply_lora(recipe_for("siglip", use_lora=True, lora_r=4, lora_alpha=8))
+    assert any("lora_" in name for name, _ in siglip.named_parameters())
     # The pooling head's nn.MultiheadAttention reads out_proj.weight directly; LoRA there would never run.
     assert not any("head.attention" in name and "lora_" in name for name, _ in siglip.named_parameters())
-
-
-def test_gradient_checkpointing_gives_same_gradients(build, mixed_sides, checks):
-    checks.checkpointing_keeps_gradients(lambda: build("siglip"), mixed_sides)
-
-
-def test_gradient_checkpointing_with_lora_gives_same_gradients(build, recipe_for, mixed_sides, checks):
-    lora = recipe_for("siglip", use_lora=True, lora_r=4, lora_dropout=0.0)
-    checks.checkpointing_keeps_gradients(lambda: build("siglip"), mixed_sides, lora_recipe=lora)
-
-
-def test_embedding_dim_for_reads_the_config(siglip, recipe_for, checks):
-    checks.embedding_dim_for_matches(siglip, recipe_for("siglip"))
 
 
 def test_towers_of_different_width_are_a_recipe_error(recipe_for, token_ids):

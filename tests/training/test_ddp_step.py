@@ -9,7 +9,7 @@ import pytest
 import torch
 from ranks import run_on_ranks
 
-from vembed.recipe import recipe_from_dict
+from vembed.components import recipe_from_dict
 
 GLOBAL_BATCH = 8  # 4 per rank
 

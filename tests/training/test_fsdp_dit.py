@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from ranks import run_on_ranks
 
-from vembed.models.blip3o_dit import Blip3oDiT, DiTConfig
+from vembed.generation.dit import Blip3oDiT, DiTConfig
 
 CONFIG = dict(eva_dim=12, clip_dim=8, num_tokens=4, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2,
               eva_adapter_layers=2, mlp_ratio=2.0)
@@ -27,9 +27,9 @@ def _batch() -> dict[str, torch.Tensor]:
 
 
 def _objective():
-    from vembed.losses.flow_matching import FlowMatchingLoss
-    from vembed.recipe import recipe_from_dict
-    from vembed.tasks.flow_matching import FlowMatchingObjective
+    from vembed.components import recipe_from_dict
+    from vembed.generation.flow import FlowMatchingLoss
+    from vembed.generation.task import FlowMatchingObjective
 
     torch.manual_seed(0)
     model = Blip3oDiT(DiTConfig(**CONFIG))
@@ -52,7 +52,7 @@ def _fsdp_worker(out_dir: str) -> None:
     import torch.distributed as dist
     from accelerate import Accelerator
 
-    from vembed.recipe import recipe_from_dict
+    from vembed.components import recipe_from_dict
     from vembed.training.fsdp import FsdpSettings, shard_objective
     from vembed.training.sharded_state import gather_full_state_dict
 
@@ -73,13 +73,13 @@ def _fsdp_worker(out_dir: str) -> None:
 
 
 def test_fsdp_step_matches_one_process_and_the_export_loads_single_device(tmp_path):
-    from vembed.models.base import load_adapter
+    from vembed.generation import load_generator
 
     single = _objective()
     _step(single, _batch())
     run_on_ranks(_fsdp_worker, str(tmp_path), world=2)
 
-    loaded = load_adapter(tmp_path / "fsdp")
+    loaded = load_generator(tmp_path / "fsdp")
     expected = dict(single.adapter.named_parameters())
     got = dict(loaded.named_parameters())
     assert got.keys() == expected.keys()

@@ -17,7 +17,7 @@ import torch
 from ranks import run_on_ranks
 from tiny_models import TINY_CLIP_CONFIG
 
-from vembed.recipe import recipe_from_dict
+from vembed.components import recipe_from_dict
 
 BATCH = 8
 

@@ -10,10 +10,10 @@ import torch
 from ranks import run_on_ranks
 from tiny_models import TINY_CLIP_CONFIG
 
+from vembed.components import recipe_from_dict
 from vembed.errors import TrainingError
-from vembed.recipe import recipe_from_dict
+from vembed.tasks.contrastive import ContrastiveObjective
 from vembed.training.loop import Trainer
-from vembed.training.objective import ContrastiveObjective
 
 
 def test_nan_loss_stops_at_once_keeping_the_last_good_checkpoint(tiny_clip_recipe, monkeypatch):
@@ -226,3 +226,94 @@ def test_two_ranks_take_every_step_asked_for_and_end_the_schedule(tiny_clip_reci
         assert result["last_logged"]["lr"] == result["lr_now"] == 0.0  # the schedule ran to its end
         if epochs:
             assert result["epochs_completed"] == epochs
+
+
+def test_an_infinite_loss_with_finite_gradients_stops_the_run(tiny_clip_recipe, monkeypatch):
+    """Adding a constant infinity leaves every gradient finite: the gradient-norm guard alone let the run finish with
+    inf in its loss history."""
+    raw = dict(tiny_clip_recipe, max_steps=6, save_steps=2)
+    original = ContrastiveObjective.forward
+    calls = {"n": 0}
+
+    def forward_with_infinite_loss(self, batch):
+        calls["n"] += 1
+        loss = original(self, batch)
+        return loss + float("inf") if calls["n"] == 3 else loss
+
+    monkeypatch.setattr(ContrastiveObjective, "forward", forward_with_infinite_loss)
+    trainer = Trainer(recipe_from_dict(raw))
+    with pytest.raises(TrainingError, match="the loss became NaN/Inf at step 3") as info:
+        trainer.run()
+    assert str(Path(raw["output_dir"]) / "checkpoint-2") in str(info.value)
+    assert not (Path(raw["output_dir"]) / "final").exists()
+    for name, param in trainer.objective.named_parameters():
+        assert torch.isfinite(param).all(), name
+
+
+def _with_corrupt_images(dummy_data_dir: Path, tmp_path: Path, every: int) -> Path:
+    """The dummy training rows with every `every`-th positive image replaced by a file that does not decode (it
+    exists, so reading the data file keeps the row: only training finds out)."""
+    rows = [json.loads(line) for line in (dummy_data_dir / "train.jsonl").read_text().splitlines()]
+    for i, row in enumerate(rows):
+        row["positive_image"] = str(dummy_data_dir / row["positive_image"])
+        if i % every == 0:
+            bad = tmp_path / f"corrupt{i}.png"
+            bad.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 20)
+            row["positive_image"] = str(bad)
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_images_that_fail_to_decode_in_training_count_against_max_bad_fraction(tiny_clip_recipe, dummy_data_dir,
+                                                                                tmp_path):
+    """A quarter of the images corrupt used to train to the end (exit 0): they were replaced and counted, and the
+    count from DataLoader workers was always 0. Now the run stops, in a worker-fed run, once the share is clearly
+    above data.max_bad_fraction."""
+    from vembed.errors import DataError
+
+    train = _with_corrupt_images(dummy_data_dir, tmp_path, every=4)
+    raw = dict(tiny_clip_recipe, data={"train": str(train), "num_workers": 1}, max_steps=8, save_steps=None)
+    with pytest.raises(DataError, match=r"had images that would not decode .* > data.max_bad_fraction=0.05") as info:
+        Trainer(recipe_from_dict(raw)).run()
+    assert "corrupt" in str(info.value) and "\n" not in str(info.value)
+    assert not (Path(raw["output_dir"]) / "final").exists()
+
+
+def test_a_few_undecodable_images_below_max_bad_fraction_do_not_stop_the_run(tiny_clip_recipe, dummy_data_dir,
+                                                                             tmp_path):
+    train = _with_corrupt_images(dummy_data_dir, tmp_path, every=40)  # 2 of 68 rows: 3% < 5%
+    raw = dict(tiny_clip_recipe, data={"train": str(train), "num_workers": 1}, epochs=2, save_steps=None)
+    result = Trainer(recipe_from_dict(raw)).run()
+    assert result.metrics["train"]["decode_failures"] >= 1
+
+
+def _infinite_loss_on_one_rank_worker(raw_path: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    raw = json.loads(Path(raw_path).read_text())
+    original = ContrastiveObjective.forward
+    calls = {"n": 0}
+
+    def forward(self, batch):  # only rank 1's loss turns infinite; gradients stay finite everywhere
+        calls["n"] += 1
+        loss = original(self, batch)
+        return loss + float("inf") if calls["n"] == 2 and dist.get_rank() == 1 else loss
+
+    ContrastiveObjective.forward = forward
+    try:
+        Trainer(recipe_from_dict(raw)).run()
+        outcome = "finished"
+    except TrainingError as error:
+        outcome = str(error)
+    Path(out_dir, f"rank{dist.get_rank()}.txt").write_text(outcome)
+
+
+@pytest.mark.slow
+def test_an_infinite_loss_on_one_rank_stops_every_rank_at_the_same_step(tiny_clip_recipe, tmp_path):
+    """Losses are per rank: without summing the flag over ranks, rank 1 would stop alone and rank 0 wait forever."""
+    raw = dict(tiny_clip_recipe, max_steps=4, save_steps=None, data={"train": tiny_clip_recipe["data"]["train"]})
+    (tmp_path / "raw.json").write_text(json.dumps(raw))
+    run_on_ranks(_infinite_loss_on_one_rank_worker, str(tmp_path / "raw.json"), str(tmp_path), world=2, timeout=120)
+    for rank in (0, 1):
+        assert "the loss became NaN/Inf at step 2" in (tmp_path / f"rank{rank}.txt").read_text()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vembed.recipe import recipe_from_dict
+from vembed.components import recipe_from_dict
 from vembed.training.lr import learning_rate_for, scaled_learning_rate
 
 

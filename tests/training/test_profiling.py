@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from vembed.components import recipe_from_dict
 from vembed.errors import RecipeError
-from vembed.recipe import recipe_from_dict
 from vembed.training.loop import Trainer
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from vembed.recipe import recipe_from_dict
+from vembed.components import recipe_from_dict
 from vembed.training import checkpoint as checkpoint_module
 from vembed.training.loop import Trainer
 
@@ -80,8 +80,10 @@ def test_checkpoints_are_rotated_and_half_written_ones_ignored(tiny_clip_recipe,
     assert checkpoint_module.resolve_resume("auto", run).name != "checkpoint-99"
 
 
-def test_resume_from_a_path_that_is_not_a_checkpoint_is_a_recipe_error(tmp_path):
-    from vembed.errors import RecipeError
+def test_resume_from_a_path_that_is_not_a_checkpoint_is_a_checkpoint_error(tmp_path):
+    from vembed.errors import CheckpointError
 
-    with pytest.raises(RecipeError, match="resume_from"):
+    with pytest.raises(CheckpointError, match="resume_from.*manifest.json is missing"):
         checkpoint_module.resolve_resume(str(tmp_path), tmp_path)
+    with pytest.raises(CheckpointError, match="is not a folder"):
+        checkpoint_module.resolve_resume(str(tmp_path / "nowhere"), tmp_path)

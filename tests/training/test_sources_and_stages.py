@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from vembed.recipe import recipe_from_dict
+from vembed.components import recipe_from_dict
 from vembed.training import checkpoint as checkpoint_module
 from vembed.training.loop import Trainer
 
@@ -73,7 +73,7 @@ def test_stages_run_their_own_sources_inputs_and_learning_rate(tiny_clip_recipe)
 
         def recording(examples):
             batch = collate(examples)
-            lengths.append(objective.adapter.max_length)
+            lengths.append(objective.adapter.settings.max_length)
             sources_by_stage.append(batch["source"])
             return batch
 
@@ -166,8 +166,9 @@ def test_resume_mid_stage_with_mixed_sources_ends_with_the_same_weights(tiny_cli
 
 def test_the_shipped_mixed_sources_recipe_trains_offline(tmp_path, monkeypatch):
     """configs/mixed_sources.yaml, with the data its header's commands make, trains and reports per source."""
+    from vembed.components import load_recipe
     from vembed.data.synthetic import make_digits_dataset, make_dummy_dataset
-    from vembed.recipe import check_recipe, load_recipe
+    from vembed.tasks import check_recipe
 
     config = Path(__file__).resolve().parents[2] / "configs" / "mixed_sources.yaml"
     monkeypatch.chdir(tmp_path)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from vembed.components import recipe_from_dict
 from vembed.errors import LaunchError, RecipeError
-from vembed.recipe import recipe_from_dict
 from vembed.resources import accelerate_configs, package_root
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +62,7 @@ def test_deepspeed_config_is_rewritten_with_an_absolute_json_path():
 
 
 def test_yaml_no_is_mixed_precision_no(tmp_path):
-    from vembed.recipe import load_recipe
+    from vembed.components import load_recipe
 
     path = tmp_path / "r.yaml"
     path.write_text("mixed_precision: no\n")
@@ -116,7 +116,7 @@ def test_the_8b_fsdp_recipe_runs_without_gradcache_instead_of_being_refused(laun
     under FSDP the rule does not apply, decided from the meta-device model in seconds."""
     import time
 
-    from vembed.recipe import load_recipe
+    from vembed.components import load_recipe
     from vembed.training.launch_plan import decide_launch
 
     launch_env(FSDP_LAUNCH)

@@ -14,7 +14,7 @@ pytest.importorskip("webdataset")  # the streaming extra (in dev)
 from ranks import run_on_ranks  # noqa: E402
 from streams import jsonl_shards, png_bytes, tar_shards, write_tar
 
-from vembed.recipe import recipe_from_dict
+from vembed.components import recipe_from_dict
 from vembed.training import checkpoint as checkpoint_module
 from vembed.training.loop import Trainer
 
@@ -188,8 +188,9 @@ def test_too_many_corrupt_samples_stop_the_run_naming_the_shard(tiny_clip_recipe
 
 
 def test_the_webdataset_example_recipe_trains_on_generated_shards(tmp_path):
+    from vembed.components import load_recipe
     from vembed.data.shard_writer import write_webdataset
-    from vembed.recipe import check_recipe, load_recipe
+    from vembed.tasks import check_recipe
 
     made = write_webdataset(tmp_path / "wds", "dummy", num_samples=80, shard_size=8)
     recipe = load_recipe(Path(__file__).resolve().parents[2] / "configs" / "clip_webdataset.yaml", [

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vembed.recipe import recipe_from_dict
+from vembed.components import recipe_from_dict
 from vembed.training import throughput
 from vembed.training.loop import Trainer
 

@@ -20,18 +20,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from vembed.data.reader import RowReader, UnusableImage, as_list, text_of
+from vembed.data.reader import RowReader, UnusableImage, as_list, side_text
 
 if TYPE_CHECKING:
     import datasets
 
 # Skip codes in the order `RowReader.example` finds them; 0 is a usable row.
-REASONS = ("", "empty_query", "empty_positive", "missing_image", "bad_image")
+REASONS = ("", "empty_query", "empty_positive", "missing_image", "bad_image", "bad_text")
 CODE = {reason: code for code, reason in enumerate(REASONS)}
 TEXT, IMAGE = 1, 2  # modality bits
 CHECK_BATCH_ROWS = 10_000
 MIN_ROWS_FOR_PROCESSES, MAX_CHECK_PROCESSES = 100_000, 8
-CHECKS_VERSION = 1  # bump when the rules change: cached verdicts of older rules are not reused
+CHECKS_VERSION = 2  # bump when the rules change: cached verdicts of older rules are not reused
 FIELDS = ("reason", "negatives", "modalities", "negative_modalities", "max_images")
 
 
@@ -78,19 +78,22 @@ class BatchChecker:
                 return [self.reader.cell(part, value) for value in _python(values)]
             return values
 
-        query_text, positive_text = _texts_present(column("query"), size), _texts_present(column("positive"), size)
+        query_text, query_text_error = _texts_present(column("query"), size)
+        positive_text, positive_text_error = _texts_present(column("positive"), size)
         query_images, query_error = self._image_cells(column("query_image"), size)
         positive_images, positive_error = self._image_cells(column("positive_image"), size)
         negatives, negative_modalities, negative_images, negative_error = self._negatives(
             column("negatives"), column("negative_images"), size)
 
-        # The first problem `RowReader.example` meets wins: it reads the query side, the positive side, checks both
-        # are non-empty, then reads the negatives.
+        # The first problem `RowReader.example` meets wins: it reads the query side (text, then images), the
+        # positive side, checks both are non-empty, then reads the negatives. Applied here from last to first.
         reason = negative_error
         reason = np.where(positive_text | (positive_images > 0), reason, CODE["empty_positive"])
         reason = np.where(query_text | (query_images > 0), reason, CODE["empty_query"])
         reason = np.where(positive_error > 0, positive_error, reason)
-        reason = np.where(query_error > 0, query_error, reason).astype(np.int8)
+        reason = np.where(positive_text_error > 0, positive_text_error, reason)
+        reason = np.where(query_error > 0, query_error, reason)
+        reason = np.where(query_text_error > 0, query_text_error, reason).astype(np.int8)
         modalities = (np.where(query_text | positive_text, TEXT, 0)
                       | np.where((query_images > 0) | (positive_images > 0), IMAGE, 0)).astype(np.int8)
         most = np.maximum(np.maximum(query_images, positive_images), negative_images).astype(np.int16)
@@ -130,8 +133,8 @@ class BatchChecker:
         for i, (text_cell, image_cell) in enumerate(zip(text_cells, image_cells)):
             try:
                 for text, image in zip_longest(as_list(text_cell, builder), as_list(image_cell, builder)):
+                    has_text = side_text(text, "negatives") is not None
                     found = side_images(image)
-                    has_text = text_of(text) is not None
                     if found is None and not has_text:
                         continue
                     counts[i] += 1
@@ -164,17 +167,25 @@ def _is_arrow_text(values: Any) -> bool:
         pa.types.is_string(values.type) or pa.types.is_large_string(values.type))
 
 
-def _texts_present(values: Any, size: int) -> np.ndarray:
-    """True where a text cell holds text (not null, NaN, empty or only whitespace), as `text_of` decides."""
+def _texts_present(values: Any, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per text cell: whether it holds text (not null, NaN, empty or only whitespace), and the `bad_text` code where
+    it holds something else (a number, a list), as `side_text` decides."""
+    errors = np.zeros(size, dtype=np.int8)
     if values is None:
-        return np.zeros(size, dtype=bool)
+        return np.zeros(size, dtype=bool), errors
     if _is_arrow_text(values):
         import pyarrow.compute as pc
 
         empty = pc.or_kleene(pc.is_null(values),
                              pc.or_(pc.equal(pc.utf8_length(values), 0), pc.utf8_is_space(values)))
-        return ~np.asarray(pc.fill_null(empty, True), dtype=bool)
-    return np.fromiter((text_of(value) is not None for value in _python(values)), dtype=bool, count=size)
+        return ~np.asarray(pc.fill_null(empty, True), dtype=bool), errors
+    present = np.zeros(size, dtype=bool)
+    for i, value in enumerate(_python(values)):
+        try:
+            present[i] = side_text(value, "") is not None
+        except UnusableImage:
+            errors[i] = CODE["bad_text"]
+    return present, errors
 
 
 def _text_list_counts(values: Any, size: int) -> np.ndarray | None:
@@ -190,7 +201,7 @@ def _text_list_counts(values: Any, size: int) -> np.ndarray | None:
     flat = pc.list_flatten(values)
     if not _is_arrow_text(flat):
         return None
-    present = _texts_present(flat, len(flat))
+    present, _ = _texts_present(flat, len(flat))
     parents = np.asarray(pc.list_parent_indices(values))
     return np.bincount(parents[present], minlength=size).astype(np.int32)
 

@@ -5,14 +5,27 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from torch.utils.data import Dataset
+import torch
+from torch.utils.data import Dataset, get_worker_info
 
 from vembed.data.images import load_image
 from vembed.data.records import Example, Side
 from vembed.errors import DataError
 
 logger = logging.getLogger(__name__)
+
+_COUNTER_SLOTS = 257  # the training process and up to 256 DataLoader workers, each writing only its own row
+
+
+@dataclass(frozen=True)
+class DecodeCounts:
+    """Records fetched and records replaced because their images would not decode, over every worker."""
+
+    fetched: int
+    replaced: int
+    first_bad: int | None  # index of a replaced record, for messages
 
 
 class PairDataset(Dataset):
@@ -23,8 +36,9 @@ class PairDataset(Dataset):
     `load_examples`) is replaced by the next record that decodes, searching forward and wrapping around, at most
     `max_substitutions` records away; the substitute depends only on the index, so every epoch and every worker picks
     the same one. `decode_failures` counts the distinct bad records this process has met (each DataLoader worker
-    keeps its own count). `num_negatives`: the hard negatives each record keeps; None keeps what the records hold
-    (`load_rows` has already cut them to one number per source).
+    keeps its own count); `decode_counts()` counts fetches and replacements in every worker, through shared memory.
+    `num_negatives`: the hard negatives each record keeps; None keeps what the records hold (`load_rows` has already
+    cut them to one number per source).
     """
 
     def __init__(self, examples: Sequence[Example], num_negatives: int | None = None, max_substitutions: int = 64):
@@ -40,6 +54,9 @@ class PairDataset(Dataset):
         self.num_negatives = num_negatives
         self.max_substitutions = max_substitutions
         self._bad: set[int] = set()
+        # Per process (row 0: the one that built the dataset; 1+: DataLoader worker id + 1): fetched, replaced, first
+        # replaced index + 1. Shared memory, so counts made in forked or spawned workers reach the training loop.
+        self._counts = torch.zeros(_COUNTER_SLOTS, 3, dtype=torch.int64).share_memory_()
 
     def source_ranges(self) -> list[tuple[str | None, int, int]]:
         """(name, first index, one past the last) of each named source; one unnamed range without named sources."""
@@ -49,6 +66,28 @@ class PairDataset(Dataset):
     @property
     def decode_failures(self) -> int:
         return len(self._bad)
+
+    def decode_counts(self) -> DecodeCounts:
+        fetched, replaced = (int(v) for v in self._counts[:, :2].sum(dim=0))
+        marked = self._counts[:, 2][self._counts[:, 2] > 0]
+        return DecodeCounts(fetched, replaced, int(marked[0]) - 1 if len(marked) else None)
+
+    def decode_error(self, index: int) -> str | None:
+        """Why record `index` cannot be used (its image's decode error), or None when it decodes."""
+        try:
+            self._decoded(self.examples[index])
+        except DataError as err:
+            return err.args[0]
+        return None
+
+    def _count(self, index: int, replaced: bool) -> None:
+        worker = get_worker_info()
+        row = self._counts[0 if worker is None else 1 + worker.id % (_COUNTER_SLOTS - 1)]
+        row[0] += 1
+        if replaced:
+            row[1] += 1
+            if row[2] == 0:
+                row[2] = index + 1
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -64,12 +103,15 @@ class PairDataset(Dataset):
             if candidate in self._bad:
                 continue
             try:
-                return self._decoded(self.examples[candidate])
+                decoded = self._decoded(self.examples[candidate])
             except DataError as err:
                 self._bad.add(candidate)
                 first_error = first_error or err
                 example = self.examples[candidate]
                 logger.warning("skipping %s, row %s: %s", example.source, example.row, err)
+                continue
+            self._count(index, replaced=candidate != index)
+            return decoded
         tried = min(size, self.max_substitutions + 1)
         start = self.examples[index]
         raise DataError(

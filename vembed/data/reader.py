@@ -22,6 +22,8 @@ SKIP_FIXES = {
     "empty_positive": "give every row a positive text or image",
     "missing_image": "check the image paths and data.image_root",
     "bad_image": "give image columns file paths (or a datasets Image feature)",
+    "bad_text": "give query/positive/negatives text (a column of numbers only is read as numbers: check that "
+                "data.columns maps the text columns)",
     "too_few_negatives": "lower data.num_hard_negatives or add negatives to those rows",
 }
 
@@ -29,7 +31,7 @@ PARTS = ("query", "query_image", "positive", "positive_image", "negatives", "neg
 
 
 class UnusableImage(Exception):
-    """Raised while reading a row whose image cell cannot be used; the row is skipped under `reason`."""
+    """Raised while reading a row whose image (or text) cell cannot be used; the row is skipped under `reason`."""
 
     def __init__(self, reason: str, detail: str):
         self.reason, self.detail = reason, detail
@@ -54,6 +56,17 @@ def text_of(value: Any) -> str | None:
         value = int(value)  # CSV integer columns with gaps are read as floats: label 7.0 means "7"
     text = value if isinstance(value, str) else str(value)
     return text if text.strip() else None
+
+
+def side_text(value: Any, part: str) -> str | None:
+    """A text cell of a query, positive or negative: a string, or None when empty. A number or a list there is a wrong
+    column or a wrongly typed file, not text to embed (str() would train on "12" or "['a', 'b']"): `bad_text`."""
+    if is_null(value):
+        return None
+    if not isinstance(value, str):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise UnusableImage("bad_text", f"{part} cell holds {type(value).__name__} {shown}, not text")
+    return value if value.strip() else None
 
 
 def as_list(value: Any, builder: str) -> list[Any]:
@@ -141,15 +154,17 @@ class RowReader:
         `Skipped` for a row that cannot be one."""
         get = row.get
         try:
-            query = Side(text_of(get("query")), self.side_images(get("query_image")), role="query")
-            positive = Side(text_of(get("positive")), self.side_images(get("positive_image")), role="document")
+            query = Side(side_text(get("query"), "query"), self.side_images(get("query_image")), role="query")
+            positive = Side(side_text(get("positive"), "positive"), self.side_images(get("positive_image")),
+                            role="document")
             if query.is_empty:
                 raise Skipped("empty_query", "no query text or image")
             if positive.is_empty:
                 raise Skipped("empty_positive", "no positive text or image")
             texts = as_list(get("negatives"), self.builder)
             images = as_list(get("negative_images"), self.builder)
-            negatives = [Side(text_of(t), self.side_images(i), role="document") for t, i in zip_longest(texts, images)]
+            negatives = [Side(side_text(t, "negatives"), self.side_images(i), role="document")
+                         for t, i in zip_longest(texts, images)]
         except UnusableImage as bad:
             raise Skipped(bad.reason, bad.detail) from None
         source = self.source

@@ -71,6 +71,24 @@ def resolve_files(
     return list(dict.fromkeys(files))  # a file named twice is read once
 
 
+def check_data_paths(data: "DataConfig", splits: Sequence[str] = ("train", "validation", "test")) -> None:
+    """Every file, glob or directory the recipe's `data.<split>` names exists (and `data.image_root`), before anything
+    is built; a RecipeError names the first that does not."""
+    for split in splits:
+        value = getattr(data, split)
+        if value is None:
+            continue
+        sources = data.sources(split)
+        if sources is None:
+            resolve_files(value, data.format, key=f"data.{split}")
+        for name, source in (sources or {}).items():
+            resolve_files(source.files, source.format, key=f"data.{split}.{name}.files")
+            if source.image_root is not None and not os.path.isdir(source.image_root):
+                raise RecipeError(f"data.{split}.{name}.image_root", f"directory {source.image_root!r} not found")
+    if data.image_root is not None and not os.path.isdir(data.image_root):
+        raise RecipeError("data.image_root", f"directory {data.image_root!r} not found")
+
+
 def _resolve_one(item: str, format: str, key: str) -> list[str]:
     if format == "hf":
         if os.path.exists(item):
@@ -196,7 +214,14 @@ def _json_lines(text: str, path: str) -> list[Any]:
 def _read_file(path: str, builder: str) -> "datasets.Dataset":
     import datasets
 
-    return datasets.load_dataset(builder, data_files=path, split="train")
+    # datasets logs "Failed to read file ..." itself before raising; our DataError says it once, naming the file.
+    builder_logger = logging.getLogger(f"datasets.packaged_modules.{builder}.{builder}")
+    level = builder_logger.level
+    builder_logger.setLevel(logging.CRITICAL)
+    try:
+        return datasets.load_dataset(builder, data_files=path, split="train")
+    finally:
+        builder_logger.setLevel(level)
 
 
 def _read_hf(path: str, split: str) -> "datasets.Dataset":
@@ -414,11 +439,13 @@ def _load_source(value: Any, split: str, format: str, columns: dict[str, str], i
     files = resolve_files(value, format, key=key)
     report = DataReport(split=split, files=files, source=settings.name)
     checked: list[tuple[RowReader, Any, "RowChecks"]] = []
+    empty: list[str] = []
     for file in files:
         builder = builder_for(file, format)
         with _one_builder_per_node(file, builder):
             table = _open_table(file, builder, split, columns)
             if table is None:
+                empty.append(file)
                 continue
             reader = RowReader(file, builder, columns, _image_base(file, image_root), settings,
                                json_parts=_json_parts(table, columns))
@@ -447,15 +474,16 @@ def _load_source(value: Any, split: str, format: str, columns: dict[str, str], i
     rows = PairRows(parts)
     report.kept, report.num_hard_negatives = len(rows), wanted
     _check_bad_fraction(report, max_bad_fraction)
+    for file in empty:  # said only when other files had rows; else the error above says it, once
+        logger.warning("%s: no rows, ignored", file)
     logger.info(report.summary())
     return rows, report
 
 
 def _open_table(file: str, builder: str, split: str, columns: dict[str, str]) -> Any:
-    """A file's table with only the columns used, image features undecoded; None (and a warning) when it is empty."""
+    """A file's table with only the columns used, image features undecoded; None when it is empty."""
     table = read_table(file, builder, split)
     if table.num_rows == 0:
-        logger.warning("%s: no rows, ignored", file)
         return None
     _check_columns(file, list(table.column_names), columns)
     used = [name for name in dict.fromkeys(columns.values()) if name in table.column_names]

@@ -45,8 +45,8 @@ if TYPE_CHECKING:
 
 SIZES_FILE = "sizes.json"  # open_clip's index: {"shard-000000.tar": number of samples, ...}, beside the shards
 TAR_EXTENSION = ".tar"
-EXTRA_SKIP_FIXES = {  # reasons only a stream meets, beside the map-style ones (sources.SKIP_FIXES)
-    "bad_text": "write text files as UTF-8",
+EXTRA_SKIP_FIXES = {  # reasons a stream meets beside the map-style ones (sources.SKIP_FIXES); bad_text covers both
+    "bad_text": "write text as UTF-8 strings (a number or list where text is expected: check data.columns)",
     "bad_json": "make every .json member one valid JSON object",
     "bad_shard": "check the shard: it is missing, truncated or not a tar / data file",
     "too_many_images": "give one image per side (only qwen_vl embeds several)",

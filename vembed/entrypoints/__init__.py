@@ -8,7 +8,12 @@ from collections.abc import Callable
 
 
 def run_cli(body: Callable[[], int | None], debug: bool) -> int:
-    """Run `body`; a `VembedError` is printed as one line (once, by rank 0) and turned into its exit code."""
+    """Run `body`; a `VembedError` is printed as one line (once, by rank 0) and turned into its exit code.
+
+    A rank started by run.py / `vembed train` hands its error to the launcher instead (torch's per-rank error file),
+    which names the rank that failed first; a rank that only lost its peer (the collective broke because another
+    rank died) says nothing, so the real error is not buried under its traceback.
+    """
     from vembed.errors import VembedError
 
     try:
@@ -16,12 +21,52 @@ def run_cli(body: Callable[[], int | None], debug: bool) -> int:
     except VembedError as err:
         if debug:
             raise
-        if os.environ.get("RANK", "0") == "0":
+        if not _hand_to_launcher(str(err), peer_lost=False) and os.environ.get("RANK", "0") == "0":
             print(str(err), file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as error:
+        if debug or not _lost_a_peer(error):
+            raise
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        if not _hand_to_launcher(f"{type(error).__name__}: {first}", peer_lost=True):
+            raise
+        return 1
+
+
+def _hand_to_launcher(line: str, peer_lost: bool) -> bool:
+    """Write this rank's one-line error where run.py's launcher reads it; False when not started by it."""
+    import json
+    import time
+
+    from vembed.training.launcher import LAUNCHER_PID_ENV
+
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file or not os.environ.get(LAUNCHER_PID_ENV):
+        return False
+    # torch's agent reads "message" and "timestamp"; "vembed" is what our launcher reports from.
+    payload = {"message": line, "timestamp": int(time.time()),
+               "vembed": {"line": line, "time": time.time(), "peer_lost": peer_lost}}
+    try:
+        with open(error_file, "w") as handle:
+            json.dump(payload, handle)
+    except OSError:
+        return False
+    return True
+
+
+# What a collective raises on the ranks that are left when one rank dies (gloo, NCCL).
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
+              "remote process exited", "Socket Timeout")
+
+
+def _lost_a_peer(error: BaseException) -> bool:
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return False
+    text = f"{type(error).__name__}: {error}"
+    return type(error).__name__ == "DistNetworkError" or any(marker in text for marker in _PEER_LOST)
 
 
 def quiet_libraries() -> None:

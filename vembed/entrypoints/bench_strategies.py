@@ -66,9 +66,12 @@ def run(args: argparse.Namespace) -> int:
         import torch
         from tqdm.auto import tqdm
 
+        from vembed.components import load_recipe
         from vembed.errors import RecipeError
-        from vembed.recipe import check_recipe, load_recipe
+        from vembed.tasks import check_recipe
 
+        if args.steps < 1:
+            raise RecipeError("--steps", f"must be at least 1, got {args.steps}")
         recipe = load_recipe(args.recipe, args.config_override)
         check_recipe(recipe)
         gpus = torch.cuda.device_count()

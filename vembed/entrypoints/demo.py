@@ -39,8 +39,9 @@ def run(args: argparse.Namespace) -> int:
 
     def body() -> int:
         quiet_libraries()
+        from vembed.components import load_recipe
         from vembed.entrypoints import launch
-        from vembed.recipe import check_recipe, load_recipe
+        from vembed.tasks import check_recipe
 
         data_dir = Path(args.data_dir)
         if not (data_dir / "classes.json").is_file():
@@ -49,18 +50,21 @@ def run(args: argparse.Namespace) -> int:
             print(f"making the digits data set in {data_dir} ...", file=sys.stderr)
             make_digits_dataset(data_dir)
         overrides = [f"data.train={data_dir}/train.jsonl", f"data.validation={data_dir}/validation.jsonl",
-                     f"data.test={data_dir}/test.jsonl", f"tokenizer_name={data_dir}/tokenizer", *args.config_override]
+                     f"data.test={data_dir}/test.jsonl", f"tokenizer_name={data_dir}/tokenizer"]
+        if not any(o.startswith("resume_from=") for o in args.config_override):
+            overrides.append("overwrite_output_dir=true")  # the demo trains from scratch each time it is run
+        overrides += args.config_override
         recipe = load_recipe(args.recipe, overrides)
         check_recipe(recipe)
 
         # The untrained model: same seed, same init as the first training step sees.
         from accelerate.utils import set_seed
 
+        from vembed.components import model_class
         from vembed.data.sources import load_examples
-        from vembed.models import MODELS
 
         set_seed(recipe.seed)
-        untrained = MODELS.get(recipe.model_type).from_recipe(recipe)
+        untrained = model_class(recipe).from_recipe(recipe)
         test_examples, _ = load_examples(recipe.data, "test", num_hard_negatives=0)
         prompts = json.loads((data_dir / "classes.json").read_text())
         batch_size = recipe.resolved_eval_batch_size

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,6 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mrl-dims", type=int, nargs="+", help="also report metrics at these truncated sizes")
     parser.add_argument("--max-samples", type=int, help="evaluate on at most this many records")
     parser.add_argument("--output", help="write the metrics as JSON here")
+    parser.add_argument("--trust-remote-code", "--trust_remote_code", action="store_true",
+                        help="let the model folder run Python code it ships (only for folders you trust)")
     parser.add_argument("--debug", action="store_true")
 
 
@@ -25,12 +28,17 @@ def run(args: argparse.Namespace) -> int:
     from vembed.entrypoints import quiet_libraries, run_cli
 
     def body() -> int:
-        from vembed.data.sources import load_examples
+        from vembed.data.sources import check_data_paths, load_examples
         from vembed.errors import RecipeError
-        from vembed.models.base import load_embedding_adapter
+        from vembed.models.base import load_adapter
         from vembed.recipe import ColumnMap, DataConfig
         from vembed.tasks.contrastive import check_images_per_side
 
+        for flag, value in (("--batch-size", args.batch_size), ("--max-samples", args.max_samples)):
+            if value is not None and value < 1:
+                raise RecipeError(flag, f"must be at least 1, got {value}")
+        if args.output:
+            _check_output_file(Path(args.output))
         columns = {}
         for item in args.column:
             if "=" not in item:
@@ -42,11 +50,13 @@ def run(args: argparse.Namespace) -> int:
                               columns=ColumnMap(**columns), max_bad_fraction=1.0)
         except Exception as err:  # pydantic's message names the field
             raise RecipeError("--column", str(err).splitlines()[-1]) from None
-        from vembed.recipe import Recipe, _check_data_paths  # same checks as for a recipe
-
-        _check_data_paths(Recipe(data=data), ("test",))
+        check_data_paths(data, ("test",))  # the checks a recipe's data gets
         quiet_libraries()
-        adapter = load_embedding_adapter(args.model_dir)
+        adapter = load_adapter(args.model_dir, trust_remote_code=args.trust_remote_code)
+        too_big = [d for d in args.mrl_dims or () if not 0 < d <= adapter.embedding_dim]
+        if too_big:
+            raise RecipeError("--mrl-dims", f"{too_big} are not in 1..{adapter.embedding_dim}, the model's "
+                                            "embedding size")
         examples, report = load_examples(data, "test", num_hard_negatives=0)
         check_images_per_side(adapter.model_type, examples)
         if args.max_samples:
@@ -60,10 +70,24 @@ def run(args: argparse.Namespace) -> int:
         if args.output:
             from vembed.training.checkpoint import write_json_atomic
 
+            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(args.output, metrics)
         return 0
 
     return run_cli(body, args.debug)
+
+
+def _check_output_file(path: Path) -> None:
+    """--output can be written: its folder exists (or can be made) and it is not itself a folder."""
+    from vembed.errors import RecipeError
+
+    if path.is_dir():
+        raise RecipeError("--output", f"{path} is a folder; name a JSON file")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise RecipeError("--output", f"{path} cannot be written: {parent} is a file")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,7 @@ from vembed.entrypoints import run_cli
 from vembed.entrypoints.train import add_arguments as add_train_arguments
 from vembed.errors import LaunchError
 from vembed.resources import accelerate_configs, package_root
-from vembed.training.launcher import EXPECTED_WORLD_SIZE_ENV, LAUNCHER_ENV
+from vembed.training.launcher import EXPECTED_WORLD_SIZE_ENV, LAUNCHER_ENV, LAUNCHER_PID_ENV
 
 # Shipped inside the package, so an installed vembed finds them from any directory (the clone's accelerate_configs/
 # links here). ROOT is what the DeepSpeed YAMLs' relative JSON paths resolve against.
@@ -83,9 +83,7 @@ def choose_config(explicit: str | None, use_fsdp: bool = False) -> tuple[Path, i
 
 
 def _uses_cpu(path: Path) -> bool:
-    import yaml
-
-    return bool((yaml.safe_load(path.read_text()) or {}).get("use_cpu"))
+    return bool(_read_config(path).get("use_cpu"))
 
 
 def _with_absolute_deepspeed_file(path: Path) -> Path:
@@ -96,7 +94,7 @@ def _with_absolute_deepspeed_file(path: Path) -> Path:
 
     import yaml
 
-    data = yaml.safe_load(path.read_text()) or {}
+    data = _read_config(path)
     named = (data.get("deepspeed_config") or {}).get("deepspeed_config_file")
     if not named or Path(named).is_absolute() or not (ROOT / named).is_file():
         return path
@@ -138,26 +136,55 @@ def _with_ddp_launcher_for_several_processes(config: Path, num_processes: int) -
 
 
 def _read_config(path: Path) -> dict:
+    """The accelerate config as a dict, checked the way accelerate's launcher would (its own loader), so a bad file is
+    one line here instead of a traceback from inside the launcher."""
     import yaml
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.utils import DistributedType, PrecisionType
 
     try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as error:
-        raise LaunchError(f"accelerate config {path} cannot be read: {error}") from None
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise LaunchError(f"accelerate config {path} is not a text file; pass a YAML accelerate config") from None
+    except OSError as error:
+        raise LaunchError(f"accelerate config {path} cannot be read: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise LaunchError(f"accelerate config {path} is not valid YAML{where}: "
+                          f"{getattr(error, 'problem', None) or error}") from None
     if not isinstance(data, dict) or "distributed_type" not in data:
         raise LaunchError(f"{path} is not an accelerate config (no distributed_type); write one with "
                           "`accelerate config`, or pass one of ours with --accelerate_config")
+    for key, allowed in (("distributed_type", [kind.value for kind in DistributedType]),
+                         ("mixed_precision", PrecisionType.list())):
+        value = data.get(key, allowed[0])
+        if value is False:  # YAML 1.1 reads a bare NO / no as false; accelerate then fails deep in the launcher
+            word = "NO" if key == "distributed_type" else "no"
+            raise LaunchError(f"{key}: a bare {word} in {path} is read as false; quote it: {key}: '{word}'")
+        if not isinstance(value, str) or value not in allowed:
+            raise LaunchError(f"{key}: {value!r} in {path} is not one of accelerate's: {', '.join(allowed)}")
+    try:
+        load_config_from_file(str(path))
+    except Exception as error:  # noqa: BLE001 - accelerate's loader raises several types for a bad file
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise LaunchError(f"{path} is not a valid accelerate config: {first}") from None
     return data
 
 
 def run(args: argparse.Namespace) -> int:
     def body() -> int:
-        from vembed.recipe import check_recipe, load_recipe
+        from vembed.components import load_recipe
+        from vembed.tasks import check_recipe
+        from vembed.training.run_dir import RunLock, check_output_dir
 
         recipe = load_recipe(args.recipe, args.config_override)
         check_recipe(recipe)
+        check_output_dir(recipe)  # before any process starts: output_dir writable, and not another run's
         config, forced = choose_config(args.accelerate_config, recipe.use_fsdp)
-        num_processes = args.num_processes if args.num_processes is not None else forced or _config_num_processes(config)
+        num_processes = args.num_processes
+        if num_processes is None:
+            num_processes = forced or _config_num_processes(config)
         if num_processes < 1:
             raise LaunchError(f"--num_processes {num_processes}: pass a positive number of processes")
         _check_launcher_installed(config)
@@ -171,23 +198,33 @@ def run(args: argparse.Namespace) -> int:
             launch_args += ["--config_override", *args.config_override]
         if args.debug:
             launch_args.append("--debug")
-        print(f"launching {num_processes} process(es) with {config}", file=sys.stderr)
         if args.dry_run:
+            print(f"launching {num_processes} process(es) with {config}", file=sys.stderr)
             print(" ".join(["accelerate", "launch", *launch_args]))
             return 0
-        # What the training processes check they got (vembed/training/launcher.py), and how to phrase hints.
-        os.environ[EXPECTED_WORLD_SIZE_ENV] = str(num_processes)
-        os.environ[LAUNCHER_ENV] = getattr(args, "command_name", "python run.py")
-        return launch_in_process(launch_args)
+        # Held for the whole launch: a second launch into the same output_dir is refused while this one runs.
+        with RunLock(recipe.output_dir):
+            print(f"launching {num_processes} process(es) with {config}", file=sys.stderr)
+            # What the training processes check they got (vembed/training/launcher.py), and how to phrase hints.
+            os.environ[EXPECTED_WORLD_SIZE_ENV] = str(num_processes)
+            os.environ[LAUNCHER_ENV] = getattr(args, "command_name", "python run.py")
+            os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # each rank dies with this process (stop_with_launcher)
+            return launch_in_process(launch_args, num_processes)
 
     return run_cli(body, args.debug)
 
 
-def launch_in_process(launch_args: list[str]) -> int:
-    """`accelerate launch ARGS` in this process; the exit code of the training processes, without a traceback here
-    (they print their own one-line errors)."""
+def launch_in_process(launch_args: list[str], num_processes: int | None = None) -> int:
+    """`accelerate launch ARGS` in this process; the exit code of the training processes, without a traceback here.
+    When several processes were started and one failed, the error of the rank that failed first is printed (the ranks
+    hand it over in torch's per-rank error files), with which rank it was."""
+    import logging
+
     from accelerate.commands.launch import launch_command, launch_command_parser
 
+    # torch's agent logs each stopped and failed rank ("Sending process N closing signal SIGTERM", "failed (exitcode:
+    # 2) local_rank: 0"); the line printed below says which rank failed and why.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         launch_command(launch_command_parser().parse_args(launch_args))
     except subprocess.CalledProcessError as failed:  # one process (simple launcher)
@@ -197,12 +234,37 @@ def launch_in_process(launch_args: list[str]) -> int:
     except Exception as error:  # noqa: BLE001 - torch.distributed.run's ChildFailedError: several processes
         if not hasattr(error, "get_first_failure"):
             raise
-        rank, failure = error.get_first_failure()  # the root cause; the others were stopped because of it
+        rank, failure, line = _root_failure(error.failures)
         code = failure.exitcode if failure.exitcode > 0 else 1
-        print(f"launch error: rank {rank} exited with code {failure.exitcode} and the others were stopped; "
-              "its error is above", file=sys.stderr)
+        of = f" of {num_processes}" if num_processes else ""
+        if line is not None:
+            print(f"{line} [rank {rank}{of} failed first; the other ranks were stopped]", file=sys.stderr)
+        elif failure.exitcode < 0:
+            print(f"launch error: rank {rank}{of} was killed by {failure.signal_name()} (out of memory?); the other "
+                  "ranks were stopped", file=sys.stderr)
+        else:
+            print(f"launch error: rank {rank}{of} failed with exit code {failure.exitcode} (its traceback is above); "
+                  "the other ranks were stopped", file=sys.stderr)
         return code
     return 0
+
+
+def _root_failure(failures: dict) -> tuple[int, object, str | None]:
+    """The rank whose own error started the failure: the earliest one-line error a rank handed over that is not just
+    "my peer is gone" (run_cli writes them); else a rank that died without handing anything over (a signal, or a
+    traceback it printed itself), the earliest as torch's agent saw them."""
+    reported, silent = [], []
+    for rank, failure in failures.items():
+        ours = (getattr(failure, "error_file_data", None) or {}).get("vembed")
+        if not isinstance(ours, dict):
+            silent.append(rank)
+        elif not ours.get("peer_lost"):
+            reported.append((float(ours.get("time", 0)), rank, failure, str(ours.get("line"))))
+    if reported:
+        _, rank, failure, line = min(reported, key=lambda item: (item[0], item[1]))
+        return rank, failure, line
+    rank = min(silent or list(failures), key=lambda r: (failures[r].timestamp, r))
+    return rank, failures[rank], None
 
 
 def _free_port() -> int:

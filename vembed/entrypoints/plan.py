@@ -23,8 +23,8 @@ def run(args: argparse.Namespace) -> int:
     from vembed.entrypoints import quiet_libraries, run_cli
 
     def body() -> int:
+        from vembed.components import load_recipe
         from vembed.planning import format_plan, make_plan
-        from vembed.recipe import load_recipe
 
         recipe = load_recipe(args.recipe, args.config_override)
         quiet_libraries()

@@ -28,7 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     def body() -> int:
-        from vembed.recipe import check_recipe, load_recipe
+        from vembed.components import load_recipe
+        from vembed.tasks import check_recipe
+        from vembed.training.launcher import stop_with_launcher
+
+        stop_with_launcher()  # a rank never outlives the launcher that started it
 
         recipe = load_recipe(args.recipe, args.config_override)
         check_recipe(recipe)  # everything is validated before a model is built or output_dir is created

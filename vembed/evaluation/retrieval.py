@@ -7,7 +7,7 @@ each query's own positive. Scores are computed in chunks of queries so a large c
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from vembed.errors import DataError
+from vembed.models.encoding import encode_sides, unwrapped
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -156,76 +157,6 @@ def retrieval_metrics(
     return metrics
 
 
-# --- encoding ------------------------------------------------------------------------------------------------------
-
-
-def _unwrapped(adapter: "EmbeddingAdapter", accelerator: "Accelerator | None") -> "EmbeddingAdapter":
-    # accelerate's unwrap_model imports deepspeed whenever it is installed (seconds at start-up); a plain adapter
-    # needs no unwrapping.
-    from vembed.models.base import EmbeddingAdapter
-
-    if accelerator is None or isinstance(adapter, EmbeddingAdapter):
-        return adapter
-    return accelerator.unwrap_model(adapter)
-
-
-def _device_of(module: torch.nn.Module) -> torch.device:
-    param = next(module.parameters(), None)
-    return param.device if param is not None else torch.device("cpu")
-
-
-@torch.no_grad()
-def encode_sides(
-    adapter: "EmbeddingAdapter",
-    sides: Sequence["Side"],
-    *,
-    batch_size: int = 64,
-    accelerator: "Accelerator | None" = None,
-    show_progress: bool = False,
-    desc: str = "encoding",
-) -> torch.Tensor:
-    """Embed `sides` in batches, in eval mode (the previous mode is restored), returning `(len(sides), dim)` float32.
-
-    With an `accelerator`, each process encodes a contiguous share and the shares are gathered, so every process
-    returns the same full tensor. Every process runs the same number of forward passes (short shares are padded with
-    a repeated side), which sharded models (FSDP) need. `adapter` may be the model `accelerator.prepare` returned:
-    batches go through its forward (the adapter's `encode`), preprocessing through the unwrapped adapter.
-    """
-    core = _unwrapped(adapter, accelerator)
-    n = len(sides)
-    if accelerator is not None and accelerator.num_processes > 1:
-        per = math.ceil(n / accelerator.num_processes) if n else 0
-        mine = list(sides[accelerator.process_index * per : (accelerator.process_index + 1) * per])
-        local = mine + [sides[-1]] * (per - len(mine)) if n else []
-        device = accelerator.device
-        show_progress = show_progress and accelerator.is_main_process
-    else:
-        local, device = list(sides), _device_of(core)
-
-    was_training = adapter.training
-    adapter.eval()
-    try:
-        starts = range(0, len(local), batch_size)
-        if show_progress:
-            from tqdm.auto import tqdm
-
-            starts = tqdm(starts, desc=desc, unit="batch", leave=False)  # transient: training's bar stays readable
-        parts = []
-        for start in starts:
-            inputs = core.preprocess(local[start : start + batch_size])
-            inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-            parts.append(adapter(inputs).float())
-    finally:
-        adapter.train(was_training)
-    dim = core.embedding_dim
-    embeddings = torch.cat(parts) if parts else torch.empty(0, dim, device=device)
-    if accelerator is not None and accelerator.num_processes > 1:
-        # Plain gather, not gather_for_metrics: the latter trims by the remainder of whichever prepared dataloader is
-        # at its end (the training one, when evaluating at the end of an epoch), which is not ours.
-        embeddings = accelerator.gather(embeddings.contiguous())[:n]
-    return embeddings
-
-
 # --- evaluation of examples ----------------------------------------------------------------------------------------
 
 
@@ -268,6 +199,7 @@ def evaluate_retrieval(
     mrl_dims: Sequence[int] | None = None,
     accelerator: "Accelerator | None" = None,
     show_progress: bool = False,
+    forward: "Callable[[dict[str, Any]], torch.Tensor] | None" = None,
 ) -> dict[str, float]:
     """Encode the queries and the unique positives of `examples` and score retrieval both ways.
 
@@ -275,16 +207,16 @@ def evaluate_retrieval(
     the same under `d2q/` (documents retrieve queries), the same again under `q2d/dim{d}/` and `d2q/dim{d}/` for each
     Matryoshka dimension in `mrl_dims` (embeddings truncated to `d`, then renormalised), and `num_queries`,
     `num_documents`. With an `accelerator`, encoding is sharded across processes and every process returns the same
-    metrics.
+    metrics. `forward`: as in `encode_sides`.
     """
     if not examples:
         raise DataError("no examples to evaluate")
-    dim = _unwrapped(adapter, accelerator).embedding_dim
+    dim = unwrapped(adapter, accelerator).embedding_dim
     too_big = [d for d in mrl_dims or () if not 0 < d <= dim]
     if too_big:
         raise ValueError(f"mrl_dims {too_big} are not in 1..{dim}, the embedding size")
     docs, relevance = _corpus_and_relevance(examples)
-    kwargs = dict(batch_size=batch_size, accelerator=accelerator, show_progress=show_progress)
+    kwargs = dict(batch_size=batch_size, accelerator=accelerator, show_progress=show_progress, forward=forward)
     query_emb = encode_sides(adapter, [ex.query for ex in examples], desc="queries", **kwargs)
     doc_emb = encode_sides(adapter, docs, desc="documents", **kwargs)
 

@@ -11,16 +11,16 @@ if TYPE_CHECKING:
     from vembed.recipe import Recipe
 
 LOSSES: Registry[type[EmbeddingLoss]] = Registry(
-    "loss_type", modules=("vembed.losses.contrastive", "vembed.losses.flow_matching")
+    "loss_type", modules=("vembed.losses.contrastive",)
 )
 
 
 def build_loss(recipe: "Recipe") -> EmbeddingLoss:
     loss = LOSSES.get(recipe.loss_type).from_recipe(recipe)
-    if recipe.mrl_dims:
+    if recipe.loss.mrl_dims:
         from vembed.losses.matryoshka import MatryoshkaLoss
 
-        loss = MatryoshkaLoss(loss, recipe.mrl_dims, recipe.mrl_weights)
+        loss = MatryoshkaLoss(loss, recipe.loss.mrl_dims, recipe.loss.mrl_weights)
     return loss
 
 

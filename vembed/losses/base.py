@@ -6,13 +6,46 @@ gathering live in one place (inside the loss, through `vembed.distributed`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from pydantic import Field, model_validator
 from torch import nn
+
+from vembed.recipe import InvalidKey, Settings
 
 if TYPE_CHECKING:
     from vembed.recipe import Recipe
+
+
+class EmbeddingLossSettings(Settings):
+    """The keys every embedding loss reads."""
+
+    # infonce: logits / temperature; siglip: initial scale 1/temperature
+    temperature: float = Field(default=0.05, gt=0)
+    learnable_temperature: bool = False
+    mrl_dims: list[int] | None = None  # Matryoshka: the loss at each truncated dimension (vembed.losses.matryoshka)
+    mrl_weights: list[float] | None = None  # per-dimension weights (unset: all 1)
+
+    @model_validator(mode="after")
+    def _matryoshka(self) -> "EmbeddingLossSettings":
+        if self.mrl_dims is not None:
+            if not self.mrl_dims:
+                raise InvalidKey("mrl_dims", "is empty; list at least one dimension or remove the key")
+            if any(d <= 0 for d in self.mrl_dims):
+                raise InvalidKey("mrl_dims", f"dimensions must be positive, got {self.mrl_dims}")
+            if len(set(self.mrl_dims)) != len(self.mrl_dims):
+                raise InvalidKey("mrl_dims", f"has repeated dimensions: {self.mrl_dims}")
+            if self.mrl_dims != sorted(self.mrl_dims, reverse=True):
+                raise InvalidKey("mrl_dims", f"{self.mrl_dims} is not from largest to smallest; write "
+                                             f"{sorted(self.mrl_dims, reverse=True)}")
+        if self.mrl_weights is not None:
+            if self.mrl_dims is None:
+                raise InvalidKey("mrl_weights", "is set but mrl_dims is not; set mrl_dims or remove mrl_weights")
+            if len(self.mrl_weights) != len(self.mrl_dims):
+                raise InvalidKey("mrl_weights", f"has {len(self.mrl_weights)} weights for {len(self.mrl_dims)} "
+                                                "mrl_dims; give one per dimension")
+        return self
 
 
 class EmbeddingLoss(nn.Module):
@@ -24,6 +57,8 @@ class EmbeddingLoss(nn.Module):
     gathers what it needs from other ranks itself and returns this rank's share, scaled so that averaging gradients
     over ranks (what DDP does) gives the gradient of the loss on the concatenated global batch.
     """
+
+    Settings: ClassVar[type[EmbeddingLossSettings]] = EmbeddingLossSettings  # the recipe keys this loss reads
 
     @classmethod
     def from_recipe(cls, recipe: "Recipe") -> "EmbeddingLoss":

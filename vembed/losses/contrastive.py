@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field, model_validator
 from torch import nn
 
 from vembed.distributed import gather_no_grad, gather_with_grad, rank_and_world
 from vembed.errors import RecipeError
 from vembed.losses import LOSSES
-from vembed.losses.base import EmbeddingLoss
+from vembed.losses.base import EmbeddingLoss, EmbeddingLossSettings
+from vembed.recipe import InvalidKey
 
 if TYPE_CHECKING:
     from vembed.recipe import Recipe
@@ -97,6 +99,29 @@ def _log_scale_parameter(temperature: float, learnable: bool) -> nn.Parameter:
     return nn.Parameter(torch.tensor([math.log(1.0 / temperature)]), requires_grad=learnable)
 
 
+class InfoNCESettings(EmbeddingLossSettings):
+    symmetric_loss: bool = True  # also score documents -> queries
+    # As in the Qwen3-(VL-)Embedding recipe: drop in-batch negatives scoring above the positive + margin (likely
+    # unlabelled positives) ...
+    mask_false_negatives: bool = False
+    false_negative_margin: float = Field(default=0.1, ge=0.0)  # ... by this margin of cosine similarity
+    query_query_loss: bool = False  # other queries of the batch are negatives of each query too
+    document_document_loss: bool = False  # other positives of the batch are negatives of each positive
+
+    @model_validator(mode="after")
+    def _margin_needs_masking(self) -> "InfoNCESettings":
+        # By value, not by presence: a saved recipe (every key written out) must read back.
+        default = type(self).model_fields["false_negative_margin"].default
+        if self.false_negative_margin != default and not self.mask_false_negatives:
+            raise InvalidKey("false_negative_margin", "does nothing unless mask_false_negatives is true; set "
+                                                      "mask_false_negatives: true or remove false_negative_margin")
+        return self
+
+
+class SigLIPSettings(EmbeddingLossSettings):
+    siglip_bias_init: float = -10.0  # initial learnable bias
+
+
 @LOSSES.register("infonce")
 class InfoNCELoss(EmbeddingLoss):
     """InfoNCE (CLIP's contrastive loss, MultipleNegativesRankingLoss in sentence-transformers) over the global batch.
@@ -172,6 +197,8 @@ class InfoNCELoss(EmbeddingLoss):
         loss = loss_fn(q, p, n, labels=torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]))  # same-label pairs are not negatives
     """
 
+    Settings: ClassVar[type[InfoNCESettings]] = InfoNCESettings
+
     def __init__(
         self,
         temperature: float = 0.05,
@@ -198,13 +225,14 @@ class InfoNCELoss(EmbeddingLoss):
     @classmethod
     def from_recipe(cls, recipe: "Recipe") -> "InfoNCELoss":
         try:
+            settings = recipe.loss
             return cls(
-                recipe.temperature,
-                recipe.learnable_temperature,
-                recipe.symmetric_loss,
-                false_negative_margin=recipe.false_negative_margin if recipe.mask_false_negatives else None,
-                query_query=recipe.query_query_loss,
-                document_document=recipe.document_document_loss,
+                settings.temperature,
+                settings.learnable_temperature,
+                settings.symmetric_loss,
+                false_negative_margin=settings.false_negative_margin if settings.mask_false_negatives else None,
+                query_query=settings.query_query_loss,
+                document_document=settings.document_document_loss,
             )
         except ValueError as err:
             raise RecipeError("temperature", str(err)) from None
@@ -322,6 +350,8 @@ class SigLIPLoss(EmbeddingLoss):
         loss = loss_fn(q, p)  # scalar, float32; gradients reach q, p, loss_fn.log_scale and loss_fn.bias
     """
 
+    Settings: ClassVar[type[SigLIPSettings]] = SigLIPSettings
+
     def __init__(self, temperature: float = 0.05, learnable_temperature: bool = False, bias_init: float = -10.0):
         super().__init__()
         self.temperature = temperature
@@ -333,7 +363,8 @@ class SigLIPLoss(EmbeddingLoss):
     @classmethod
     def from_recipe(cls, recipe: "Recipe") -> "SigLIPLoss":
         try:
-            return cls(recipe.temperature, recipe.learnable_temperature, recipe.siglip_bias_init)
+            settings = recipe.loss
+            return cls(settings.temperature, settings.learnable_temperature, settings.siglip_bias_init)
         except ValueError as err:
             raise RecipeError("temperature", str(err)) from None
 

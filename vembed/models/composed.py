@@ -1,43 +1,37 @@
 """Any text tower plus any vision tower (`AutoModel` each), joined by learned linear projections into one space.
 
 Saved as `text/` (model + tokenizer) and `vision/` (model + image processor), each loadable by transformers on its
-own, plus `projections.safetensors`; a side with text and image is fused as in CLIP (`_common.combine`).
+own, plus `projections.safetensors`; a side with text and image is fused as in CLIP (`vembed.models.batch.combine`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
+from pydantic import Field
 from torch import nn
 
 from vembed.errors import RecipeError
 from vembed.models import MODELS
-from vembed.models._common import (
-    ATTENTION_PROJECTIONS,
-    PIXEL_VALUES,
+from vembed.models.base import AdapterSettings, EmbeddingAdapter, require_tokenizer_name
+from vembed.models.batch import PIXEL_VALUES, combine, forward_argument_names, make_batch, text_inputs
+from vembed.models.hf import (
     auto_config,
     clip_image_processor,
-    cls_or_pooler,
-    combine,
-    forward_argument_names,
     freeze_unused_pooler,
     hf_kwargs,
     load_image_processor,
     load_model,
     load_tokenizer,
-    make_batch,
-    pool,
     require_model_type,
-    require_tokenizer_name,
     resolve_max_length,
     save_hf_model,
-    saved_settings,
-    text_inputs,
 )
-from vembed.models.base import EmbeddingAdapter
+from vembed.models.lora import ATTENTION_PROJECTIONS
+from vembed.models.pooling import cls_or_pooler, pool
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -47,6 +41,20 @@ if TYPE_CHECKING:
 
 TEXT_DIR, VISION_DIR, PROJECTIONS_FILE = "text", "vision", "projections.safetensors"
 _PROJECTIONS = ("text_projection", "vision_projection")
+TOWERS = ("text", "vision")
+
+
+class ComposedSettings(AdapterSettings):
+    text_model_name: str | None = None  # text tower (hub id or path) ...
+    text_model_config: dict[str, Any] | None = None  # ... or its config for random init (naming its model_type)
+    vision_model_name: str | None = None  # vision tower (hub id or path) ...
+    vision_model_config: dict[str, Any] | None = None  # ... or its config for random init
+    projection_dim: int | None = Field(default=None, gt=0)  # shared embedding size (unset: the text hidden size)
+    pooling: Literal["cls", "mean", "last"] = "mean"  # of the text tower's states
+
+    unsaved: ClassVar[frozenset[str]] = AdapterSettings.unsaved | {
+        "text_model_name", "text_model_config", "vision_model_name", "vision_model_config",
+    }  # fmt: skip
 
 
 def _width(config: "PretrainedConfig") -> int:
@@ -61,49 +69,32 @@ class ComposedAdapter(EmbeddingAdapter):
     """Text: pooled by `pooling`, then projected. Image: pooler_output (else the CLS token), then projected."""
 
     model_type = "composed"
+    Settings: ClassVar[type[ComposedSettings]] = ComposedSettings
     modalities = frozenset({"text", "image"})
     default_lora_target_modules = ATTENTION_PROJECTIONS
 
     def __init__(
-        self,
-        text_model: "PreTrainedModel",
-        vision_model: "PreTrainedModel",
-        tokenizer: Any,
-        image_processor: Any,
-        *,
-        projection_dim: int | None = None,
-        pooling: str = "mean",
-        normalize: bool = True,
-        max_length: int | None = None,
-        trust_remote_code: bool = False,
-        attn_implementation: str | None = None,
-    ):
-        super().__init__(normalize=normalize, max_length=max_length, trust_remote_code=trust_remote_code,
-                         attn_implementation=attn_implementation)
+        self, text_model: "PreTrainedModel", vision_model: "PreTrainedModel", tokenizer: Any, image_processor: Any,
+        settings: ComposedSettings,
+    ):  # fmt: skip
+        dim = settings.projection_dim or _width(text_model.config)
+        super().__init__(settings.model_copy(update={"projection_dim": dim}))
         self.text_model = text_model
         self.vision_model = vision_model
         self.tokenizer = tokenizer
         self.image_processor = image_processor
-        self.projection_dim = projection_dim or _width(text_model.config)
         # Bias-free like CLIP's projections: a shared offset would only shift every embedding the same way.
-        self.text_projection = nn.Linear(_width(text_model.config), self.projection_dim, bias=False)
-        self.vision_projection = nn.Linear(_width(vision_model.config), self.projection_dim, bias=False)
-        self.pooling = pooling
+        self.text_projection = nn.Linear(_width(text_model.config), dim, bias=False)
+        self.vision_projection = nn.Linear(_width(vision_model.config), dim, bias=False)
         freeze_unused_pooler(text_model)  # the vision pooler (if any) is used, the text one never
         self._text_keys = forward_argument_names(text_model.forward)
 
     # --- built from a recipe ---------------------------------------------------------------------------------------
     @classmethod
     def check_recipe(cls, recipe: "Recipe") -> None:
-        if recipe.model_name is not None or recipe.model_config_dict is not None:
-            key = "model_name" if recipe.model_name is not None else "model_config"
-            raise RecipeError(
-                key,
-                "is not used by model_type composed; give text_model_name or text_model_config, and "
-                "vision_model_name or vision_model_config",
-            )
-        for tower in ("text", "vision"):
-            name, config = getattr(recipe, f"{tower}_model_name"), getattr(recipe, f"{tower}_model_config")
+        settings = cls.settings_of(recipe)
+        for tower in TOWERS:
+            name, config = getattr(settings, f"{tower}_model_name"), getattr(settings, f"{tower}_model_config")
             if (name is None) == (config is None):
                 raise RecipeError(
                     f"{tower}_model_name",
@@ -111,66 +102,56 @@ class ComposedAdapter(EmbeddingAdapter):
                     f"{tower}_model_config (random init)",
                 )
             require_model_type(config, f"{tower}_model_config")
-        if recipe.text_model_config is not None:
-            require_tokenizer_name(recipe, "text_model_config")
+        if settings.text_model_config is not None:
+            require_tokenizer_name(settings, "text_model_config")
 
     @classmethod
-    def _tower_config(cls, recipe: "Recipe", tower: str) -> "PretrainedConfig":
-        name = getattr(recipe, f"{tower}_model_name")
+    def _tower_config(cls, settings: ComposedSettings, tower: str) -> "PretrainedConfig":
+        name = getattr(settings, f"{tower}_model_name")
         key = f"{tower}_model_name" if name else f"{tower}_model_config"
-        return auto_config(
-            name, getattr(recipe, f"{tower}_model_config"), key=key, trust_remote_code=recipe.trust_remote_code
-        )
+        return auto_config(name, getattr(settings, f"{tower}_model_config"), key=key,
+                           trust_remote_code=settings.trust_remote_code)
 
     @classmethod
     def embedding_dim_for(cls, recipe: "Recipe") -> int:
-        return recipe.projection_dim or _width(cls._tower_config(recipe, "text"))
+        settings = cls.settings_of(recipe)
+        return settings.projection_dim or _width(cls._tower_config(settings, "text"))
 
     @classmethod
-    def _load_tower(cls, recipe: "Recipe", tower: str) -> "PreTrainedModel":
-        name = getattr(recipe, f"{tower}_model_name")
-        return load_model(
-            name,
-            getattr(recipe, f"{tower}_model_config"),
-            key=f"{tower}_model_name" if name else f"{tower}_model_config",
-            trust_remote_code=recipe.trust_remote_code,
-            attn_implementation=recipe.attn_implementation,
-        )
+    def _load_tower(cls, settings: ComposedSettings, tower: str) -> "PreTrainedModel":
+        name = getattr(settings, f"{tower}_model_name")
+        return load_model(name, getattr(settings, f"{tower}_model_config"),
+                          key=f"{tower}_model_name" if name else f"{tower}_model_config",
+                          trust_remote_code=settings.trust_remote_code,
+                          attn_implementation=settings.attn_implementation)
 
     @classmethod
     def from_recipe(cls, recipe: "Recipe") -> "ComposedAdapter":
         cls.check_recipe(recipe)
-        text_model = cls._load_tower(recipe, "text")
-        vision_model = cls._load_tower(recipe, "vision")
-        tokenizer = load_tokenizer(recipe.tokenizer_name or recipe.text_model_name, recipe.trust_remote_code)
-        if recipe.vision_model_name is not None:
-            image_processor = load_image_processor(recipe.vision_model_name, recipe.trust_remote_code)
+        settings = cls.settings_of(recipe)
+        text_model, vision_model = (cls._load_tower(settings, tower) for tower in TOWERS)
+        trust = settings.trust_remote_code
+        tokenizer = load_tokenizer(settings.tokenizer_name or settings.text_model_name, trust)
+        if settings.vision_model_name is not None:
+            image_processor = load_image_processor(settings.vision_model_name, trust)
         else:
             image_processor = clip_image_processor(vision_model.config.image_size)
-        return cls(
-            text_model,
-            vision_model,
-            tokenizer,
-            image_processor,
-            projection_dim=recipe.projection_dim,
-            pooling=recipe.pooling,
-            normalize=recipe.normalize,
-            max_length=resolve_max_length(recipe.max_length, tokenizer, text_model.config),
-            trust_remote_code=recipe.trust_remote_code,
-            attn_implementation=recipe.attn_implementation,
-        )
+        max_length = resolve_max_length(settings.max_length, tokenizer, text_model.config)
+        return cls(text_model, vision_model, tokenizer, image_processor,
+                   settings.model_copy(update={"max_length": max_length}))
 
     @classmethod
     def on_meta(cls, recipe: "Recipe") -> "ComposedAdapter":
         from transformers import AutoModel
 
         cls.check_recipe(recipe)
-        configs = [cls._tower_config(recipe, tower) for tower in ("text", "vision")]
-        kwargs = hf_kwargs(recipe.trust_remote_code, recipe.attn_implementation)
+        settings = cls.settings_of(recipe)
+        configs = [cls._tower_config(settings, tower) for tower in TOWERS]
+        kwargs = hf_kwargs(settings.trust_remote_code, settings.attn_implementation)
+        max_length = resolve_max_length(settings.max_length, None, configs[0])
         with torch.device("meta"):  # the projections made in __init__ land on meta too
             towers = [AutoModel.from_config(config, **kwargs) for config in configs]
-            return cls(*towers, None, None, projection_dim=recipe.projection_dim, pooling=recipe.pooling,
-                       normalize=recipe.normalize, max_length=resolve_max_length(recipe.max_length, None, configs[0]))
+            return cls(*towers, None, None, settings.model_copy(update={"max_length": max_length}))
 
     def encoder_configs(self) -> "dict[str, PretrainedConfig]":
         return {"text": self.text_model.config, "image": self.vision_model.config}
@@ -178,11 +159,11 @@ class ComposedAdapter(EmbeddingAdapter):
     # --- used by the loop ------------------------------------------------------------------------------------------
     @property
     def embedding_dim(self) -> int:
-        return self.projection_dim
+        return self.settings.projection_dim
 
     def preprocess(self, sides: Sequence["Side"]) -> dict[str, torch.Tensor]:
         return make_batch(
-            sides, self.tokenizer, self.image_processor, max_length=self.max_length, text_keys=self._text_keys
+            sides, self.tokenizer, self.image_processor, max_length=self.settings.max_length, text_keys=self._text_keys
         )
 
     def encode(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -190,11 +171,11 @@ class ComposedAdapter(EmbeddingAdapter):
         tokens = text_inputs(inputs)
         if tokens is not None:
             hidden = self.text_model(**tokens).last_hidden_state
-            text = self.text_projection(pool(hidden, tokens.get("attention_mask"), self.pooling))
+            text = self.text_projection(pool(hidden, tokens.get("attention_mask"), self.settings.pooling))
         if PIXEL_VALUES in inputs:
             output = self.vision_model(pixel_values=inputs[PIXEL_VALUES].to(self.vision_model.dtype))
             image = self.vision_projection(cls_or_pooler(output))
-        return combine(text, image, inputs, self.normalize)
+        return combine(text, image, inputs, self.settings.normalize)
 
     def forward_flops(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor | int:
         """Each tower's weights per token (text) or per patch (images), its projection once per row (see
@@ -215,9 +196,6 @@ class ComposedAdapter(EmbeddingAdapter):
         return [self.text_model, self.vision_model]
 
     # --- persistence -----------------------------------------------------------------------------------------------
-    def settings(self) -> dict[str, Any]:
-        return {**super().settings(), "projection_dim": self.projection_dim, "pooling": self.pooling}
-
     def save(self, path: str | Path) -> None:
         from safetensors.torch import save_file
 
@@ -235,22 +213,15 @@ class ComposedAdapter(EmbeddingAdapter):
         self.write_adapter_file(path)
 
     @classmethod
-    def load(cls, path: str | Path) -> "ComposedAdapter":
+    def load(cls, path: str | Path, *, trust_remote_code: bool = False) -> "ComposedAdapter":
         from safetensors.torch import load_file
 
         path = Path(path)
-        settings = saved_settings(path, cls.model_type)
-        trust, attention = settings.get("trust_remote_code", False), settings.get("attn_implementation")
-        towers = [
-            load_model(str(path / folder), None, key="model", trust_remote_code=trust, attn_implementation=attention)
-            for folder in (TEXT_DIR, VISION_DIR)
-        ]
-        adapter = cls(
-            *towers,
-            load_tokenizer(str(path / TEXT_DIR), trust),
-            load_image_processor(str(path / VISION_DIR), trust),
-            **settings,
-        )
+        _, settings = cls.saved_settings(path, trust_remote_code)
+        towers = [load_model(str(path / folder), None, key="model", trust_remote_code=trust_remote_code,
+                             attn_implementation=settings.attn_implementation) for folder in (TEXT_DIR, VISION_DIR)]
+        adapter = cls(*towers, load_tokenizer(str(path / TEXT_DIR), trust_remote_code),
+                      load_image_processor(str(path / VISION_DIR), trust_remote_code), settings)
         state = load_file(str(path / PROJECTIONS_FILE))
         for name in _PROJECTIONS:
             prefix = name + "."

@@ -7,7 +7,8 @@ Every side becomes one chat-formatted sequence, as in the Qwen3-VL-Embedding tec
 (`{images}` is `<|vision_start|><|image_pad|>…<|vision_end|>` per image, the pad repeated once per merged patch;
 a side with neither text nor image says "NULL"). The embedding is the last layer's state at the final
 `<|endoftext|>` -- the last attended token, whatever the padding side -- L2-normalised. The released inference
-code ends with `<|im_start|>assistant` and a newline instead (`prompt_ending: generation_prompt`; see ENDINGS).
+code ends with `<|im_start|>assistant` and a newline instead (`prompt_ending: generation_prompt`; see ENDINGS), and
+so does this adapter for Qwen3-VL-Embedding checkpoints unless the recipe says otherwise (see `default_ending`).
 The embedding size is the language model's hidden size (2048 for 2B, 4096 for 8B).
 
 Images go through the PIL image processor (no torchvision needed), and the image tokens are expanded here, the
@@ -17,35 +18,24 @@ same way the transformers processor does (tests compare the two when torchvision
 from __future__ import annotations
 
 import importlib.util
+import json
 import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch import nn
 
 from vembed.data.images import load_image
 from vembed.errors import RecipeError
 from vembed.models import MODELS
-from vembed.models._common import (
-    COMPOSED_ONLY_KEYS,
-    LORA_WEIGHTS,
-    auto_config,
-    hf_kwargs,
-    load_lora_weights,
-    load_model,
-    load_tokenizer,
-    pool,
-    reject_keys,
-    require_tokenizer_name,
-    resolve_max_length,
-    save_hf_model,
-    save_lora_weights,
-    saved_settings,
-)
-from vembed.models.base import EmbeddingAdapter
+from vembed.models.base import ADAPTER_FILE, PretrainedSettings, TransformersAdapter
+from vembed.models.hf import load_model, save_hf_model
+from vembed.models.lora import LORA_WEIGHTS, load_lora_weights, save_lora_weights
+from vembed.models.pooling import pool
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -63,6 +53,9 @@ USER_START = "<|im_end|>\n<|im_start|>user\n"
 # "generation_prompt" is what the released inference code feeds (it applies the chat template with
 # add_generation_prompt=True, so it pools at the newline after "assistant"; QwenLM/Qwen3-VL-Embedding issue #4).
 ENDINGS = {"endoftext": "<|im_end|>\n<|endoftext|>", "generation_prompt": "<|im_end|>\n<|im_start|>assistant\n"}
+# In the model_name of the released embedders (hub ids Qwen/Qwen3-VL-Embedding-2B/-8B, or a local copy keeping the
+# name): their weights are served by code ending with the generation prompt, so fine-tunes of them end so by default.
+EMBEDDING_CHECKPOINT = "qwen3-vl-embedding"
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
 # Config attributes that must hold the tokenizer's ids of these tokens (a random-init config takes them from it).
 VISION_TOKEN_IDS = {
@@ -87,46 +80,58 @@ def normalize_instruction(instruction: str) -> str:
     return instruction
 
 
+class QwenVLSettings(PretrainedSettings):
+    # The system-turn instruction of query sides; unset: document_instruction.
+    query_instruction: str | None = None
+    # The system-turn instruction of documents (positives, hard negatives) and of sides of unknown role.
+    document_instruction: str = "Represent the user's input."
+    min_pixels: int | None = Field(default=None, gt=0)  # images are resized to hold at least this many pixels ...
+    max_pixels: int | None = Field(default=None, gt=0)  # ... and at most this many (unset: the checkpoint's values)
+    train_vision_tower: bool = False  # false: the vision tower is frozen (with or without LoRA)
+    # With use_lora, what the saved model holds: "merged" (LoRA folded in; a plain transformers folder) or "adapter"
+    # (only the LoRA weights, PEFT file names; loading reads model_name again).
+    lora_save: Literal["merged", "adapter"] = "merged"
+    # How each sequence ends (the embedding is the state at its last token): "endoftext", the technical report's
+    # "<|im_end|>, newline, <|endoftext|>"; or "generation_prompt", "<|im_end|>, newline, <|im_start|>assistant,
+    # newline", what the released Qwen3-VL-Embedding inference code (and vLLM) feeds. Unset: decided per checkpoint
+    # (`default_ending`): generation_prompt for Qwen3-VL-Embedding checkpoints, endoftext for any other.
+    prompt_ending: Literal["endoftext", "generation_prompt"] | None = None
+
+    # The released Qwen3-VL-Embedding LoRA is r=32, alpha=32.
+    recipe_defaults: ClassVar[dict[str, Any]] = {"lora_r": 32, "lora_alpha": 32}
+    # The pixel bounds live in the saved image processor; vision tower training is a training matter.
+    unsaved: ClassVar[frozenset[str]] = PretrainedSettings.unsaved | {"min_pixels", "max_pixels", "train_vision_tower"}
+
+
+def default_ending(model_name: str | None) -> str:
+    """The prompt ending of a checkpoint whose recipe leaves `prompt_ending` unset: the one a folder saved by vembed
+    recorded; generation_prompt for a Qwen3-VL-Embedding checkpoint (its model_name says so: the hub id, or a local
+    folder keeping the name); endoftext for any other (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, random init)."""
+    if model_name is None:
+        return "endoftext"
+    saved = Path(model_name, ADAPTER_FILE)
+    if saved.is_file():
+        ending = json.loads(saved.read_text()).get("settings", {}).get("prompt_ending")
+        if ending in ENDINGS:
+            return ending
+    return "generation_prompt" if EMBEDDING_CHECKPOINT in model_name.lower() else "endoftext"
+
+
 @MODELS.register("qwen_vl")
-class QwenVLAdapter(EmbeddingAdapter):
+class QwenVLAdapter(TransformersAdapter):
     model_type = "qwen_vl"
+    Settings: ClassVar[type[QwenVLSettings]] = QwenVLSettings
     modalities = frozenset({"text", "image"})
     max_images_per_side = None  # every image of a side goes into its user turn
-    # The released Qwen3-VL-Embedding LoRA's targets: attention and MLP projections of the language model. LoRA
-    # goes into the language model only (Qwen2.5-VL's vision MLP reuses these names).
-    default_lora_target_modules = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    # The released Qwen3-VL-Embedding LoRA's targets (its README's table): the attention projections but o_proj, and
+    # the MLP's. LoRA goes into the language model only (Qwen2.5-VL's vision MLP reuses these names).
+    default_lora_target_modules = ("q_proj", "v_proj", "k_proj", "up_proj", "down_proj", "gate_proj")
 
-    def __init__(
-        self,
-        model: "PreTrainedModel",
-        tokenizer: Any,
-        image_processor: Any,
-        *,
-        query_instruction: str | None = None,
-        document_instruction: str = "Represent the user's input.",
-        train_vision_tower: bool = False,
-        lora_save: str = "merged",
-        base_model: str | None = None,
-        prompt_ending: str = "endoftext",
-        normalize: bool = True,
-        max_length: int | None = None,
-        trust_remote_code: bool = False,
-        attn_implementation: str | None = None,
-    ):
-        super().__init__(normalize=normalize, max_length=max_length, trust_remote_code=trust_remote_code,
-                         attn_implementation=attn_implementation)
+    def __init__(self, model: "PreTrainedModel", tokenizer: Any, image_processor: Any, settings: QwenVLSettings):
+        super().__init__(model, tokenizer, image_processor, settings)
         if model.config.model_type not in BACKBONES:
             raise RecipeError("model_name", f"is a {model.config.model_type!r} model; qwen_vl drives {BACKBONES}")
-        self.model = model
-        self.tokenizer = tokenizer
-        self.image_processor = image_processor
-        self.query_instruction = query_instruction
-        self.document_instruction = document_instruction
-        self.train_vision_tower = train_vision_tower
-        self.lora_save = lora_save  # "merged" or "adapter" (LoRA weights only, over base_model)
-        self.base_model = base_model  # the pretrained checkpoint LoRA weights apply to
-        self.prompt_ending = prompt_ending  # a key of ENDINGS
-        self.model.visual.requires_grad_(train_vision_tower)
+        self.model.visual.requires_grad_(settings.train_vision_tower)
         if tokenizer is None:  # on_meta: nothing to tokenise, so nothing to check
             self._token_ids = {name: getattr(model.config, name) for name in VISION_TOKEN_IDS}
             return
@@ -146,79 +151,55 @@ class QwenVLAdapter(EmbeddingAdapter):
     @classmethod
     def check_recipe(cls, recipe: "Recipe") -> None:
         super().check_recipe(recipe)
-        reject_keys(recipe, COMPOSED_ONLY_KEYS, cls.model_type, "composed")
-        if recipe.model_config_dict is not None:
-            require_tokenizer_name(recipe, "model_config")
-        if recipe.use_lora and recipe.lora_save == "adapter" and recipe.model_name is None:
+        settings = cls.settings_of(recipe)
+        if recipe.use_lora and settings.lora_save == "adapter" and settings.model_name is None:
             raise RecipeError("lora_save", "adapter saves LoRA weights over a pretrained model_name; a random-init "
                               "model_config has none to load them onto: use merged")
-        if recipe.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        if settings.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
             raise RecipeError("attn_implementation", "flash_attention_2 needs the flash-attn package; install it or "
                               "use sdpa")
 
     @classmethod
-    def _config(cls, recipe: "Recipe", tokenizer: Any = None) -> "PretrainedConfig":
-        key = "model_name" if recipe.model_name else "model_config"
-        raw = recipe.model_config_dict
+    def config_dict(cls, settings: QwenVLSettings, tokenizer: Any) -> dict[str, Any] | None:
+        raw = settings.model_config_dict
         if raw is not None and tokenizer is not None:
             # A random-init model must agree with its tokenizer on the vision token ids; unless given, take them.
             ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in VISION_TOKEN_IDS.items()}
             raw = {**ids, **raw}
-        config = auto_config(recipe.model_name, raw, key=key, trust_remote_code=recipe.trust_remote_code)
+        return raw
+
+    @classmethod
+    def check_config(cls, config: "PretrainedConfig", key: str) -> None:
         if config.model_type not in BACKBONES:
             raise RecipeError(key, f"is a {config.model_type!r} model; model_type qwen_vl takes {', '.join(BACKBONES)}")
-        return config
 
     @classmethod
-    def embedding_dim_for(cls, recipe: "Recipe") -> int:
-        return cls._config(recipe).text_config.hidden_size
+    def embedding_dim_of(cls, config: "PretrainedConfig") -> int:
+        return config.text_config.hidden_size
 
     @classmethod
-    def from_recipe(cls, recipe: "Recipe") -> "QwenVLAdapter":
-        from transformers import AutoModel
+    def resolve(cls, settings: QwenVLSettings, tokenizer: Any, config: "PretrainedConfig") -> QwenVLSettings:
+        settings = super().resolve(settings, tokenizer, config)
+        if settings.prompt_ending is None:
+            settings = settings.model_copy(update={"prompt_ending": default_ending(settings.model_name)})
+        return settings
 
-        cls.check_recipe(recipe)
-        tokenizer = load_tokenizer(recipe.tokenizer_name or recipe.model_name, recipe.trust_remote_code)
-        config = cls._config(recipe, tokenizer)
-        if recipe.model_name is not None:
-            model = load_model(recipe.model_name, None, key="model_name", trust_remote_code=recipe.trust_remote_code,
-                               attn_implementation=recipe.attn_implementation)
-        else:
-            model = AutoModel.from_config(config, **hf_kwargs(recipe.trust_remote_code, recipe.attn_implementation))
-        image_processor = new_image_processor(recipe.model_name, model.config, recipe.trust_remote_code)
-        set_pixel_budget(image_processor, recipe.min_pixels, recipe.max_pixels)
-        return cls(
-            model,
-            tokenizer,
-            image_processor,
-            query_instruction=recipe.query_instruction,
-            document_instruction=recipe.document_instruction,
-            train_vision_tower=recipe.train_vision_tower,
-            lora_save=recipe.lora_save,
-            base_model=recipe.model_name,
-            prompt_ending=recipe.prompt_ending,
-            normalize=recipe.normalize,
-            max_length=resolve_max_length(recipe.max_length, tokenizer, model.config.text_config),
-            trust_remote_code=recipe.trust_remote_code,
-            attn_implementation=recipe.attn_implementation,
+    @classmethod
+    def new_image_processor(cls, config: "PretrainedConfig") -> Any:
+        """A processor matching a random-init model's vision config (patch, temporal patch and merge sizes)."""
+        from transformers import Qwen2VLImageProcessorPil
+
+        vision = config.vision_config
+        return Qwen2VLImageProcessorPil(
+            patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+            merge_size=vision.spatial_merge_size,
         )
 
     @classmethod
-    def on_meta(cls, recipe: "Recipe") -> "QwenVLAdapter":
-        """The recipe's model on the meta device from its config alone; the vision token ids keep the config's
-        values (a random-init model takes them from its tokenizer, which is not read here; they size nothing)."""
-        from transformers import AutoModel
-
-        cls.check_recipe(recipe)
-        config = cls._config(recipe)
-        with torch.device("meta"):
-            model = AutoModel.from_config(config, **hf_kwargs(recipe.trust_remote_code, recipe.attn_implementation))
-        return cls(
-            model, None, None,
-            train_vision_tower=recipe.train_vision_tower,
-            normalize=recipe.normalize,
-            max_length=resolve_max_length(recipe.max_length, None, config.text_config),
-        )  # fmt: skip
+    def image_processor_for(cls, name: str | None, config: "PretrainedConfig", settings: QwenVLSettings) -> Any:
+        processor = super().image_processor_for(name, config, settings)
+        set_pixel_budget(processor, settings.min_pixels, settings.max_pixels)
+        return processor
 
     def encoder_configs(self) -> "dict[str, PretrainedConfig]":
         return {"text": self.model.config.text_config, "image": self.model.config.vision_config}
@@ -230,14 +211,16 @@ class QwenVLAdapter(EmbeddingAdapter):
         sees its patches, max_pixels / patch²; the language model sees them merged, / merge² more, inside the
         sequence. Text takes max_length (which bounds the whole sequence, images included) or, unset,
         PLANNED_TEXT_TOKENS on top of the image."""
-        if recipe.max_pixels is None:
+        settings = self.settings_of(recipe)  # the recipe's own max_length, not the model's limit resolved from it
+        max_pixels, max_length = settings.max_pixels, settings.max_length
+        if max_pixels is None:
             raise RecipeError("max_pixels", "is needed by the planner to count image tokens (it plans for images at "
                               "the cap); set it, e.g. 1843200 as in configs/qwen3_vl_embedding_2b.yaml")
         vision = self.model.config.vision_config
         merge = vision.spatial_merge_size**2
-        image_tokens = recipe.max_pixels // (vision.patch_size**2 * merge)  # one per merged patch
-        if recipe.max_length is not None:
-            query, document = recipe.max_length, max(recipe.max_length, image_tokens)
+        image_tokens = max_pixels // (vision.patch_size**2 * merge)  # one per merged patch
+        if max_length is not None:
+            query, document = max_length, max(max_length, image_tokens)
         else:
             query, document = PLANNED_TEXT_TOKENS, PLANNED_TEXT_TOKENS + image_tokens
         return {"query": {"text": query}, "document": {"text": document, "image": image_tokens * merge}}
@@ -246,14 +229,14 @@ class QwenVLAdapter(EmbeddingAdapter):
     def instruction_for(self, side: "Side") -> str:
         if side.instruction is not None:  # a named source's own (data.train.<name>.query_instruction)
             return normalize_instruction(side.instruction)
-        if side.role == "query" and self.query_instruction is not None:
-            return normalize_instruction(self.query_instruction)
-        return normalize_instruction(self.document_instruction)
+        if side.role == "query" and self.settings.query_instruction is not None:
+            return normalize_instruction(self.settings.query_instruction)
+        return normalize_instruction(self.settings.document_instruction)
 
     def prompt(self, side: "Side") -> str:
         """The side's sequence as text, with one `<|image_pad|>` per image (before expansion)."""
         head, body = self._prompt_parts(side)
-        return head + body + ENDINGS[self.prompt_ending]
+        return head + body + ENDINGS[self.settings.prompt_ending]
 
     def _prompt_parts(self, side: "Side") -> tuple[str, str]:
         images = side.images
@@ -275,13 +258,13 @@ class QwenVLAdapter(EmbeddingAdapter):
         counts = iter(tokens_per_image)
         for token in encode(head):
             head_ids.extend([pad_id] * next(counts) if token == pad_id else [token])
-        body_ids, end_ids = encode(body), encode(ENDINGS[self.prompt_ending])
-        if self.max_length is not None:
-            room = self.max_length - len(head_ids) - len(end_ids)
+        body_ids, end_ids = encode(body), encode(ENDINGS[self.settings.prompt_ending])
+        if self.settings.max_length is not None:
+            room = self.settings.max_length - len(head_ids) - len(end_ids)
             if room < 0:
                 raise ValueError(
-                    f"a side's images alone take {len(head_ids)} tokens, over max_length {self.max_length}; raise "
-                    "max_length or lower max_pixels"
+                    f"a side's images alone take {len(head_ids)} tokens, over max_length {self.settings.max_length}; "
+                    "raise max_length or lower max_pixels"
                 )
             body_ids = body_ids[:room]
         return head_ids + body_ids + end_ids
@@ -321,17 +304,13 @@ class QwenVLAdapter(EmbeddingAdapter):
         return {"input_ids": input_ids, "attention_mask": attention_mask, "mm_token_type_ids": mm_token_type_ids}
 
     # --- used by the loop ------------------------------------------------------------------------------------------
-    @property
-    def embedding_dim(self) -> int:
-        return self.model.config.text_config.hidden_size
-
     def encode(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         model_inputs = {key: inputs[key] for key in (*SEQUENCE_KEYS, IMAGE_GRID_THW) if key in inputs}
         if PIXEL_VALUES in inputs:
             model_inputs[PIXEL_VALUES] = inputs[PIXEL_VALUES].to(self.model.visual.dtype)
         hidden = self.model(**model_inputs, use_cache=False).last_hidden_state
         embeddings = pool(hidden, inputs["attention_mask"], "last").float()
-        return F.normalize(embeddings, dim=-1) if self.normalize else embeddings
+        return F.normalize(embeddings, dim=-1) if self.settings.normalize else embeddings
 
     def num_sides(self, inputs: dict[str, torch.Tensor]) -> int:
         return int(inputs["attention_mask"].shape[0])  # one sequence row per side (images are inside it)
@@ -352,17 +331,13 @@ class QwenVLAdapter(EmbeddingAdapter):
             out[PIXEL_VALUES] = inputs[PIXEL_VALUES][int(patches[:first].sum()) : int(patches[:last].sum())]
         return out
 
-    def towers(self) -> list[nn.Module]:
-        return [self.model]
+    def lora_towers(self) -> list[nn.Module]:
+        return [self.model.language_model]  # the released Qwen3-VL-Embedding LoRA's place
 
     def apply_lora(self, recipe: "Recipe") -> None:
-        """LoRA on the language model (the released Qwen3-VL-Embedding LoRA's place); the vision tower stays frozen,
-        or fully trainable with `train_vision_tower`."""
-        from vembed.models._common import inject_lora
-
-        inject_lora([self.model.language_model], recipe, self.lora_target_modules(recipe),
-                    strict=recipe.lora_target_modules is not None, model_type=self.model_type)
-        self.model.visual.requires_grad_(self.train_vision_tower)
+        """LoRA on the language model; the vision tower stays frozen, or fully trainable with `train_vision_tower`."""
+        super().apply_lora(recipe)
+        self.model.visual.requires_grad_(self.settings.train_vision_tower)
 
     # --- persistence -----------------------------------------------------------------------------------------------
     def set_pixel_budget(self, min_pixels: int | None, max_pixels: int | None) -> None:
@@ -372,19 +347,12 @@ class QwenVLAdapter(EmbeddingAdapter):
         self.image_processor.size = dict(self._built_size)
         set_pixel_budget(self.image_processor, min_pixels, max_pixels)
 
-    def settings(self) -> dict[str, Any]:
-        return {
-            **super().settings(),
-            "query_instruction": self.query_instruction,
-            "document_instruction": self.document_instruction,
-            "train_vision_tower": self.train_vision_tower,
-            "lora_save": self.lora_save,
-            "base_model": self.base_model,
-            "prompt_ending": self.prompt_ending,
-        }
+    def settings_to_save(self) -> dict[str, Any]:
+        # A folder of LoRA weights alone is loaded onto the pretrained checkpoint it was trained from.
+        return {**super().settings_to_save(), "base_model": self.settings.model_name}
 
     def _saves_lora_only(self) -> bool:
-        return self.lora_save == "adapter" and any("lora_" in name for name, _ in self.named_parameters())
+        return self.settings.lora_save == "adapter" and any("lora_" in name for name, _ in self.named_parameters())
 
     def save(self, path: str | Path) -> None:
         """The merged model (a plain transformers folder), or with `lora_save: adapter` and LoRA applied only the
@@ -398,32 +366,18 @@ class QwenVLAdapter(EmbeddingAdapter):
         self.write_adapter_file(path)
 
     @classmethod
-    def load(cls, path: str | Path) -> "QwenVLAdapter":
-        settings = saved_settings(path, cls.model_type)
-        trust = settings.get("trust_remote_code", False)
-        lora_only = Path(path, LORA_WEIGHTS).is_file()
-        model = load_model(settings["base_model"] if lora_only else str(path), None, key="model",
-                           trust_remote_code=trust, attn_implementation=settings.get("attn_implementation"))
-        if lora_only:
-            load_lora_weights(model.language_model, path)
-        processor = new_image_processor(str(path), model.config, trust)
-        return cls(model, load_tokenizer(str(path), trust), processor, **settings)
+    def saved_settings(cls, path: str | Path, trust_remote_code: bool) -> tuple[dict[str, Any], QwenVLSettings]:
+        info, settings = super().saved_settings(path, trust_remote_code)
+        return info, settings.model_copy(update={"model_name": info.get("settings", {}).get("base_model")})
 
-
-def new_image_processor(name: str | None, config: "PretrainedConfig", trust_remote_code: bool = False) -> Any:
-    """The checkpoint's image processor on the PIL backend, or, for a random-init model, one matching its vision
-    config (patch, temporal patch and merge sizes)."""
-    if name is not None:
-        from vembed.models._common import load_image_processor
-
-        return load_image_processor(name, trust_remote_code)
-    from transformers import Qwen2VLImageProcessorPil
-
-    vision = config.vision_config
-    return Qwen2VLImageProcessorPil(
-        patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
-        merge_size=vision.spatial_merge_size,
-    )
+    @classmethod
+    def load_weights(cls, path: str | Path, info: dict[str, Any], settings: QwenVLSettings) -> "PreTrainedModel":
+        if not Path(path, LORA_WEIGHTS).is_file():
+            return super().load_weights(path, info, settings)
+        model = load_model(settings.model_name, None, key="model", trust_remote_code=settings.trust_remote_code,
+                           attn_implementation=settings.attn_implementation)
+        load_lora_weights(model.language_model, path)
+        return model
 
 
 def set_pixel_budget(image_processor: Any, min_pixels: int | None, max_pixels: int | None) -> None:

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 @MODELS.register("siglip")
 class SiglipAdapter(ClipAdapter):
     model_type = "siglip"
+    hf_model_type = "siglip"
     # SigLIP pools the text at the LAST position and was trained on texts padded to a fixed length; padding to the
     # batch's longest text would make a text's embedding depend on its batch-mates.
     text_padding: ClassVar[str] = "max_length"
@@ -30,19 +31,18 @@ class SiglipAdapter(ClipAdapter):
     }
 
     @classmethod
-    def _dim_from_config(cls, config: "PretrainedConfig") -> int:
-        text_dim = config.text_config.projection_size
-        vision_dim = config.vision_config.hidden_size
-        if text_dim != vision_dim:
-            raise RecipeError(
-                "model_config",
-                f"text_config.projection_size ({text_dim}) must equal vision_config.hidden_size ({vision_dim}): "
-                "text and image embeddings share one space",
-            )
-        return vision_dim
+    def embedding_dim_of(cls, config: "PretrainedConfig") -> int:
+        return config.vision_config.hidden_size
 
     @classmethod
-    def _new_image_processor(cls, config: "PretrainedConfig") -> Any:
+    def check_config(cls, config: "PretrainedConfig", key: str) -> None:
+        text_dim, vision_dim = config.text_config.projection_size, config.vision_config.hidden_size
+        if text_dim != vision_dim:
+            raise RecipeError(key, f"text_config.projection_size ({text_dim}) must equal vision_config.hidden_size "
+                                   f"({vision_dim}): text and image embeddings share one space")
+
+    @classmethod
+    def new_image_processor(cls, config: "PretrainedConfig") -> Any:
         from transformers import SiglipImageProcessorPil
 
         size = config.vision_config.image_size

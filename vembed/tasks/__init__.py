@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from vembed.training.stages import Stage
 
 TASKS: Registry[type["Task"]] = Registry(
-    "task", modules=("vembed.tasks.contrastive", "vembed.tasks.flow_matching")
+    "task", modules=("vembed.tasks.contrastive", "vembed.generation.task")
 )
 
 
@@ -75,7 +75,10 @@ class Task:
         """Held-out data for `split` ("validation"/"test"), or something empty when the recipe has none."""
         raise NotImplementedError
 
-    def evaluate(self, model: "nn.Module", data: Any, accelerator: "Accelerator") -> dict[str, float]:
+    def evaluate(self, model: "nn.Module", data: Any, accelerator: "Accelerator",
+                 prepared: "nn.Module | None" = None) -> dict[str, float]:
+        """Metrics of `model` (the adapter) on `data`. `prepared`: the objective as the launch wrapped it (DDP, FSDP's
+        root, DeepSpeed's engine); forward passes through it gather sharded weights as in training."""
         raise NotImplementedError
 
     def headline(self, metrics: dict[str, float]) -> str:
@@ -88,13 +91,14 @@ class Task:
 
 def task_name_for(recipe: "Recipe") -> str:
     """The model's task, checked against the loss's: a flow loss cannot train a contrastive model or back."""
-    from vembed.losses import LOSSES
-    from vembed.models import MODELS
+    from vembed.components import CATALOG, loss_class, model_class
 
-    model_task = getattr(MODELS.get(recipe.model_type), "task", "contrastive")
-    loss_task = getattr(LOSSES.get(recipe.loss_type), "task", "contrastive")
+    def task_of(component: Any) -> str:
+        return getattr(component, "task", "contrastive")
+
+    model_task, loss_task = task_of(model_class(recipe)), task_of(loss_class(recipe))
     if model_task != loss_task:
-        fitting = [n for n in LOSSES.names() if getattr(LOSSES.get(n), "task", "contrastive") == model_task]
+        fitting = [n for n in CATALOG.names("loss_type") if task_of(CATALOG.component("loss_type", n)) == model_task]
         raise RecipeError(
             "loss_type",
             f"{recipe.loss_type!r} is a {loss_task} loss but model_type {recipe.model_type!r} is trained by "
@@ -107,4 +111,23 @@ def task_for(recipe: "Recipe") -> type[Task]:
     return TASKS.get(task_name_for(recipe))
 
 
-__all__ = ["TASKS", "Task", "task_for", "task_name_for"]
+def check_recipe(recipe: "Recipe", *, for_training: bool = True) -> None:
+    """Every check that needs more than the schema, still before any model is built: the model and the loss train
+    the same task, the data files exist, the model's config gives what the recipe asks of it."""
+    task = task_for(recipe)
+    if for_training and recipe.data.train is None:
+        raise RecipeError("data.train", "is required for training; point it at a JSONL/CSV/Parquet file or directory")
+    _check_trackers(recipe)
+    task.check_recipe(recipe, for_training=for_training)  # data files, model config, task-specific keys
+
+
+def _check_trackers(recipe: "Recipe") -> None:
+    # accelerate drops a tracker whose package is missing with only a log line; a user asked for it, so refuse.
+    import importlib.util
+
+    for tracker in recipe.report_to:
+        if importlib.util.find_spec(tracker) is None:
+            raise RecipeError("report_to", f"{tracker} is not installed; pip install 'vembed[{tracker}]' or remove it")
+
+
+__all__ = ["TASKS", "Task", "check_recipe", "task_for", "task_name_for"]

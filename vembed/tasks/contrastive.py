@@ -5,18 +5,75 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+from torch import nn
+
 from vembed.errors import DataError, RecipeError
+from vembed.losses.base import EmbeddingLoss
+from vembed.models.base import EmbeddingAdapter
 from vembed.tasks import TASKS, Task
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from accelerate import Accelerator
-    from torch import nn
 
     from vembed.data.records import Example
     from vembed.recipe import Recipe
     from vembed.training.stages import Stage
+
+
+class ContrastiveObjective(nn.Module):
+    """The trainable unit: an adapter and its loss in one module, so the strategy wraps (DDP, ...) both at once. A
+    learnable temperature or SigLIP bias lives in the loss; keeping the loss inside the wrapped module is what makes
+    DDP average its gradient like every other parameter."""
+
+    def __init__(self, adapter: EmbeddingAdapter, loss: EmbeddingLoss):
+        super().__init__()
+        self.adapter = adapter
+        self.loss = loss
+
+    def embed(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Query, positive and (B, k, d) hard-negative embeddings of a collated batch.
+
+        The adapter is called (its `forward` is `encode`), never `.encode` directly: wrappers that hook the call,
+        such as an FSDP unit gathering its weights, must see it."""
+        negatives = self.adapter(batch["negative"]) if batch.get("num_negatives") else None
+        return self.shape_embeddings(
+            self.adapter(batch["query"]), self.adapter(batch["positive"]), negatives,
+            int(batch.get("num_negatives") or 0),
+        )
+
+    @staticmethod
+    def shape_embeddings(
+        query: torch.Tensor, positive: torch.Tensor, negatives: torch.Tensor | None, num_negatives: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if negatives is None or num_negatives == 0:
+            return query, positive, None
+        return query, positive, negatives.view(query.shape[0], num_negatives, -1)
+
+    def forward(self, batch: dict[str, Any] | None = None, *, encode: dict[str, Any] | None = None,
+                run_inside: "Callable[[ContrastiveObjective], torch.Tensor] | None" = None) -> torch.Tensor:
+        """The loss of a batch; or, for evaluation (`encode`: a preprocessed batch of sides), their float32
+        embeddings; or `run_inside(self)`: a pass that must run inside this module's (wrapped) forward so that DDP
+        and other wrappers see it (GradCache's replays, vembed/training/grad_cache.py).
+
+        All go through `forward` so that the wrapper (DDP, FSDP's root, DeepSpeed's engine) runs around every pass:
+        ZeRO-3 gathers a parameter read outside its own module's forward only inside its engine's forward. `encode`
+        is an argument, not a closure, so the wrapper sees the inputs too (DeepSpeed casts them to its dtype)."""
+        if encode is not None:
+            return self._encode_in_full_precision(encode)
+        if run_inside is not None:
+            return run_inside(self)
+        return self.loss(*self.embed(batch), labels=batch.get("label_ids"))
+
+    def _encode_in_full_precision(self, inputs: dict[str, Any]) -> torch.Tensor:
+        # Evaluation measures the model that is saved, as `vembed eval` runs it: in the dtype of its weights (float32;
+        # only DeepSpeed's bf16/fp16 engines hold half-precision weights), whatever autocast the launch wraps the
+        # forward in (accelerate's mixed precision).
+        device = next((v.device for v in inputs.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
+        with torch.autocast(device.type, enabled=False):
+            return self.adapter(inputs).float()
 
 
 @TASKS.register("contrastive")
@@ -26,8 +83,8 @@ class ContrastiveTask(Task):
 
     @classmethod
     def check_recipe(cls, recipe: "Recipe", *, for_training: bool = True) -> None:
+        from vembed.data.sources import check_data_paths
         from vembed.models import MODELS
-        from vembed.recipe import _check_data_paths
 
         if recipe.data.format == "shards":
             raise RecipeError("data.format", f"shards hold teacher embeddings for blip3o_dit; model_type "
@@ -38,13 +95,13 @@ class ContrastiveTask(Task):
         if streamed and for_training:
             _check_not_streamed(recipe)
             check_stream_recipe(recipe.data, recipe.max_steps)
-        _check_data_paths(recipe, ("validation", "test") if streamed else ("train", "validation", "test"))
+        check_data_paths(recipe.data, ("validation", "test") if streamed else ("train", "validation", "test"))
         adapter_cls = MODELS.get(recipe.model_type)
         adapter_cls.check_recipe(recipe)
         _check_source_and_stage_keys(recipe, adapter_cls)
         dim = adapter_cls.embedding_dim_for(recipe)  # reads the config only: a bad model_name fails here, cheaply
-        if recipe.mrl_dims:
-            too_big = [d for d in recipe.mrl_dims if d > dim]
+        if recipe.loss.mrl_dims:
+            too_big = [d for d in recipe.loss.mrl_dims if d > dim]
             if too_big:
                 raise RecipeError("mrl_dims",
                                   f"{too_big} exceed the embedding size {dim} of this model; use dims <= {dim}")
@@ -77,7 +134,6 @@ class ContrastiveTask(Task):
     def build_objective(self) -> "nn.Module":
         from vembed.losses import build_loss
         from vembed.models import MODELS
-        from vembed.training.objective import ContrastiveObjective
 
         recipe = self.recipe
         adapter = MODELS.get(recipe.model_type).from_recipe(recipe)
@@ -101,8 +157,9 @@ class ContrastiveTask(Task):
         model's own limit, as the adapter was built with)."""
         adapter = objective.adapter
         if not hasattr(self, "_built_max_length"):
-            self._built_max_length = adapter.max_length
-        adapter.max_length = stage.max_length if stage.max_length is not None else self._built_max_length
+            self._built_max_length = adapter.settings.max_length
+        max_length = stage.max_length if stage.max_length is not None else self._built_max_length
+        adapter.settings = adapter.settings.model_copy(update={"max_length": max_length})
         if any(config.min_pixels is not None or config.max_pixels is not None for config in self.recipe.stages or ()):
             adapter.set_pixel_budget(stage.min_pixels, stage.max_pixels)
 
@@ -146,11 +203,12 @@ class ContrastiveTask(Task):
         return per_source
 
     def evaluate(self, model: "nn.Module", data: "list[Example] | dict[str, list[Example]]",
-                 accelerator: "Accelerator") -> dict[str, float]:
+                 accelerator: "Accelerator", prepared: "nn.Module | None" = None) -> dict[str, float]:
         """Retrieval metrics; for named sources, each source's own (`<source>/q2d/recall@1`, its queries against its
         documents, as MTEB scores each task apart) and, unprefixed, their mean over sources."""
         if isinstance(data, dict):
-            per_source = {name: self.evaluate(model, examples, accelerator) for name, examples in data.items()}
+            per_source = {name: self.evaluate(model, examples, accelerator, prepared)
+                          for name, examples in data.items()}
             metrics = {f"{name}/{key}": value for name, found in per_source.items() for key, value in found.items()}
             shared = set.intersection(*(set(found) for found in per_source.values())) if per_source else set()
             for key in sorted(shared):
@@ -164,10 +222,13 @@ class ContrastiveTask(Task):
             model,
             data,
             batch_size=self.recipe.resolved_eval_batch_size,
-            mrl_dims=self.recipe.mrl_dims,
+            mrl_dims=self.recipe.loss.mrl_dims,
             accelerator=accelerator,
             # Small sets encode in a blink; a bar for each would only bury the training bar.
             show_progress=accelerator.is_local_main_process and len(data) >= 2000,
+            # Through the wrapper, as in training: ZeRO-3 gathers weights read outside their module's forward (CLIP's
+            # position embedding) only inside its engine's forward (ContrastiveObjective.forward's `encode`).
+            forward=None if prepared is None else lambda inputs: prepared(encode=inputs),
         )
 
     def headline(self, metrics: dict[str, float]) -> str:
@@ -178,7 +239,7 @@ class ContrastiveTask(Task):
         from vembed.evaluation.plots import plot_recall_vs_dim
 
         split = metrics.get("test") or metrics.get("validation")
-        if split and self.recipe.mrl_dims:
+        if split and self.recipe.loss.mrl_dims:
             plot_recall_vs_dim(split, output_dir / "recall_vs_dim.png")
 
 

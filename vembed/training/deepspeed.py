@@ -40,11 +40,19 @@ def configure_deepspeed(accelerator: "Accelerator", recipe: "Recipe", model: tor
     if config.get("zero_optimization", {}).get("stage") == 3:
         # Some transformers modules read a child's weight shape before ZeRO-3 has gathered it (CLIP's text embeddings
         # check the sequence length against position_embedding.weight.shape); adapters name those parameters and
-        # they stay whole on every rank (below the persistence threshold, ZeRO-3 does not partition).
+        # the persistence threshold keeps them gathered during forward passes (DeepSpeed still partitions them
+        # around checkpoints and the export, which gather them again).
         whole = [p.numel() for p in _zero3_unpartitioned(model)]
         zero = config.setdefault("zero_optimization", {})
         if whole and int(zero.get("stage3_param_persistence_threshold") or 0) < max(whole):
             zero["stage3_param_persistence_threshold"] = max(whole)
+        if accelerator.device.type == "cpu":
+            # DeepSpeed's blocking coalesced all-gather (persistent parameters after every step and checkpoint,
+            # GatheredParameters) launches one async gather per parameter and waits for the last only: enough on one
+            # CUDA stream, not under gloo, whose worker threads finish them out of order. Parameters were read, or
+            # their freed buffers reused, while half of them was still arriving (evaluation after the export saw
+            # garbage in 1 run of 3). Sequential gathers wait for each one.
+            zero["stage3_allgather_sequential"] = True
 
 
 def _zero3_unpartitioned(model: torch.nn.Module) -> list[torch.nn.Parameter]:

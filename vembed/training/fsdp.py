@@ -6,13 +6,17 @@ without FSDP, and apply the same `fully_shard` calls on GPUs and on a CPU (gloo)
 the path the tests run.
 
 Units: every transformer block the adapter names (`block_classes()`), then the adapter (embeddings, norms, heads),
-then the objective (the loss's temperature/bias). The adapter being a unit of its own lets evaluation call it
-directly, outside the objective's forward.
+then the objective (the loss's temperature/bias). Evaluation goes through the objective's forward like training
+(`encode=`), with the weights gathered in float32 (`full_precision_gathers`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,7 +29,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from vembed.recipe import Recipe
-    from vembed.training.objective import ContrastiveObjective
+    from vembed.tasks.contrastive import ContrastiveObjective
 
 FSDP_ENV = "ACCELERATE_USE_FSDP"  # set by `accelerate launch` for a config with distributed_type: FSDP
 VEMBED_FSDP_ENV = "VEMBED_FSDP"  # ours: the launch asked for FSDP (accelerate's flag is turned off once read)
@@ -101,6 +105,58 @@ def shard_objective(objective: "ContrastiveObjective", recipe: "Recipe", acceler
     fully_shard(objective, **options)
     _initialise_from_the_root(objective)
     return objective
+
+
+@contextlib.contextmanager
+def full_precision_gathers(model: torch.nn.Module) -> Iterator[None]:
+    """Within, FSDP gathers every parameter in the dtype it is stored and saved in (float32), not in the mixed-precision
+    `param_dtype`, so a forward computes what one process computes on the saved weights; evaluation runs inside it.
+    A no-op for a model FSDP does not shard with mixed precision (every other launch, and FSDP in float32).
+
+    Why not the alternatives: training on float32 gathers under bf16 autocast (as DDP does) would keep a bf16 copy of
+    every weight alive from forward to backward (the memory FSDP exists to save), double the all-gathered bytes and
+    change FSDP's training numerics; evaluating a gathered full model would need the whole model on each rank. FSDP2 has
+    no public switch for its policy (torch 2.13), so this sets the policy where `fully_shard` keeps it and drops the
+    buffers gathered in the old dtype: the next unshard allocates them in the new one. The FSDP + bf16 launch test
+    (in-run metrics = the saved model's) fails if a torch release moves these attributes.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    try:
+        policies = {unit: unit._get_fsdp_state()._mp_policy for unit in units}
+    except AttributeError:  # another torch release keeps the policy elsewhere: evaluate as FSDP computes
+        warnings.warn("FSDP keeps its mixed-precision policy where this torch release does not expose it: in-run "
+                   "evaluation runs on the mixed-precision copies of the weights; `vembed eval` on final/ gives the "
+                   "float32 figures", stacklevel=3)  # shown once per run: the default filter
+        yield
+        return
+    mixed = {unit: policy for unit, policy in policies.items() if policy.param_dtype is not None}
+    if not mixed:
+        yield
+        return
+    for unit in units:
+        unit.reshard()  # every parameter sharded: no gathered copy of the old dtype is in use
+    for unit, policy in mixed.items():
+        _set_precision_policy(unit, dataclasses.replace(policy, param_dtype=None))
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+        for unit, policy in mixed.items():
+            _set_precision_policy(unit, policy)
+
+
+def _set_precision_policy(unit: torch.nn.Module, policy: Any) -> None:
+    state = unit._get_fsdp_state()
+    state._mp_policy = policy  # read to cast forward inputs
+    for group in state._fsdp_param_groups:
+        group.mp_policy = policy
+        group._init_mp_dtypes()  # each parameter's param_dtype, which its all-gather casts to
+        for param in group.fsdp_params:
+            param.all_gather_outputs = []  # the gathered buffers and their parameter view, in the old dtype
+            param.__dict__.pop("_unsharded_param", None)
 
 
 def _initialise_from_the_root(objective: torch.nn.Module) -> None:

@@ -20,8 +20,8 @@ wrapper) sees it; what those passes compute lives here.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -29,8 +29,8 @@ import torch
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
+    from vembed.tasks.contrastive import ContrastiveObjective
     from vembed.training.launch_plan import GradientCacheChoice
-    from vembed.training.objective import ContrastiveObjective
 
 SIDES = ("query", "positive", "negative")  # the collated batch's sides, in the order chunks are encoded
 

@@ -119,7 +119,7 @@ class LaunchPlan:
         return dataclasses.replace(self, find_unused_parameters=needed)
 
 
-# --- deciding ----------------------------------------------------------------------------------------------------------
+# --- deciding ---------------------------------------------------------------------------------------------------------
 
 
 def decide_launch(recipe: "Recipe", env: Mapping[str, str] | None = None) -> LaunchPlan:
@@ -239,10 +239,10 @@ def _check_model_has_fsdp_blocks(recipe: "Recipe") -> None:
 def meta_model(recipe: "Recipe"):
     """This recipe's model on the meta device (shapes only, no weights read), or None when the adapter cannot be
     built there; the decisions that need it are then made when the real model exists."""
-    from vembed.models import MODELS
+    from vembed.components import model_class
 
     try:
-        return MODELS.get(recipe.model_type).on_meta(recipe)
+        return model_class(recipe).on_meta(recipe)
     except NotImplementedError:
         return None
 

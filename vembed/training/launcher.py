@@ -16,6 +16,7 @@ from pathlib import Path
 
 LAUNCHER_ENV = "VEMBED_LAUNCHER"  # set by run.py / `vembed train`: the command the user typed
 EXPECTED_WORLD_SIZE_ENV = "VEMBED_EXPECTED_WORLD_SIZE"  # set by run.py / `vembed train`: processes it launched
+LAUNCHER_PID_ENV = "VEMBED_LAUNCHER_PID"  # set by run.py / `vembed train`: its pid, the parent of every rank
 
 ACCELERATE_LAUNCH = "accelerate launch"
 
@@ -109,3 +110,33 @@ def _read_yaml(path: Path) -> dict:
     except (OSError, yaml.YAMLError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def stop_with_launcher(env: Mapping[str, str] | None = None) -> bool:
+    """Have the kernel SIGKILL this training process when the launcher that started it dies (Linux).
+
+    torch's elastic agent starts each rank in its own session, so a launcher killed with SIGKILL left its ranks
+    training (and writing final/) beside any relaunch. Only processes a launcher started ask for it: run.py /
+    `vembed train` (their pid in the environment), torchrun and `accelerate launch`; a process started from a shell
+    (`python -m vembed.entrypoints.train`, perhaps under nohup) must outlive that shell. Returns whether it was set.
+    """
+    import ctypes
+    import signal
+    import sys
+
+    env = os.environ if env is None else env
+    if not sys.platform.startswith("linux"):
+        return False
+    launcher_pid = env.get(LAUNCHER_PID_ENV, "")
+    launched = (launcher_pid.isdigit() or "TORCHELASTIC_RUN_ID" in env
+                or _parent_accelerate_launch_arguments() is not None)
+    if not launched:
+        return False
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
+        return False
+    # The launcher may have died before the call: then this process already has another parent.
+    if launcher_pid.isdigit() and os.getppid() != int(launcher_pid):
+        os._exit(1)
+    return True

@@ -8,6 +8,7 @@ kinds of model (contrastive retrieval, flow matching: data, objective, evaluatio
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vembed.errors import TrainingError
+from vembed.errors import CheckpointError, DataError, TrainingError
 from vembed.training.checkpoint import (
     CheckpointManager,
     TrainerState,
     is_better,
-    list_checkpoints,
     resolve_resume,
     write_json_atomic,
+    writing_checkpoint_files,
 )
 from vembed.training.profiling import StepProfiler
 from vembed.training.throughput import ThroughputMeter
@@ -70,9 +71,13 @@ class Trainer:
         from vembed.tasks import task_for
         from vembed.training.accelerator import build_accelerator, check_accelerator_matches
         from vembed.training.launch_plan import decide_launch
+        from vembed.training.run_dir import check_output_dir, run_identity
 
         self.recipe = recipe
         self.output_dir = Path(recipe.output_dir)
+        self.identity = run_identity(recipe)  # stored with every checkpoint: whose run it is
+        # Before anything is read or built: a folder that cannot be written, or holds another run's work, stops here.
+        check_output_dir(recipe)
         self.task = task_for(recipe)(recipe)
         # Every launch decision and refusal first: before a data row or a weight is read.
         plan = decide_launch(recipe)
@@ -84,6 +89,29 @@ class Trainer:
         else:
             check_accelerator_matches(accelerator, self.plan)
         self.accelerator = accelerator
+        self.resume_path = self._resolve_resume()  # verified now: a damaged or foreign checkpoint stops the launch
+        self._nonfinite_loss: torch.Tensor | float = 0.0  # micro-batches since the last step whose loss was NaN/Inf
+
+    def _resolve_resume(self) -> Path | None:
+        """The checkpoint to resume from, verified by the main process (it reads every byte once) and shared."""
+        acc = self.accelerator
+        if self.recipe.resume_from is None:
+            return None
+        outcome: list[Any] = [None]
+        if acc.is_main_process:
+            try:
+                found = resolve_resume(self.recipe.resume_from, self.output_dir, self.identity, warn=acc.print)
+                outcome = [("path", str(found) if found else None)]
+            except CheckpointError as error:
+                outcome = [("error", error.args[0])]
+        if acc.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            broadcast_object_list(outcome)
+        kind, value = outcome[0]
+        if kind == "error":
+            raise CheckpointError(value)
+        return Path(value) if value else None
 
     # --- building --------------------------------------------------------------------------------------------------
     def build(self) -> None:
@@ -143,7 +171,7 @@ class Trainer:
             self._prepare_stage_loaders()
         sharded = (self.model, self.optimizer, self.scheduler) if plan.fsdp is not None else None
         self.checkpoints = CheckpointManager(acc, self.output_dir, recipe.save_total_limit, recipe.persistent_dir,
-                                             sharded=sharded)
+                                             sharded=sharded, identity=self.identity)
         from vembed.training.grad_cache import build_train_step
 
         self.train_step = build_train_step(acc, self.model, plan.grad_cache)
@@ -265,18 +293,30 @@ class Trainer:
 
     # --- evaluation ------------------------------------------------------------------------------------------------
     def evaluate(self, examples: Any) -> dict[str, float]:
-        """The task's metrics of the model on held-out data (validation or test split)."""
-        return self.task.evaluate(self.adapter, examples, self.accelerator)
+        """The task's metrics of the model on held-out data (validation or test split), as one process computes them
+        on the saved weights: forward passes go through the prepared model, with FSDP's weights gathered in float32."""
+        from vembed.training.fsdp import full_precision_gathers
+
+        with full_precision_gathers(self.model):
+            return self.task.evaluate(self.adapter, examples, self.accelerator, prepared=self.model)
 
     # --- the loop --------------------------------------------------------------------------------------------------
     def run(self) -> TrainResult:
+        """Train, evaluate and export, holding output_dir's run lock (on the main process) throughout."""
+        from vembed.training.run_dir import RunLock
+
+        lock = RunLock(self.output_dir).acquire() if self.accelerator.is_main_process else None
+        try:
+            return self._run()
+        finally:
+            if lock is not None:
+                lock.release()  # also removes an output_dir this launch created and left empty
+
+    def _run(self) -> TrainResult:
         from tqdm.auto import tqdm
 
         recipe, acc = self.recipe, self.accelerator
         self.build()  # model and data first: if either fails, output_dir is left untouched
-        if acc.is_main_process:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            recipe.save(self.output_dir / "recipe.yaml")
         from vembed.training.deepspeed import unsharded_construction
         from vembed.training.sharded_state import count_parameters
         from vembed.training.start_block import describe_launch, memory_estimate_line
@@ -289,10 +329,10 @@ class Trainer:
             with unsharded_construction(acc):
                 acc.print(memory_estimate_line(self.plan, recipe, acc.device.type))
         acc.print(f"data                {self.train_report.summary()}")
-        if recipe.report_to:
-            acc.init_trackers(recipe.run_name or "vembed", config=_flat_config(recipe.to_dict()))
 
         state, metrics = self._start_or_resume()
+        if recipe.report_to:  # trackers write under output_dir: only once the run has claimed it
+            acc.init_trackers(recipe.run_name or "vembed", config=_flat_config(recipe.to_dict()))
         self._profiler = StepProfiler(recipe.profile, acc, self.adapter, self.optimizer, self.output_dir)
         progress = tqdm(total=self.total_steps, initial=state.global_step, disable=not acc.is_local_main_process,
                         desc="train", dynamic_ncols=True)
@@ -307,19 +347,36 @@ class Trainer:
         """A fresh state (with the untrained model's metrics) or the state of the checkpoint to resume from."""
         recipe, acc = self.recipe, self.accelerator
         self._last_saved_step: int | None = None
-        resume_path = resolve_resume(recipe.resume_from, self.output_dir)
+        resume_path = self.resume_path
         if resume_path is not None:
             state = self.checkpoints.load(resume_path)
             self._last_saved_step = state.global_step
+            self._claim_output_dir()
             acc.print(f"resumed from {resume_path} at step {state.global_step}")
             return state, self._read_metrics()
+        self._claim_output_dir()
         metrics: dict[str, Any] = {}
         if recipe.eval_before_training and self.eval_examples:
             metrics["before"] = self.evaluate(self.eval_examples)
             acc.print(f"before training: {self.task.headline(metrics['before'])}")
             if acc.is_main_process:
-                write_json_atomic(self.output_dir / "metrics.json", metrics)  # keeps "before" across a resume
+                with writing_checkpoint_files("metrics.json", self.output_dir, None):
+                    write_json_atomic(self.output_dir / "metrics.json", metrics)  # keeps "before" across a resume
         return TrainerState(), metrics
+
+    def _claim_output_dir(self) -> None:
+        """The first write into output_dir, once every refusal is past: the previous run's outputs go (with
+        overwrite_output_dir), this run's recipe and identity are recorded."""
+        from vembed.training.run_dir import RECIPE_FILE, clear_previous_run, write_run_file
+
+        if self.accelerator.is_main_process:
+            if self.recipe.overwrite_output_dir:
+                clear_previous_run(self.output_dir)
+            with writing_checkpoint_files(RECIPE_FILE, self.output_dir, self.checkpoints.last_good):
+                self.output_dir.mkdir(parents=True, exist_ok=True)
+                self.recipe.save(self.output_dir / RECIPE_FILE)
+                write_run_file(self.output_dir, self.identity)
+        self.accelerator.wait_for_everyone()  # no rank writes a checkpoint before the old ones are gone
 
     def _train(self, state: TrainerState, progress) -> None:
         if self.stream is not None:
@@ -345,6 +402,7 @@ class Trainer:
                 if not stage_done or state.batches_in_epoch >= stage.batches_per_epoch:
                     state.epoch += 1
                     state.batches_in_epoch = 0
+                    self._check_decode_failures()
                     if not done:
                         self._maybe_evaluate_and_save(state, end_of_epoch=True, done=False)
             if not done:
@@ -375,6 +433,7 @@ class Trainer:
         progress.update(1)
         if state.global_step % self.recipe.logging_steps == 0 or state.global_step == self.total_steps:
             self._log(state, meter, progress)
+            self._check_decode_failures()
         done = state.global_step >= self.total_steps
         self._maybe_evaluate_and_save(state, end_of_epoch=False, done=done)
         return done
@@ -418,11 +477,47 @@ class Trainer:
         acc = self.accelerator
         with acc.accumulate(self.model):
             loss = self.train_step(batch)  # forward + backward: plain, or GradCache's chunked passes
+            # Kept on the device (no host sync per micro-batch); read with the gradient norm at the optimizer step.
+            self._nonfinite_loss = self._nonfinite_loss + (~torch.isfinite(loss.detach())).sum()
             if acc.sync_gradients:
                 self._check_and_clip(state)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return loss
+
+    def _decode_counts(self) -> tuple[int, int, int | None]:
+        """(fetched, replaced, a replaced index) over every rank and DataLoader worker. Collective."""
+        counts = self.dataset.decode_counts()
+        local = torch.tensor([counts.fetched, counts.replaced, -1 if counts.first_bad is None else counts.first_bad],
+                             device=self.accelerator.device)
+        every = self.accelerator.gather(local.unsqueeze(0)) if self.accelerator.num_processes > 1 else local[None]
+        marked = [int(i) for i in every[:, 2].tolist() if i >= 0]
+        return int(every[:, 0].sum()), int(every[:, 1].sum()), marked[0] if marked else None
+
+    def _check_decode_failures(self) -> None:
+        """data.max_bad_fraction over what training has seen: rows skipped when the files were read, plus records
+        whose images failed to decode when fetched. The decode share is a sample; the run stops once it is clearly
+        above the limit (the 99% lower confidence bound is), so a few unlucky first batches do not end it."""
+        if not hasattr(self.dataset, "decode_counts"):
+            return
+        fetched, replaced, first = self._decode_counts()
+        if not replaced:
+            return
+        report, limit = self.train_report, self.recipe.data.max_bad_fraction
+        total = report.kept + report.num_skipped
+        share = (report.num_skipped + wilson_lower_bound(replaced, fetched) * report.kept) / max(total, 1)
+        if share <= limit:
+            return
+        example = self.dataset.examples[first] if first is not None else None
+        why = self.dataset.decode_error(first) if first is not None else None
+        raise DataError(
+            f"{replaced} of {fetched} training records fetched so far had images that would not decode "
+            f"({replaced / fetched:.0%}; with the {report.num_skipped} rows skipped when reading, at least "
+            f"{share:.0%} of data.train is unusable > data.max_bad_fraction={limit})"
+            f"{f'; this row: {why}' if why else ''}; fix or remove the broken image files, or raise "
+            "data.max_bad_fraction",
+            file=getattr(example, "source", None), row=getattr(example, "row", None),
+        )
 
     def _log(self, state: TrainerState, meter: "_Meter", progress) -> None:
         acc = self.accelerator
@@ -442,18 +537,27 @@ class Trainer:
         meter.reset()
 
     def _check_and_clip(self, state: TrainerState) -> None:
-        # The gradient norm is computed after DDP's all-reduce, so every rank sees the same value and stops together:
-        # a NaN on one rank never leaves the others waiting in a collective.
+        # The gradient norm is computed after DDP's all-reduce, so every rank sees the same value; the losses are each
+        # rank's own, so their flag is summed over ranks: every rank stops together, none is left in a collective.
+        # An infinite loss can come with finite gradients (a saturated loss term), so both are checked.
+        acc = self.accelerator
         max_norm = self.recipe.max_grad_norm if self.recipe.max_grad_norm is not None else float("inf")
-        norm = self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
+        norm = acc.clip_grad_norm_(self.model.parameters(), max_norm)
         if hasattr(norm, "full_tensor"):  # FSDP: a DTensor holding each rank's partial norm
             norm = norm.full_tensor()
-        if norm is not None and not torch.isfinite(torch.as_tensor(norm)).item():
-            found = list_checkpoints(self.output_dir)
-            last = str(found[-1]) if found else "none saved yet"
+        bad_norm = torch.zeros((), device=acc.device) if norm is None else (
+            ~torch.isfinite(torch.as_tensor(norm, device=acc.device))).float()
+        flags = torch.stack([torch.as_tensor(self._nonfinite_loss, device=acc.device).float(), bad_norm])
+        self._nonfinite_loss = 0.0
+        if acc.num_processes > 1:
+            flags = acc.reduce(flags, "sum")
+        bad_loss, bad_gradients = flags.tolist()
+        if bad_loss or bad_gradients:
+            what = "the loss" if bad_loss else "the gradients"
+            last = self.checkpoints.last_good or "none saved yet"
             raise TrainingError(
-                f"loss or gradients became NaN/Inf at step {state.global_step + 1} (epoch {state.epoch}); weights "
-                f"were not updated; last good checkpoint: {last}. Lower learning_rate or set max_grad_norm"
+                f"{what} became NaN/Inf at step {state.global_step + 1} (epoch {state.epoch}); weights were not "
+                f"updated; last good checkpoint: {last}. Lower learning_rate or set max_grad_norm"
             )
 
     def _maybe_evaluate_and_save(self, state: TrainerState, *, end_of_epoch: bool, done: bool) -> None:
@@ -499,6 +603,7 @@ class Trainer:
     def _finish(self, state: TrainerState, metrics: dict[str, Any]) -> TrainResult:
         acc, recipe = self.accelerator, self.recipe
         final_dir = self.output_dir / "final"
+        self._check_decode_failures()
         acc.wait_for_everyone()
         from vembed.training.deepspeed import unsharded_construction
         from vembed.training.sharded_state import gather_full_state_dict
@@ -515,7 +620,8 @@ class Trainer:
             else:
                 with unsharded_construction(acc):
                     adapter = _adapter_with_weights(recipe, full_state)
-            adapter.save(tmp)
+            with writing_checkpoint_files("the final model", self.output_dir, self.checkpoints.last_good, tmp):
+                adapter.save(tmp)
             shutil.rmtree(final_dir, ignore_errors=True)
             tmp.rename(final_dir)
         acc.wait_for_everyone()
@@ -531,7 +637,7 @@ class Trainer:
             "world_size": acc.num_processes,
             "final_loss": state.loss_history[-1]["loss"] if state.loss_history else None,
             "data": self.train_report.to_dict(),
-            "decode_failures": getattr(self.dataset, "decode_failures", 0),
+            "decode_failures": self._decode_counts()[1] if hasattr(self.dataset, "decode_counts") else 0,
             "loss": self.objective.loss.config,
         }
         metrics["loss_history"] = state.loss_history
@@ -539,13 +645,15 @@ class Trainer:
         metrics["best"] = {"metric": recipe.metric_for_best_model, "value": state.best_metric,
                            "checkpoint": state.best_checkpoint}
         if acc.is_main_process:
-            write_json_atomic(self.output_dir / "metrics.json", metrics)
-            self._plots(metrics)
+            with writing_checkpoint_files("metrics.json and plots", self.output_dir, self.checkpoints.last_good):
+                write_json_atomic(self.output_dir / "metrics.json", metrics)
+                self._plots(metrics)
             if self.train_report.num_skipped:
                 acc.print(f"warning: {self.train_report.summary()}")
             failures = metrics["train"]["decode_failures"]
             if failures:
-                acc.print(f"warning: {failures} training record(s) had images that would not decode and were replaced")
+                acc.print(f"warning: {failures} fetched training record(s) had images that would not decode and "
+                          "were replaced")
             for name in ("before", "validation", "test"):
                 if metrics.get(name):
                     acc.print(f"{name:<11} {self.task.headline(metrics[name])}")
@@ -608,11 +716,21 @@ class _Meter:
         return self.throughput.record(time.perf_counter() - self.started)
 
 
+def wilson_lower_bound(successes: int, trials: int, z: float = 2.326) -> float:
+    """One-sided 99% lower confidence bound of a proportion (Wilson score interval)."""
+    if trials == 0:
+        return 0.0
+    p = successes / trials
+    centre = p + z * z / (2 * trials)
+    spread = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials))
+    return max(0.0, (centre - spread) / (1 + z * z / trials))
+
+
 def _adapter_with_weights(recipe: "Recipe", objective_state: dict[str, torch.Tensor]):
     """A single-device copy of the trained adapter, from the gathered state dict of a sharded objective."""
-    from vembed.models import MODELS
+    from vembed.components import model_class
 
-    adapter = MODELS.get(recipe.model_type).from_recipe(recipe)
+    adapter = model_class(recipe).from_recipe(recipe)
     if recipe.use_lora:
         adapter.apply_lora(recipe)
     prefix = "adapter."

@@ -1,55 +1,11 @@
-"""The trainable unit: an adapter and its loss in one module, so the strategy wraps (DDP, ...) both at once.
-
-A learnable temperature or SigLIP bias lives in the loss; keeping the loss inside the wrapped module is what makes
-DDP average its gradient like every other parameter.
-"""
+"""What the optimizer sees of a task's objective: AdamW parameter groups (the objective itself, model and loss in one
+module, is the task's: `Task.build_objective`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
 from torch import nn
-
-from vembed.losses.base import EmbeddingLoss
-from vembed.models.base import EmbeddingAdapter
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
-
-class ContrastiveObjective(nn.Module):
-    def __init__(self, adapter: EmbeddingAdapter, loss: EmbeddingLoss):
-        super().__init__()
-        self.adapter = adapter
-        self.loss = loss
-
-    def embed(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Query, positive and (B, k, d) hard-negative embeddings of a collated batch.
-
-        The adapter is called (its `forward` is `encode`), never `.encode` directly: wrappers that hook the call,
-        such as an FSDP unit gathering its weights, must see it."""
-        negatives = self.adapter(batch["negative"]) if batch.get("num_negatives") else None
-        return self.shape_embeddings(
-            self.adapter(batch["query"]), self.adapter(batch["positive"]), negatives,
-            int(batch.get("num_negatives") or 0),
-        )
-
-    @staticmethod
-    def shape_embeddings(
-        query: torch.Tensor, positive: torch.Tensor, negatives: torch.Tensor | None, num_negatives: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        if negatives is None or num_negatives == 0:
-            return query, positive, None
-        return query, positive, negatives.view(query.shape[0], num_negatives, -1)
-
-    def forward(self, batch: dict[str, Any] | None = None, *,
-                run_inside: "Callable[[ContrastiveObjective], torch.Tensor] | None" = None) -> torch.Tensor:
-        """The loss of a batch; or `run_inside(self)`: a pass that must run inside this module's (wrapped) forward so
-        that DDP and other wrappers see it (GradCache's replays, vembed/training/grad_cache.py)."""
-        if run_inside is not None:
-            return run_inside(self)
-        return self.loss(*self.embed(batch), labels=batch.get("label_ids"))
 
 
 def parameter_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:

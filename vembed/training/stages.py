@@ -63,9 +63,11 @@ def stages_of(recipe: "Recipe") -> list[Stage]:
     sources = recipe.data.sources("train") or {}
     recipe_weights = {name: s.weight for name, s in sources.items()} if any(
         s.weight is not None for s in sources.values()) else None
+    # The adapter's own settings (max_length; min/max_pixels for qwen_vl): what a stage leaves unset.
+    built = {key: getattr(recipe.model, key, None) for key in ("max_length", "min_pixels", "max_pixels")}
     if not recipe.stages:
         return [Stage(0, "train", recipe.epochs, recipe.max_steps, recipe.learning_rate, weights=recipe_weights,
-                      max_length=recipe.max_length, min_pixels=recipe.min_pixels, max_pixels=recipe.max_pixels)]
+                      **built)]
     stages = []
     for index, config in enumerate(recipe.stages):
         weights, only = recipe_weights, None
@@ -80,9 +82,9 @@ def stages_of(recipe: "Recipe") -> list[Stage]:
             config.max_steps if config.max_steps is not None else (recipe.max_steps if not config.epochs else None),
             config.learning_rate or recipe.learning_rate,
             weights=weights, only=only,
-            max_length=config.max_length or recipe.max_length,
-            min_pixels=config.min_pixels or recipe.min_pixels,
-            max_pixels=config.max_pixels or recipe.max_pixels,
+            max_length=config.max_length or built["max_length"],
+            min_pixels=config.min_pixels or built["min_pixels"],
+            max_pixels=config.max_pixels or built["max_pixels"],
         ))
     return stages
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from vembed.errors import RecipeError
-from vembed.losses.flow_matching import interpolate, sample_timesteps
+from vembed.generation.flow import interpolate, sample_timesteps
 from vembed.tasks import TASKS, Task
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ class FlowMatchingObjective(nn.Module):
         super().__init__()
         self.adapter = adapter
         self.loss = loss
-        flow = recipe.flow
+        flow = recipe.loss.flow
         self.data_scale = flow.data_scale
         self.time_kwargs = {"kind": flow.time_sampling, "logit_mean": flow.logit_normal_mean,
                             "logit_std": flow.logit_normal_std, "beta_a": flow.beta_a, "beta_b": flow.beta_b}
@@ -59,7 +59,7 @@ class FlowMatchingTask(Task):
     @classmethod
     def check_recipe(cls, recipe: "Recipe", *, for_training: bool = True) -> None:
         from vembed.data.embedding_shards import read_index
-        from vembed.models.blip3o_dit import config_from_recipe
+        from vembed.generation.dit import config_from_recipe
 
         if recipe.data.format not in ("auto", "shards"):
             raise RecipeError("data.format", f"blip3o_dit trains on shard directories from `vembed extract`; set "
@@ -71,8 +71,6 @@ class FlowMatchingTask(Task):
                            ("use_gradient_cache", recipe.use_gradient_cache)):
             if value:
                 raise RecipeError(key, "is not supported for blip3o_dit; set it to false")
-        if recipe.mrl_dims:
-            raise RecipeError("mrl_dims", "applies to contrastive losses only; remove it for blip3o_dit")
         for split in ("train", "validation", "test"):
             if isinstance(getattr(recipe.data, split), dict):
                 raise RecipeError(f"data.{split}", "named sources are for pair data; blip3o_dit trains on shard "
@@ -111,16 +109,15 @@ class FlowMatchingTask(Task):
         return True  # every step runs the whole DiT
 
     def build_objective(self) -> nn.Module:
+        from vembed.components import loss_class, model_class
         from vembed.distributed import rank_and_world
-        from vembed.losses import LOSSES
-        from vembed.models import MODELS
 
-        model = MODELS.get(self.recipe.model_type).from_recipe(self.recipe)  # same initial weights on every rank
+        model = model_class(self.recipe).from_recipe(self.recipe)  # same initial weights on every rank
         # The loop seeds every rank alike; from here on each rank needs its own times and noise, or all ranks would
         # draw the same ones for their different samples. (Checkpoints save each rank's RNG, so resume stays exact.)
         rank, _ = rank_and_world()
         torch.manual_seed(self.recipe.seed + 1_000_003 * rank)
-        return FlowMatchingObjective(model, LOSSES.get(self.recipe.loss_type).from_recipe(self.recipe), self.recipe)
+        return FlowMatchingObjective(model, loss_class(self.recipe).from_recipe(self.recipe), self.recipe)
 
     def train_dataset(self, objective: nn.Module):
         from torch.utils.data import default_collate
@@ -138,13 +135,13 @@ class FlowMatchingTask(Task):
         return dataset.tensors(self.recipe.data.eval_max_samples)
 
     def evaluate(self, model: nn.Module, data: dict[str, torch.Tensor] | None,
-                 accelerator: "Accelerator") -> dict[str, float]:
+                 accelerator: "Accelerator", prepared: nn.Module | None = None) -> dict[str, float]:
         """Every rank generates the whole split (FSDP needs every rank in each forward); all get the same result."""
         from vembed.evaluation.similarity import evaluate_generation
 
         if not data:
             return {}
-        flow = self.recipe.flow
+        flow = self.recipe.loss.flow
         metrics, self.last_image_cosines = evaluate_generation(
             model, data["eva"], data["clip"], sampler=flow.sampler, num_steps=flow.num_steps, seed=flow.eval_seed,
             batch_size=self.recipe.resolved_eval_batch_size, device=accelerator.device,

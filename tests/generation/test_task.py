@@ -13,7 +13,8 @@ import torch
 from teachers import save_teachers, write_images
 
 from vembed.cli import main as vembed
-from vembed.recipe import check_recipe, load_recipe
+from vembed.components import load_recipe
+from vembed.tasks import check_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "blip3o_dit_tiny.yaml"
@@ -46,7 +47,7 @@ def tiny_recipe(shards: Path, output_dir: Path, *overrides: str):
 
 
 def test_tiny_dit_reaches_090_cosine_with_heun_and_heun_beats_euler(shards, tmp_path, one_thread, capsys):
-    from vembed.models.base import load_adapter
+    from vembed.generation import load_generator
     from vembed.training.loop import Trainer
 
     recipe = tiny_recipe(shards, tmp_path / "run")
@@ -67,7 +68,7 @@ def test_tiny_dit_reaches_090_cosine_with_heun_and_heun_beats_euler(shards, tmp_
     from vembed.data.embedding_shards import EmbeddingShardDataset
     from vembed.evaluation.similarity import per_image_cosine
 
-    model = load_adapter(result.final_model_dir).eval()
+    model = load_generator(result.final_model_dir).eval()
     data = EmbeddingShardDataset(str(shards / "validation")).tensors()
     noise = torch.randn(data["clip"].shape, generator=torch.Generator().manual_seed(0))
     reference = model.generate(data["eva"], noise=noise, sampler="euler", num_steps=400)
@@ -94,10 +95,15 @@ def test_wrong_dims_are_one_recipe_line_naming_key_and_index(shards, tmp_path):
 
 
 def test_a_flow_loss_on_a_contrastive_model_is_refused(shards, tmp_path):
+    from vembed.components import recipe_from_dict
     from vembed.errors import RecipeError
 
-    with pytest.raises(RecipeError, match="loss_type.*flow_matching"):
-        check_recipe(tiny_recipe(shards, tmp_path / "run", "model_type=clip"))
+    recipe = recipe_from_dict({"model_type": "clip", "loss_type": "flow_matching", "model_name": "x",
+                               "data": {"train": str(shards / "train")}})
+    with pytest.raises(RecipeError, match="loss_type: 'flow_matching' is a flow_matching loss but model_type 'clip'"):
+        check_recipe(recipe)
+    with pytest.raises(RecipeError, match="dit in .*: is a blip3o_dit setting; this recipe's model_type is clip"):
+        tiny_recipe(shards, tmp_path / "run", "model_type=clip")  # the DiT's own keys do not fit CLIP either
 
 
 class Interrupted(Exception):
@@ -153,10 +159,10 @@ def test_the_retrieval_metric_is_refused_with_the_fix(shards, tmp_path):
 
 
 def test_the_task_is_chosen_by_the_model_through_the_registry():
-    from vembed.recipe import recipe_from_dict
+    from vembed.components import recipe_from_dict
+    from vembed.generation.task import FlowMatchingTask
     from vembed.tasks import task_for
     from vembed.tasks.contrastive import ContrastiveTask
-    from vembed.tasks.flow_matching import FlowMatchingTask
 
     assert task_for(recipe_from_dict({"model_type": "clip"})) is ContrastiveTask
     assert task_for(recipe_from_dict({"model_type": "blip3o_dit", "loss_type": "flow_matching"})) is FlowMatchingTask
@@ -165,9 +171,9 @@ def test_the_task_is_chosen_by_the_model_through_the_registry():
 def test_a_dit_folder_given_to_the_embedding_api_is_one_clear_error(tmp_path):
     import vembed
     from vembed.errors import RecipeError
-    from vembed.models.blip3o_dit import Blip3oDiT, DiTConfig
+    from vembed.generation.dit import Blip3oDiT, DiTConfig
 
     Blip3oDiT(DiTConfig(eva_dim=12, clip_dim=8, num_tokens=4, hidden_size=16, num_layers=1, num_heads=4,
                         num_kv_heads=2, eva_adapter_layers=1, mlp_ratio=2.0)).save(tmp_path / "dit")
-    with pytest.raises(RecipeError, match="generates embeddings instead of encoding.*Blip3oDiT.load"):
+    with pytest.raises(RecipeError, match="not an embedding model.*vembed.generation.load_generator"):
         vembed.load(str(tmp_path / "dit"))

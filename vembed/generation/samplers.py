@@ -1,4 +1,4 @@
-"""ODE samplers for the flow convention of `vembed.losses.flow_matching` (t = 0 noise → t = 1 data), by name.
+"""ODE samplers for the flow convention of `vembed.generation.flow` (t = 0 noise → t = 1 data), by name.
 
 A velocity function is `velocity(x, t) -> v̂` with `x` (B, N, D) and `t` (B,). Samplers start from Gaussian noise
 drawn from a generator seeded by the caller, so generation is deterministic given a seed.

@@ -1,6 +1,6 @@
 """Rectified flow matching: the one time convention, timestep sampling, and the velocity loss.
 
-THE CONVENTION (used by training here and by every sampler in `vembed.losses.samplers`):
+THE CONVENTION (used by training here and by every sampler in `vembed.generation.samplers`):
 - t = 0 is pure noise, t = 1 is data.
 - x_t = (1 - t) * noise + t * data                 (a straight line from noise to data)
 - the velocity target is v = dx_t/dt = data - noise
@@ -14,18 +14,39 @@ generated result, so a model never depends on statistics of its training set.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch import nn
 
-from vembed.losses import LOSSES
+from vembed.generation import FLOW_LOSSES
+from vembed.recipe import Settings
 
 if TYPE_CHECKING:
     from vembed.recipe import Recipe
 
 TimeSampling = Literal["uniform", "logit_normal", "beta"]
+
+
+class FlowSection(Settings):
+    """`flow:` rectified flow matching (loss_type: flow_matching): t=0 noise, t=1 data, v = data - noise."""
+
+    time_sampling: Literal["uniform", "logit_normal", "beta"] = "uniform"  # training time distribution on [0, 1]
+    logit_normal_mean: float = 0.0  # logit_normal: t = sigmoid(N(mean, std))
+    logit_normal_std: float = Field(default=1.0, gt=0)
+    beta_a: float = Field(default=1.0, gt=0)  # beta: t ~ Beta(a, b)
+    beta_b: float = Field(default=1.0, gt=0)
+    cosine_weight: float = Field(default=0.0, ge=0)  # weight of (1 - cos) between the clean estimate and the data
+    data_scale: float = Field(default=1.0, gt=0)  # fixed multiplier of the CLIP tokens (no data statistics)
+    sampler: Literal["euler", "heun"] = "heun"  # ODE solver used by evaluation
+    num_steps: int = Field(default=50, gt=0)  # solver steps (heun evaluates the model twice per step)
+    eval_seed: int = 0  # seed of the evaluation noise: generation is deterministic given it
+
+
+class FlowMatchingSettings(Settings):
+    flow: FlowSection = Field(default_factory=FlowSection)  # time sampling, loss terms, sampler: see FlowSection
 
 
 def _bcast(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -77,7 +98,7 @@ def sample_timesteps(
     return t.to(device) if device is not None else t
 
 
-@LOSSES.register("flow_matching")
+@FLOW_LOSSES.register("flow_matching")
 class FlowMatchingLoss(nn.Module):
     """MSE between predicted and target velocity, plus an optional cosine term on the clean estimate.
 
@@ -93,6 +114,7 @@ class FlowMatchingLoss(nn.Module):
     """
 
     task = "flow_matching"  # trains models whose task is flow matching (vembed.tasks)
+    Settings: ClassVar[type[FlowMatchingSettings]] = FlowMatchingSettings
 
     def __init__(self, cosine_weight: float = 0.0):
         super().__init__()
@@ -100,7 +122,7 @@ class FlowMatchingLoss(nn.Module):
 
     @classmethod
     def from_recipe(cls, recipe: "Recipe") -> "FlowMatchingLoss":
-        return cls(cosine_weight=recipe.flow.cosine_weight)
+        return cls(cosine_weight=recipe.loss.flow.cosine_weight)
 
     def forward(
         self, predicted_velocity: torch.Tensor, noise: torch.Tensor, data: torch.Tensor, t: torch.Tensor

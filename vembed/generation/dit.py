@@ -1,8 +1,8 @@
 """BLIP3-o style diffusion transformer: predicts the flow velocity of CLIP patch tokens given EVA-CLIP patch tokens.
 
 Not a retrieval adapter: it maps (noisy CLIP tokens, time, EVA tokens) → velocity, and `generate` turns EVA tokens
-into CLIP tokens with a sampler from `vembed.losses.samplers`. Saved as `model.safetensors` + `config.json` +
-`vembed.json`, so `load_adapter` finds it like any other vembed model.
+into CLIP tokens with a sampler from `vembed.generation.samplers`. Saved as `model.safetensors` + `config.json` +
+`vembed.json` (the file every vembed model folder has); `vembed.generation.load_generator` loads it.
 
 Architecture (following the seed): an EVA adapter (gated residual blocks, EVA dim → hidden), an input projection of the
 noisy CLIP tokens, a sinusoidal timestep embedding + MLP, then DiT blocks of
@@ -17,18 +17,42 @@ import json
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch import nn
 
 from vembed.errors import RecipeError
-from vembed.models import MODELS
+from vembed.generation import GENERATORS
 from vembed.models.base import ADAPTER_FILE
+from vembed.recipe import Settings
 
 if TYPE_CHECKING:
     from vembed.recipe import Recipe
+
+class DiTSection(Settings):
+    """`dit:` the BLIP3-o diffusion transformer (model_type: blip3o_dit). Token shapes come from the shards; any
+    stated here must match them."""
+
+    size: Literal["tiny", "small", "base", "large"] | None = "base"  # hidden/layers/heads preset; explicit keys win
+    hidden_size: int | None = Field(default=None, gt=0)  # unset: from size (tiny 384, small 512, base 768, large 1024)
+    num_layers: int | None = Field(default=None, gt=0)  # DiT blocks (unset: from size: 6, 8, 12, 20)
+    num_heads: int | None = Field(default=None, gt=0)  # attention heads (unset: from size)
+    num_kv_heads: int | None = Field(default=None, gt=0)  # key/value heads of grouped-query attention (unset: size)
+    mlp_ratio: float = Field(default=4.0, gt=0)  # SwiGLU width = hidden_size * mlp_ratio * 2/3
+    eva_adapter_layers: int = Field(default=6, gt=0)  # blocks taking the EVA dim down to hidden_size
+    layer_scale_init: float = Field(default=0.1, gt=0)  # initial per-channel scale of every residual branch
+    rope_theta: float = Field(default=10000.0, gt=0)  # rotary base of the 2-D token-grid positions
+    eva_dim: int | None = Field(default=None, gt=0)  # checked against the shards (unset: taken from them)
+    clip_dim: int | None = Field(default=None, gt=0)  # checked against the shards (unset: taken from them)
+    num_tokens: int | None = Field(default=None, gt=0)  # CLIP tokens per image; checked against the shards
+
+
+class DiTSettings(Settings):
+    dit: DiTSection = Field(default_factory=DiTSection)  # the DiT's sizes; see DiTSection
+
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -230,11 +254,12 @@ def _eva_widths(eva_dim: int, hidden: int, layers: int) -> list[int]:
 # --- the model ------------------------------------------------------------------------------------------------------
 
 
-@MODELS.register("blip3o_dit")
+@GENERATORS.register("blip3o_dit")
 class Blip3oDiT(nn.Module):
     """`forward(noisy_clip (B,N,clip_dim), t (B,), eva (B,M,eva_dim)) -> velocity (B,N,clip_dim)`."""
 
     model_type: ClassVar[str] = "blip3o_dit"
+    Settings: ClassVar[type[DiTSettings]] = DiTSettings
     task: ClassVar[str] = "flow_matching"  # vembed.tasks: how this model is trained and evaluated
 
     def __init__(self, config: DiTConfig):
@@ -275,7 +300,7 @@ class Blip3oDiT(nn.Module):
         taken as many as CLIP tokens), so a recipe that states them plans without any data."""
         from vembed.data.embedding_shards import read_index
 
-        dit = recipe.dit
+        dit = recipe.model.dit
         try:
             index = read_index(recipe.data.train)
         except RecipeError:
@@ -295,7 +320,7 @@ class Blip3oDiT(nn.Module):
         fp32, while every matmul keeps its own 16-bit copy of its input (two of the same tensor when two projections
         read it) and attention keeps 16-bit tensors; autocast's 16-bit weight copies are not counted (the planner
         counts them with the parameters). Counted tensor by tensor from the code below and checked against
-        saved-tensor hooks on CPU (tests/models/test_blip3o_dit.py). Attention is fused (flash on CUDA under
+        saved-tensor hooks on CPU (tests/generation/test_dit.py). Attention is fused (flash on CUDA under
         autocast, and on CPU): it keeps its output and log-sum-exp, no N×N matrix."""
         c = self.config
         n, m, h, a = c.num_tokens, c.eva_tokens or c.num_tokens, c.hidden_size, c.num_heads
@@ -337,7 +362,7 @@ class Blip3oDiT(nn.Module):
                  num_steps: int = 50, seed: int = 0) -> torch.Tensor:
         """CLIP tokens (B, num_tokens, clip_dim) for EVA tokens (B, M, eva_dim), integrated from `noise` (or from
         noise drawn with `seed`): deterministic either way. The fixed data scale is undone."""
-        from vembed.losses.samplers import build_sampler
+        from vembed.generation.samplers import build_sampler
 
         if noise is None:
             shape = (eva.shape[0], self.config.num_tokens, self.config.clip_dim)
@@ -370,7 +395,7 @@ class Blip3oDiT(nn.Module):
 def config_from_recipe(recipe: "Recipe", index: dict[str, Any]) -> DiTConfig:
     """The DiT config: sizes from `dit.size` or explicit dims, token shapes from the shard index (checked against
     any the recipe states)."""
-    dit = recipe.dit
+    dit = recipe.model.dit
     shapes = {"eva_dim": index["eva_shape"][1], "clip_dim": index["clip_shape"][1],
               "num_tokens": index["clip_shape"][0]}
     eva_tokens = index["eva_shape"][0]
@@ -393,7 +418,7 @@ def config_from_recipe(recipe: "Recipe", index: dict[str, Any]) -> DiTConfig:
         "eva_adapter_layers": dit.eva_adapter_layers,
         "layer_scale_init": dit.layer_scale_init,
         "rope_theta": dit.rope_theta,
-        "data_scale": recipe.flow.data_scale,
+        "data_scale": recipe.loss.flow.data_scale,
     }
     missing = [k for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads") if values[k] is None]
     if missing:

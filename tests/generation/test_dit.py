@@ -7,10 +7,11 @@ import json
 import pytest
 import torch
 
+from vembed.components import recipe_from_dict
 from vembed.errors import RecipeError
+from vembed.generation import GENERATORS
+from vembed.generation.dit import SIZES, Blip3oDiT, DiTBlock, DiTConfig, GridRotary, config_from_recipe
 from vembed.models import MODELS
-from vembed.models.blip3o_dit import SIZES, Blip3oDiT, DiTBlock, DiTConfig, GridRotary, config_from_recipe
-from vembed.recipe import recipe_from_dict
 
 CONFIG = DiTConfig(eva_dim=24, clip_dim=12, num_tokens=16, hidden_size=32, num_layers=2, num_heads=4,
                    num_kv_heads=2, eva_adapter_layers=3, mlp_ratio=2.0)
@@ -34,7 +35,8 @@ def test_untrained_model_predicts_zero_velocity_of_the_clip_shape():
 
 
 def test_registered_with_the_dit_block_for_fsdp():
-    assert MODELS.get("blip3o_dit") is Blip3oDiT
+    assert GENERATORS.get("blip3o_dit") is Blip3oDiT
+    assert "blip3o_dit" not in MODELS  # the registry of embedding adapters holds only embedding adapters
     assert Blip3oDiT.block_classes() == (DiTBlock,)
     assert Blip3oDiT.task == "flow_matching"
 
@@ -67,9 +69,12 @@ def test_save_and_load_give_the_same_velocities(tmp_path):
     model = _trained_looking(Blip3oDiT(CONFIG)).eval()
     model.save(tmp_path / "dit")
     assert json.loads((tmp_path / "dit" / "vembed.json").read_text())["model_type"] == "blip3o_dit"
-    from vembed.models.base import load_adapter
+    from vembed.generation import load_generator
+    from vembed.models import load_adapter
 
-    loaded = load_adapter(tmp_path / "dit").eval()
+    loaded = load_generator(tmp_path / "dit").eval()
+    with pytest.raises(RecipeError, match="not an embedding model.*load_generator"):
+        load_adapter(tmp_path / "dit")  # vembed.load encodes texts and images; a DiT does not
     args = (torch.randn(2, 16, 12), torch.rand(2), torch.randn(2, 16, 24))
     assert torch.equal(model(*args), loaded(*args))
 
@@ -87,22 +92,26 @@ def test_generation_is_deterministic_given_a_seed_and_differs_across_seeds():
 INDEX = {"eva_shape": [16, 24], "clip_shape": [16, 12], "path": "shards/index.json"}
 
 
+def dit_recipe(dit: dict):
+    return recipe_from_dict({"model_type": "blip3o_dit", "loss_type": "flow_matching", "dit": dit})
+
+
 @pytest.mark.parametrize("size", list(SIZES))
 def test_size_presets_set_width_depth_and_heads(size):
-    config = config_from_recipe(recipe_from_dict({"dit": {"size": size}}), INDEX)
+    config = config_from_recipe(dit_recipe({"size": size}), INDEX)
     assert (config.hidden_size, config.num_layers, config.num_heads, config.num_kv_heads) == SIZES[size]
     assert (config.eva_dim, config.clip_dim, config.num_tokens) == (24, 12, 16)
 
 
 def test_explicit_dims_override_the_size():
-    config = config_from_recipe(recipe_from_dict({"dit": {"size": "tiny", "hidden_size": 64, "num_heads": 4,
-                                                          "num_kv_heads": 1}}), INDEX)
+    config = config_from_recipe(dit_recipe({"size": "tiny", "hidden_size": 64, "num_heads": 4,
+                                                          "num_kv_heads": 1}), INDEX)
     assert (config.hidden_size, config.num_layers, config.num_heads, config.num_kv_heads) == (64, 6, 4, 1)
 
 
 def test_dims_that_disagree_with_the_shards_name_the_key_and_the_file():
     with pytest.raises(RecipeError) as info:
-        config_from_recipe(recipe_from_dict({"dit": {"eva_dim": 4096}}), INDEX)
+        config_from_recipe(dit_recipe({"eva_dim": 4096}), INDEX)
     message = str(info.value)
     assert "dit.eva_dim" in message and "shards/index.json" in message and "24" in message
     assert len(message.splitlines()) == 1
@@ -112,7 +121,7 @@ def test_dims_that_disagree_with_the_shards_name_the_key_and_the_file():
 def _saved_elements(model: Blip3oDiT, *, autocast: bool, cosine: float, samples: int = 2) -> tuple[float, float]:
     """Independent reference: the (fp32, 16-bit) elements per sample autograd saves for backward in a forward and the
     flow-matching loss on CPU (saved-tensor hooks, storages counted once; weights and autocast's weight copies out)."""
-    from vembed.losses.flow_matching import FlowMatchingLoss, interpolate
+    from vembed.generation.flow import FlowMatchingLoss, interpolate
 
     parameters = {id(p) for p in model.parameters()}
     constants = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}

@@ -1,0 +1,155 @@
+"""run.py / `vembed train` (vembed/entrypoints/launch.py) under faults: bad accelerate configs are one line before any
+process starts, a second launch into a running run's folder is refused, a killed launcher takes its ranks with it,
+and when one rank fails its own error is the line the user sees, naming the rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from vembed.entrypoints import launch
+from vembed.training.run_dir import RunLock
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+
+
+def _recipe_file(tmp_path: Path, raw: dict) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+ACCELERATE_CONFIGS = {  # file text, what the one line says
+    "invalid YAML": ("distributed_type: [MULTI_GPU\n", "is not valid YAML at line 2"),
+    "binary": (b"\x80\x81\xfe\xff" * 64, "is not a text file"),
+    "the recipe itself": (None, "is not an accelerate config (no distributed_type)"),
+    "negative process count": ("distributed_type: MULTI_CPU\nnum_processes: -2\n", "-2 in"),
+    "unknown distributed_type": ("distributed_type: BOGUS\nnum_processes: 1\n", "distributed_type: 'BOGUS'"),
+    "unknown mixed_precision": ("distributed_type: 'NO'\nmixed_precision: maybe\n", "mixed_precision: 'maybe'"),
+    "bare NO": ("distributed_type: NO\n", "quote it: distributed_type: 'NO'"),
+}
+
+
+@pytest.mark.parametrize("case", list(ACCELERATE_CONFIGS))
+def test_a_bad_accelerate_config_is_one_line_before_any_process_starts(tiny_clip_recipe, tmp_path, capsys, case):
+    text, says = ACCELERATE_CONFIGS[case]
+    recipe = _recipe_file(tmp_path, tiny_clip_recipe)
+    config = recipe if text is None else tmp_path / "accelerate.yaml"
+    if text is not None:
+        config.write_bytes(text if isinstance(text, bytes) else text.encode())
+    code = launch.main([str(recipe), "--accelerate_config", str(config)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("launch error: ") and says in err and "\n" not in err, err
+    assert not Path(tiny_clip_recipe["output_dir"]).exists()
+
+
+def test_a_second_launch_into_a_running_runs_folder_is_refused(tiny_clip_recipe, tmp_path, capsys):
+    out = Path(tiny_clip_recipe["output_dir"])
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from vembed.training.run_dir import RunLock; "
+                               "RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(60)", str(out)],
+                              stdout=subprocess.PIPE, text=True, env=ENV)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        code = launch.main([str(_recipe_file(tmp_path, tiny_clip_recipe)), "--accelerate_config", "single"])
+    finally:
+        holder.kill()
+        holder.wait()
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and f"in use by another vembed run (pid {holder.pid} " in err and "\n" not in err
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")  # a zombie has stopped; only its parent's wait is missing
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_killing_the_launcher_stops_its_training_process(tiny_clip_recipe, tmp_path):
+    """SIGKILL to run.py alone used to leave its rank training (own session) and writing final/ 8-15 s later."""
+    raw = dict(tiny_clip_recipe, max_steps=100000, save_steps=None, logging_steps=1000,
+               data={"train": tiny_clip_recipe["data"]["train"]})
+    out = Path(raw["output_dir"])
+    launcher = subprocess.Popen([sys.executable, "run.py", str(_recipe_file(tmp_path, raw)), "--accelerate_config",
+                                 "single"], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "run.json").is_file():  # written by the rank just before its first step
+            assert launcher.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.2)
+        ranks = _children(launcher.pid)
+        assert ranks and all(_alive(pid) for pid in ranks)
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in ranks), "the training process outlived its launcher"
+        RunLock(out).acquire().release()  # and the launcher's lock died with it: a relaunch is let in
+    finally:
+        for pid in ranks:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert not (out / "final").exists()
+
+
+RANK_FAILS = """
+import sys
+import torch.distributed as dist
+from vembed.entrypoints import run_cli
+from vembed.errors import DataError
+
+def body():
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        raise DataError("cannot read as json: line 2 is not valid JSON", file="shard-1.jsonl", row=2)
+    dist.all_reduce(__import__("torch").ones(1))  # rank 0 waits here: its peer is gone
+    return 0
+
+sys.exit(run_cli(body, debug=False))
+"""
+
+
+@pytest.mark.slow
+def test_when_one_rank_fails_its_own_error_is_the_line_shown_naming_the_rank(tmp_path):
+    """Rank 1's error used to be lost (only rank 0 prints) under rank 0's gloo traceback and 'its error is above'."""
+    script = tmp_path / "rank_fails.py"
+    script.write_text(RANK_FAILS)
+    code = ("import sys; from vembed.entrypoints.launch import launch_in_process; "
+            "sys.exit(launch_in_process(sys.argv[1:], 2))")
+    config = ROOT / "vembed" / "accelerate_configs" / "ddp_cpu.yaml"
+    env = dict(ENV, VEMBED_LAUNCHER_PID="1")  # what run.py sets: ranks hand their errors to it
+    result = subprocess.run([sys.executable, "-c", code, "--config_file", str(config), "--num_processes", "2",
+                             "--main_process_port", str(launch._free_port()), str(script)],
+                            env=env, capture_output=True, text=True, timeout=120)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2, result.stderr
+    assert lines == ["data error: shard-1.jsonl, row 2: cannot read as json: line 2 is not valid JSON "
+                     "[rank 1 of 2 failed first; the other ranks were stopped]"], result.stderr
+    assert not json.dumps(result.stderr).count("Traceback")
