@@ -39,3 +39,15 @@ QWEN_BACKBONES = {
 }
 QWEN_MODEL_CLASSES = {"qwen2_vl": "Qwen2VLModel", "qwen2_5_vl": "Qwen2_5_VLModel", "qwen3_vl": "Qwen3VLModel"}
 QWEN_PIXELS = {"min_pixels": 64, "max_pixels": 1024}  # tiny images stay tiny: at most 16 image tokens each
+
+
+def tiny_clip_run(data_dir, output_dir, **changes) -> dict:
+    """A short tiny-CLIP run on `data_dir` (the dummy data and its tokenizer) that checkpoints every 2 steps: the
+    recipe the checkpoint and output-folder tests damage, repeat and resume."""
+    raw = {
+        "model_type": "clip", "model_config": TINY_CLIP_CONFIG, "tokenizer_name": str(data_dir / "tokenizer"),
+        "data": {"train": str(data_dir / "train.jsonl")}, "output_dir": str(output_dir), "batch_size": 8,
+        "learning_rate": 1e-3, "logging_steps": 1, "seed": 0, "eval_before_training": False,
+        "max_steps": 4, "save_steps": 2, "save_total_limit": 2,
+    }
+    return {**raw, **changes}

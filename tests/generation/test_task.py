@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from interrupts import stop_after_checkpoint
 from teachers import save_teachers, write_images
 
 from vembed.cli import main as vembed
@@ -106,32 +107,18 @@ def test_a_flow_loss_on_a_contrastive_model_is_refused(shards, tmp_path):
         tiny_recipe(shards, tmp_path / "run", "model_type=clip")  # the DiT's own keys do not fit CLIP either
 
 
-class Interrupted(Exception):
-    pass
-
-
 def test_a_resumed_dit_run_ends_with_the_same_weights(shards, tmp_path, one_thread, monkeypatch):
     """Same checkpointing as contrastive runs: interrupted mid second epoch and resumed = uninterrupted (the noise
     and times drawn each step come back with the RNG state)."""
     from safetensors.torch import load_file
 
-    from vembed.training import checkpoint as checkpoint_module
     from vembed.training.loop import Trainer
 
     settings = ["max_steps=11", "save_steps=10", "eval_steps=null", "flow.num_steps=2", "dit.num_layers=1",
                 "flow.time_sampling=logit_normal", "flow.cosine_weight=0.1"]
     Trainer(tiny_recipe(shards, tmp_path / "reference", *settings)).run()
 
-    original_save = checkpoint_module.CheckpointManager.save
-
-    def save_then_die(self, state):
-        path = original_save(self, state)
-        raise Interrupted(path)
-
-    monkeypatch.setattr(checkpoint_module.CheckpointManager, "save", save_then_die)
-    with pytest.raises(Interrupted):
-        Trainer(tiny_recipe(shards, tmp_path / "interrupted", *settings)).run()
-    monkeypatch.setattr(checkpoint_module.CheckpointManager, "save", original_save)
+    stop_after_checkpoint(lambda: Trainer(tiny_recipe(shards, tmp_path / "interrupted", *settings)).run())
     Trainer(tiny_recipe(shards, tmp_path / "interrupted", *settings, "resume_from=auto")).run()
 
     expected = load_file(str(tmp_path / "reference" / "final" / "model.safetensors"))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
-from tiny_models import TINY_CLIP_CONFIG
+from tiny_models import tiny_clip_run
 
 from vembed.components import recipe_from_dict
 from vembed.errors import CheckpointError, TrainingError
@@ -23,13 +23,7 @@ from vembed.training.run_dir import run_identity
 
 
 def _recipe(data_dir: Path, output_dir: Path, **changes) -> dict:
-    raw = {
-        "model_type": "clip", "model_config": TINY_CLIP_CONFIG, "tokenizer_name": str(data_dir / "tokenizer"),
-        "data": {"train": str(data_dir / "train.jsonl")}, "output_dir": str(output_dir), "batch_size": 8,
-        "learning_rate": 1e-3, "logging_steps": 1, "seed": 0, "eval_before_training": False,
-        "max_steps": 6, "save_steps": 2, "save_total_limit": 2,
-    }
-    return {**raw, **changes}
+    return tiny_clip_run(data_dir, output_dir, **{"max_steps": 6, **changes})
 
 
 @pytest.fixture(scope="module")

@@ -6,15 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
+from interrupts import stop_after_checkpoint
 from safetensors.torch import load_file
 
 from vembed.components import recipe_from_dict
 from vembed.training import checkpoint as checkpoint_module
 from vembed.training.loop import Trainer
-
-
-class Interrupted(Exception):
-    pass
 
 
 def _weights(run_dir: Path) -> dict:
@@ -40,19 +37,8 @@ def test_resumed_run_ends_with_the_same_weights(tiny_clip_recipe, tmp_path, monk
     assert reference.steps_per_epoch < 10, "the test must cross an epoch boundary"
 
     # Kill the second run right after its checkpoint at `interrupt_at` is on disk.
-    original_save = checkpoint_module.CheckpointManager.save
-
-    def save_then_die(self, state):
-        path = original_save(self, state)
-        if state.global_step == interrupt_at:
-            raise Interrupted(path)
-        return path
-
-    monkeypatch.setattr(checkpoint_module.CheckpointManager, "save", save_then_die)
     interrupted_dir = tmp_path / "interrupted"
-    with pytest.raises(Interrupted):
-        _train(dict(raw, output_dir=str(interrupted_dir)))
-    monkeypatch.setattr(checkpoint_module.CheckpointManager, "save", original_save)
+    stop_after_checkpoint(lambda: _train(dict(raw, output_dir=str(interrupted_dir))), interrupt_at)
     assert (interrupted_dir / f"checkpoint-{interrupt_at}" / "trainer_state.json").is_file()
     assert not (interrupted_dir / "final").exists()
 

@@ -13,22 +13,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny_models import TINY_CLIP_CONFIG
+from tiny_models import TINY_CLIP_CONFIG, tiny_clip_run
 
 from vembed.components import recipe_from_dict
 from vembed.errors import CheckpointError, LaunchError, RecipeError
 from vembed.training.loop import Trainer
 from vembed.training.run_dir import LOCK_FILE, RunLock, check_output_dir
 
-
-def _recipe(data_dir: Path, output_dir: Path, **changes) -> dict:
-    raw = {
-        "model_type": "clip", "model_config": TINY_CLIP_CONFIG, "tokenizer_name": str(data_dir / "tokenizer"),
-        "data": {"train": str(data_dir / "train.jsonl")}, "output_dir": str(output_dir), "batch_size": 8,
-        "learning_rate": 1e-3, "logging_steps": 1, "seed": 0, "eval_before_training": False,
-        "max_steps": 4, "save_steps": 2, "save_total_limit": 2,
-    }
-    return {**raw, **changes}
+_recipe = tiny_clip_run
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ import math
 from pathlib import Path
 
 import pytest
+from interrupts import stop_after_checkpoint
 from safetensors.torch import load_file
 
 from vembed.components import recipe_from_dict
-from vembed.training import checkpoint as checkpoint_module
 from vembed.training.loop import Trainer
 
 
@@ -108,10 +108,6 @@ def _weights(run_dir: Path) -> dict:
     return {f"{file.name}:{key}": value for file in found for key, value in load_file(str(file)).items()}
 
 
-class Interrupted(Exception):
-    pass
-
-
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
     """The uninterrupted run of the resume tests, trained once for all of them."""
@@ -138,19 +134,8 @@ def test_resume_mid_stage_with_mixed_sources_ends_with_the_same_weights(tiny_cli
     reference = reference_run(dict(raw, save_steps=100))
     raw = dict(raw, save_steps=interrupt_at)
 
-    original_save = checkpoint_module.CheckpointManager.save
-
-    def save_then_die(self, state):
-        path = original_save(self, state)
-        if state.global_step == interrupt_at:
-            raise Interrupted(path)
-        return path
-
-    monkeypatch.setattr(checkpoint_module.CheckpointManager, "save", save_then_die)
     interrupted = tmp_path / "interrupted"
-    with pytest.raises(Interrupted):
-        _run(dict(raw, output_dir=str(interrupted)))
-    monkeypatch.setattr(checkpoint_module.CheckpointManager, "save", original_save)
+    stop_after_checkpoint(lambda: _run(dict(raw, output_dir=str(interrupted))), interrupt_at)
     state = json.loads((interrupted / f"checkpoint-{interrupt_at}" / "trainer_state.json").read_text())
     assert state["stage"] == (0 if interrupt_at <= 8 else 1)
 

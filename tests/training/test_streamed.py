@@ -11,16 +11,12 @@ import pytest
 
 pytest.importorskip("webdataset")  # the streaming extra (in dev)
 
+from interrupts import stop_after_checkpoint
 from ranks import run_on_ranks  # noqa: E402
 from streams import jsonl_shards, png_bytes, tar_shards, write_tar
 
 from vembed.components import recipe_from_dict
-from vembed.training import checkpoint as checkpoint_module
 from vembed.training.loop import Trainer
-
-
-class Interrupted(Exception):
-    pass
 
 
 def _weights(run_dir: Path) -> dict:
@@ -58,21 +54,12 @@ def test_resumed_stream_ends_with_the_same_weights(tiny_clip_recipe, dummy_data_
     reference = _train(dict(raw, output_dir=str(tmp_path / "reference")))
     assert reference.steps_per_epoch < reference.total_steps, "the test must cross an epoch boundary"
 
-    original_save = checkpoint_module.CheckpointManager.save
     run = tmp_path / "interrupted"
     for number, step in enumerate(interrupts):
-        def save_then_die(self, state, step=step):
-            path = original_save(self, state)
-            if state.global_step == step:
-                raise Interrupted(path)
-            return path
-
-        monkeypatch.setattr(checkpoint_module.CheckpointManager, "save", save_then_die)
-        with pytest.raises(Interrupted):
-            _train(dict(raw, output_dir=str(run), save_steps=step, resume_from="auto" if number else None))
+        stop_after_checkpoint(lambda step=step, number=number: _train(
+            dict(raw, output_dir=str(run), save_steps=step, resume_from="auto" if number else None)), step)
         saved = json.loads((run / f"checkpoint-{step}" / "trainer_state.json").read_text())["stream"]
         assert saved["ranks"][0]["positions"], "the checkpoint holds the stream position"
-    monkeypatch.setattr(checkpoint_module.CheckpointManager, "save", original_save)
     _train(dict(raw, output_dir=str(run), resume_from="auto"))
 
     expected, actual = _weights(tmp_path / "reference"), _weights(run)
@@ -88,16 +75,7 @@ def test_resuming_with_other_workers_is_refused_in_one_line(tiny_clip_recipe, du
 
     raw = dict(_streamed_recipe(tiny_clip_recipe, tar_shards(dummy_data_dir, tmp_path / "shards"), 0),
                max_steps=4, save_steps=2, output_dir=str(tmp_path / "run"))
-    original_save = checkpoint_module.CheckpointManager.save
-
-    def save_then_die(self, state):
-        original_save(self, state)
-        raise Interrupted()
-
-    monkeypatch.setattr(checkpoint_module.CheckpointManager, "save", save_then_die)
-    with pytest.raises(Interrupted):
-        _train(raw)
-    monkeypatch.setattr(checkpoint_module.CheckpointManager, "save", original_save)
+    stop_after_checkpoint(lambda: _train(raw))
     resumed = dict(raw, data=dict(raw["data"], num_workers=2), resume_from="auto")
     with pytest.raises(RecipeError, match=r"resume_from.*readers per rank .* 1 then, 2 now"):
         _train(resumed)
