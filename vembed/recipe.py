@@ -341,6 +341,11 @@ class Recipe(_Strict):
     # Samples (per device) encoded per forward chunk under GradCache; smaller saves memory, larger runs faster.
     # Unset: 8, or the per-device batch if that is smaller.
     gradient_cache_chunk_size: int | None = Field(default=None, gt=0)
+    # Length-aware encoding: each text side of a step runs as this many length-sorted forwards, each padded only to
+    # its own longest text; embeddings go back in batch order before the loss (same batch, loss and gradients up to
+    # float rounding). 1: one forward padded to the batch's longest text. Helps where lengths are uneven; adapters
+    # whose pooling depends on padding (siglip) and qwen_vl ignore it. Under GradCache each chunk is cut to its longest.
+    length_chunks: int = Field(default=1, ge=1)
     # FSDP2 (sharded weights, gradients, optimizer state): run.py / `vembed train` launch accelerate_configs/fsdp.yaml;
     # with `accelerate launch`, pass an FSDP config yourself (the run refuses a launch that is not FSDP).
     use_fsdp: bool = False

@@ -63,7 +63,7 @@ def _reference_step(raw: dict, rows: list[int], chunk: int | None, seed: int = 7
             continue
         rows_in_side = objective.adapter.num_sides(inputs)
         step = chunk or rows_in_side
-        parts = [objective.adapter.encode(objective.adapter.slice_batch(inputs, s, min(s + step, rows_in_side)))
+        parts = [objective.adapter.encode(_as_cached(objective.adapter, inputs, s, min(s + step, rows_in_side)))
                  for s in range(0, rows_in_side, step)]
         embedded[side] = torch.cat(parts)
     loss = objective.loss(*objective.shape_embeddings(
@@ -71,6 +71,15 @@ def _reference_step(raw: dict, rows: list[int], chunk: int | None, seed: int = 7
         labels=batch.get("label_ids"))
     loss.backward()
     return _grads(trainer), loss.item()
+
+
+def _as_cached(adapter, inputs: dict, start: int, stop: int) -> dict:
+    """Rows `start:stop` of a side as GradCache encodes them: cut to their own longest text where the adapter allows
+    (with dropout on, the masks drawn depend on that shape)."""
+    from vembed.models.length_chunks import trim_padding
+
+    part = adapter.slice_batch(inputs, start, stop)
+    return trim_padding(part) if adapter.length_chunking else part
 
 
 def _assert_close(actual: dict, reference: dict, tolerance: float = 1e-5) -> float:

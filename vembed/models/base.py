@@ -90,6 +90,9 @@ class EmbeddingAdapter(nn.Module, ABC):
     modalities: ClassVar[frozenset[str]] = frozenset({"text"})
     # Images one side may hold (None: any number); data with more is refused when it is loaded, naming the row.
     max_images_per_side: ClassVar[int | None] = 1
+    # Whether padding columns that no row attends change nothing this adapter computes (it pools from the attention
+    # mask or at the EOS token), so its texts may be encoded in length-sorted chunks (vembed/models/length_chunks.py).
+    length_chunking: ClassVar[bool] = False
 
     def __init__(self, settings: AdapterSettings):
         super().__init__()

@@ -23,6 +23,7 @@ class SiglipAdapter(ClipAdapter):
     # SigLIP pools the text at the LAST position and was trained on texts padded to a fixed length; padding to the
     # batch's longest text would make a text's embedding depend on its batch-mates.
     text_padding: ClassVar[str] = "max_length"
+    length_chunking: ClassVar[bool] = False  # the last position is pooled: cutting padding would move it
     unused_parameters: ClassVar[tuple[str, ...]] = ("logit_scale", "logit_bias")  # the vembed loss owns these
     # The towers' pooling heads (text: a linear on the last token; vision: attention pooling) run once per row.
     flops_parts: ClassVar[dict[str, tuple[str, tuple[str, ...]]]] = {

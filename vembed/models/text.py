@@ -32,6 +32,7 @@ class TextAdapter(TransformersAdapter):
     model_type = "text"
     Settings: ClassVar[type[TextSettings]] = TextSettings
     default_lora_target_modules = ATTENTION_PROJECTIONS
+    length_chunking: ClassVar[bool] = True  # every pooling reads the attention mask
 
     def __init__(self, model: "PreTrainedModel", tokenizer: Any, image_processor: None, settings: TextSettings):
         super().__init__(model, tokenizer, None, settings)

@@ -28,19 +28,28 @@ class ContrastiveObjective(nn.Module):
     learnable temperature or SigLIP bias lives in the loss; keeping the loss inside the wrapped module is what makes
     DDP average its gradient like every other parameter."""
 
-    def __init__(self, adapter: EmbeddingAdapter, loss: EmbeddingLoss):
+    def __init__(self, adapter: EmbeddingAdapter, loss: EmbeddingLoss, length_chunks: int = 1):
         super().__init__()
         self.adapter = adapter
         self.loss = loss
+        self.length_chunks = length_chunks if adapter.length_chunking else 1
+
+    def encode_side(self, inputs: dict[str, Any]) -> torch.Tensor:
+        """One side's embeddings, through the adapter's call (see `embed`), length-aware where it applies."""
+        if not self.adapter.length_chunking:
+            return self.adapter(inputs)
+        from vembed.models.length_chunks import encode_by_length
+
+        return encode_by_length(self.adapter, inputs, self.length_chunks)
 
     def embed(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Query, positive and (B, k, d) hard-negative embeddings of a collated batch.
 
         The adapter is called (its `forward` is `encode`), never `.encode` directly: wrappers that hook the call,
         such as an FSDP unit gathering its weights, must see it."""
-        negatives = self.adapter(batch["negative"]) if batch.get("num_negatives") else None
+        negatives = self.encode_side(batch["negative"]) if batch.get("num_negatives") else None
         return self.shape_embeddings(
-            self.adapter(batch["query"]), self.adapter(batch["positive"]), negatives,
+            self.encode_side(batch["query"]), self.encode_side(batch["positive"]), negatives,
             int(batch.get("num_negatives") or 0),
         )
 
@@ -128,8 +137,15 @@ class ContrastiveTask(Task):
     def batch_lines(self, world_size: int) -> list[tuple[str, str]]:
         recipe = self.recipe
         contrastive = recipe.batch_size * world_size
-        return [("contrastive batch", f"{contrastive} (negatives gathered across processes)"),
-                ("effective batch", f"{contrastive * recipe.gradient_accumulation_steps} per optimizer step")]
+        lines = [("contrastive batch", f"{contrastive} (negatives gathered across processes)"),
+                 ("effective batch", f"{contrastive * recipe.gradient_accumulation_steps} per optimizer step")]
+        if recipe.length_chunks > 1:
+            from vembed.models import MODELS
+
+            applies = MODELS.get(recipe.model_type).length_chunking
+            lines.append(("length-aware", f"{recipe.length_chunks} length-sorted padded chunks per text side"
+                          if applies else f"off: {recipe.model_type} pools where padding matters"))
+        return lines
 
     def build_objective(self) -> "nn.Module":
         from vembed.losses import build_loss
@@ -141,7 +157,7 @@ class ContrastiveTask(Task):
             adapter.enable_gradient_checkpointing()
         if recipe.use_lora:
             adapter.apply_lora(recipe)
-        return ContrastiveObjective(adapter, build_loss(recipe))
+        return ContrastiveObjective(adapter, build_loss(recipe), recipe.length_chunks)
 
     def train_dataset(self, objective: "nn.Module"):
         from vembed.data.collate import PairCollator

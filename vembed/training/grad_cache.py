@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from vembed.models.length_chunks import trim_padding
+
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
@@ -122,6 +124,8 @@ class GradCacheStep:
                 continue
             for start, stop in chunk_bounds(adapter.num_sides(inputs), self.chunk_size):
                 part = adapter.slice_batch(inputs, start, stop)
+                if adapter.length_chunking:  # each chunk padded only to its own longest text
+                    part = trim_padding(part)
                 chunks.append(Chunk(side, start, stop, part, RngState(acc.device)))
                 with acc.autocast():
                     embeddings.setdefault(side, []).append(adapter(part))

@@ -416,7 +416,8 @@ class Trainer:
     def _meter(self) -> "_Meter":
         acc = self.accelerator
         return _Meter(samples_per_batch=self.recipe.batch_size * acc.num_processes,
-                      throughput=ThroughputMeter(self.adapter, acc, acc.mixed_precision), sources=self._source_names())
+                      throughput=ThroughputMeter(self.adapter, acc, acc.mixed_precision), sources=self._source_names(),
+                      length_chunks=getattr(self.objective, "length_chunks", 1))
 
     def _train_one(self, batch: dict[str, Any], state: TrainerState, meter: "_Meter", progress) -> bool:
         """One micro-batch and, once gradients are accumulated, the step's schedule, logging, evaluation and saving.
@@ -525,6 +526,7 @@ class Trainer:
             "step": state.global_step,
             "loss": acc.reduce(meter.mean_loss(acc.device), "mean").item(),  # averaged over ranks
             **meter.source_losses(acc),  # loss/<source>: every rank drew the same sources, so the reduce lines up
+            **meter.padding_record(acc),  # padding shares of the text sides (length-aware encoding)
             "lr": self.scheduler.get_last_lr()[0],
             "samples_per_second": meter.samples_per_second(),
             **meter.throughput_record(),  # tokens/s, peak memory, MFU
@@ -673,10 +675,12 @@ class _Meter:
     """Loss and throughput since the last log line; the loss stays on the device until it is logged (no host sync
     per step). With named sources, also the loss of each source's batches."""
 
-    def __init__(self, samples_per_batch: int, throughput: "ThroughputMeter", sources: list[str] | None = None):
+    def __init__(self, samples_per_batch: int, throughput: "ThroughputMeter", sources: list[str] | None = None,
+                 length_chunks: int = 1):
         self.samples_per_batch = samples_per_batch
         self.throughput = throughput
         self.sources = {name: number for number, name in enumerate(sources or [])}
+        self.length_chunks = length_chunks
         self.reset()
 
     def reset(self) -> None:
@@ -684,6 +688,7 @@ class _Meter:
         self.loss_sum: torch.Tensor | float = 0.0
         self.source_sums: list[torch.Tensor | float] = [0.0] * len(self.sources)
         self.source_batches = [0] * len(self.sources)
+        self.padding: torch.Tensor | None = None  # attended tokens, positions padded as one forward, as chunks
         self.throughput.reset()
 
     def add(self, loss: torch.Tensor, batch: dict[str, Any]) -> None:
@@ -693,6 +698,7 @@ class _Meter:
             self.source_sums[number] = self.source_sums[number] + loss.detach().float()
             self.source_batches[number] += 1
         self.throughput.add(batch)
+        self._add_padding(batch)
         self.batches += 1
         self.samples += self.samples_per_batch
 
@@ -705,6 +711,24 @@ class _Meter:
         means = accelerator.reduce(sums, "mean").tolist()
         return {f"loss/{name}": means[number] / self.source_batches[number]
                 for name, number in self.sources.items() if self.source_batches[number]}
+
+    def _add_padding(self, batch: dict[str, Any]) -> None:
+        from vembed.models.batch import TEXT_INDEX
+        from vembed.models.length_chunks import padding_counts
+
+        for side in ("query", "positive", "negative"):
+            inputs = batch.get(side)
+            if isinstance(inputs, dict) and TEXT_INDEX in inputs and "attention_mask" in inputs:
+                counts = padding_counts(inputs["attention_mask"], self.length_chunks)
+                self.padding = counts if self.padding is None else self.padding + counts
+
+    def padding_record(self, accelerator: "Accelerator") -> dict[str, float]:
+        """`padding`: the share of text token positions that were padding in one padded forward per side;
+        `padding_chunked`: with the length-aware chunks the step ran (summed over ranks)."""
+        if self.padding is None:
+            return {}
+        attended, padded, chunked = accelerator.reduce(self.padding.float(), "sum").tolist()
+        return {"padding": 1 - attended / max(padded, 1), "padding_chunked": 1 - attended / max(chunked, 1)}
 
     def mean_loss(self, device: torch.device) -> torch.Tensor:
         return torch.as_tensor(self.loss_sum, device=device) / max(self.batches, 1)

@@ -1,0 +1,121 @@
+"""Length-aware encoding (`length_chunks`): texts encoded in length-sorted chunks, each padded only to its longest
+row, give the step one padded forward gives: the same embeddings in batch order, loss and gradients (dropout off)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from ranks import run_on_ranks
+
+from vembed.components import recipe_from_dict
+
+BATCH = 8
+
+
+@pytest.fixture
+def uneven_texts(tmp_path, tiny_tokenizer_dir) -> dict:
+    """Text pairs whose lengths spread from 2 to ~25 tokens, with a hard negative; a tiny BERT without dropout."""
+    words = "red green blue square circle shape small large bright dark".split()
+    rows = []
+    for i in range(16):
+        length = 1 + (i * 7) % 23
+        rows.append({"query": " ".join(words[(i + j) % 10] for j in range(length)),
+                     "positive": " ".join(words[(i * 3 + j) % 10] for j in range(1 + (i * 5) % 17)),
+                     "negatives": [" ".join(words[j % 10] for j in range(1 + i % 4))]})
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return {
+        "model_type": "text", "pooling": "mean", "tokenizer_name": tiny_tokenizer_dir,
+        "model_config": {"model_type": "bert", "vocab_size": 512, "hidden_size": 32, "intermediate_size": 37,
+                         "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64,
+                         "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
+        "data": {"train": str(path)}, "output_dir": str(tmp_path / "run"), "batch_size": BATCH, "seed": 0,
+        "eval_before_training": False, "learnable_temperature": True,
+    }
+
+
+def _step(raw: dict, rows: list[int]) -> tuple[dict[str, torch.Tensor], float, torch.Tensor]:
+    from accelerate.utils import send_to_device
+
+    from vembed.training.loop import Trainer
+
+    trainer = Trainer(recipe_from_dict(raw))
+    trainer.build()
+    batch = send_to_device(trainer.loader.collate_fn([trainer.dataset[i] for i in rows]), trainer.accelerator.device)
+    objective = trainer.accelerator.unwrap_model(trainer.model)
+    with torch.no_grad():
+        query = objective.encode_side(batch["query"]).clone()
+    loss = trainer.train_step(batch)
+    grads = {n: p.grad.detach().clone() for n, p in objective.named_parameters() if p.grad is not None}
+    return grads, loss.item(), query
+
+
+def _relative(actual: dict, reference: dict) -> float:
+    assert actual.keys() == reference.keys()
+    ref = torch.cat([g.flatten() for g in reference.values()])
+    got = torch.cat([actual[n].flatten() for n in reference])
+    return ((got - ref).norm() / ref.norm()).item()
+
+
+def test_length_sorted_chunks_give_the_padded_step(uneven_texts):
+    rows = list(range(BATCH))
+    padded, padded_loss, padded_query = _step(uneven_texts, rows)
+    chunked, chunked_loss, chunked_query = _step(dict(uneven_texts, length_chunks=3), rows)
+    assert torch.allclose(chunked_query, padded_query, atol=1e-5), "embeddings not back in batch order"
+    assert abs(chunked_loss - padded_loss) <= 1e-5 * abs(padded_loss)
+    assert _relative(chunked, padded) <= 1e-5
+
+
+def test_chunks_cut_the_padding_they_report(uneven_texts):
+    from vembed.models.length_chunks import chunk_rows, padding_counts, trim_padding
+
+    mask = torch.zeros(6, 10, dtype=torch.long)
+    for row, length in enumerate([9, 2, 5, 3, 8, 1]):
+        mask[row, :length] = 1
+    attended, one_forward, chunked = padding_counts(mask, 2).tolist()
+    assert (attended, one_forward) == (28, 60)
+    assert chunked == 3 * 3 + 3 * 9  # sorted lengths 1 2 3 | 5 8 9: each chunk padded to its own longest
+    assert [sorted(r.tolist()) for r in chunk_rows(mask, 2)] == [[1, 3, 5], [0, 2, 4]]
+    trimmed = trim_padding({"input_ids": torch.ones(6, 10), "attention_mask": mask})
+    assert trimmed["input_ids"].shape == (6, 9)  # the column no row attends is cut
+
+
+def test_the_loop_logs_padding_before_and_after(uneven_texts):
+    from vembed.training.loop import Trainer
+
+    result = Trainer(recipe_from_dict(dict(uneven_texts, length_chunks=4, max_steps=2, logging_steps=1,
+                                          save_steps=None))).run()
+    record = result.state.loss_history[-1]
+    assert 0 < record["padding_chunked"] < record["padding"] < 1
+
+
+def test_gradient_cache_chunks_cut_to_their_longest_text_equal_the_padded_step(uneven_texts):
+    rows = list(range(BATCH))
+    padded, _, _ = _step(uneven_texts, rows)
+    cached, _, _ = _step(dict(uneven_texts, use_gradient_cache=True, gradient_cache_chunk_size=3), rows)
+    assert _relative(cached, padded) <= 1e-5
+
+
+def _two_rank_step(raw_path: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert world == 2
+    half = BATCH // world
+    grads, _, _ = _step(json.loads(Path(raw_path).read_text()), list(range(rank * half, (rank + 1) * half)))
+    if rank == 0:
+        torch.save({n: g.cpu() for n, g in grads.items()}, Path(out_dir) / "ddp.pt")
+
+
+@pytest.mark.slow
+def test_two_ranks_with_length_chunks_equal_one_process_on_the_whole_batch(uneven_texts, tmp_path):
+    raw = dict(uneven_texts, batch_size=BATCH // 2, length_chunks=2)
+    raw_path = tmp_path / "raw.json"
+    raw_path.write_text(json.dumps(raw))
+    run_on_ranks(_two_rank_step, str(raw_path), str(tmp_path), world=2)
+    ddp = torch.load(tmp_path / "ddp.pt", weights_only=True)
+    one, _, _ = _step(dict(uneven_texts, batch_size=BATCH), list(range(BATCH)))  # one padded forward per side
+    assert _relative(ddp, one) <= 1e-5

@@ -1,0 +1,84 @@
+"""Length-aware encoding: a side's texts run through the encoder in length-sorted chunks, each padded only to its own
+longest row, and the embeddings are put back in batch order before the loss.
+
+The contrastive batch, the loss and the gradients are those of one padded forward (up to float rounding): padding
+columns that no row attends change nothing an adapter computes when it pools from the attention mask or at the EOS
+token (`EmbeddingAdapter.length_chunking`). SigLIP pools the last *position* of text padded to max_length, so it stays
+out. Only the shared text/image layout (vembed/models/batch.py) is chunked; a side with images keeps its order and
+has only the columns no row attends cut.
+
+Written here rather than taken from a library: sentence-transformers sorts a whole dataset by length at encode time
+(inference only), and the backends' unpadded attention (flash-attention varlen, SDPA on jagged tensors) is GPU-only
+and model-specific; this keeps training exact for every adapter that opts in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from vembed.models.batch import IMAGE_INDEX, PIXEL_VALUES, TEXT_INDEX
+
+
+def _text_keys(inputs: dict[str, torch.Tensor]) -> list[str]:
+    mask = inputs["attention_mask"]
+    layout = (TEXT_INDEX, IMAGE_INDEX, PIXEL_VALUES)
+    return [key for key, value in inputs.items()
+            if key not in layout and value.dim() >= 2 and value.shape[:2] == mask.shape]
+
+
+def trim_padding(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`inputs` without the trailing token columns that no row attends (right padding past the longest row)."""
+    mask = inputs.get("attention_mask")
+    if mask is None or mask.numel() == 0:
+        return inputs
+    attended = mask.any(dim=0).nonzero()
+    width = int(attended.max()) + 1 if len(attended) else 1
+    if width == mask.shape[1]:
+        return inputs
+    return {**inputs, **{key: inputs[key][:, :width] for key in _text_keys(inputs)}}
+
+
+def _text_only(inputs: dict[str, torch.Tensor]) -> bool:
+    index = inputs.get(TEXT_INDEX)
+    return (index is not None and PIXEL_VALUES not in inputs and bool((index >= 0).all())
+            and bool((inputs.get(IMAGE_INDEX, index.new_full((1,), -1)) < 0).all()))
+
+
+def chunk_rows(mask: torch.Tensor, chunks: int) -> list[torch.Tensor]:
+    """Row indices of each chunk: rows sorted by attended length (stable), cut into `chunks` near-equal parts."""
+    order = torch.argsort(mask.sum(dim=1), stable=True)
+    return [rows for rows in order.tensor_split(min(chunks, len(order))) if len(rows)]
+
+
+def encode_by_length(encode: Callable[[dict[str, torch.Tensor]], torch.Tensor], inputs: dict[str, torch.Tensor],
+                     chunks: int) -> torch.Tensor:
+    """`encode(inputs)` computed as `chunks` length-sorted forwards (text-only sides), each trimmed to its longest
+    row; embeddings returned in the rows' original order. Sides with images, or `chunks` <= 1: one trimmed forward."""
+    mask = inputs.get("attention_mask")
+    if mask is None or chunks <= 1 or not _text_only(inputs) or len(mask) < 2:
+        return encode(trim_padding(inputs))
+    keys = _text_keys(inputs)
+    pieces, order = [], []
+    for rows in chunk_rows(mask, chunks):
+        part = {key: inputs[key][rows] for key in keys}
+        part[TEXT_INDEX] = torch.arange(len(rows), device=rows.device)
+        if IMAGE_INDEX in inputs:
+            part[IMAGE_INDEX] = inputs[IMAGE_INDEX][rows]
+        pieces.append(encode(trim_padding(part)))
+        order.append(rows)
+    order_all = torch.cat(order)
+    inverse = torch.empty_like(order_all)
+    inverse[order_all] = torch.arange(len(order_all), device=order_all.device)
+    return torch.cat(pieces).index_select(0, inverse.to(pieces[0].device))
+
+
+def padding_counts(mask: torch.Tensor, chunks: int) -> torch.Tensor:
+    """(attended tokens, token positions of one padded forward, of `chunks` length-sorted chunks) of a side, as a
+    tensor on the mask's device: no host sync, so the training loop can add it up every step."""
+    lengths = mask.sum(dim=1)
+    sorted_lengths = lengths.sort().values
+    chunked = sum(len(part) * part.max() for part in sorted_lengths.tensor_split(max(1, min(chunks, len(lengths))))
+                  if len(part))
+    return torch.stack([lengths.sum(), lengths.new_tensor(mask.numel()), torch.as_tensor(chunked, device=mask.device)])
