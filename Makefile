@@ -7,7 +7,7 @@ demo:
 
 test:
 	bash scripts/setup.sh dev
-	HF_HUB_OFFLINE=1 WANDB_MODE=offline .venv/bin/python -m pytest -q -n 2
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline .venv/bin/python -m pytest -q
 
 setup:
 	bash scripts/setup.sh dev
