@@ -34,6 +34,13 @@ def _device_of(module: torch.nn.Module) -> torch.device:
     return param.device if param is not None else torch.device("cpu")
 
 
+def share_bounds(n: int, process_index: int, num_processes: int) -> tuple[int, int]:
+    """The contiguous rows `[start, stop)` of `n` that process `process_index` encodes (the last share may be short)."""
+    per = math.ceil(n / num_processes) if n else 0
+    start = min(process_index * per, n)
+    return start, min(start + per, n)
+
+
 @torch.no_grad()
 def encode_sides(
     adapter: "EmbeddingAdapter",
@@ -44,6 +51,7 @@ def encode_sides(
     show_progress: bool = False,
     desc: str = "encoding",
     forward: "Callable[[dict[str, Any]], torch.Tensor] | None" = None,
+    gather: bool = True,
 ) -> torch.Tensor:
     """Embed `sides` in batches, in eval mode (the previous mode is restored), returning `(len(sides), dim)` float32.
 
@@ -53,12 +61,15 @@ def encode_sides(
     returned: batches go through its forward (the adapter's `encode`), preprocessing through the unwrapped adapter.
     `forward` embeds a preprocessed batch instead of `adapter`: the training loop passes one through the prepared
     model (`ContrastiveObjective.forward(encode=...)`), so that a sharded model gathers its weights as in training.
+    `gather=False`: each process returns only its own share, rows `share_bounds(len(sides), ...)` (corpus search
+    scores its share where it was encoded instead of holding the whole corpus on every process).
     """
     core = unwrapped(adapter, accelerator)
     n = len(sides)
     if accelerator is not None and accelerator.num_processes > 1:
+        start, stop = share_bounds(n, accelerator.process_index, accelerator.num_processes)
         per = math.ceil(n / accelerator.num_processes) if n else 0
-        mine = list(sides[accelerator.process_index * per : (accelerator.process_index + 1) * per])
+        mine = list(sides[start:stop])
         local = mine + [sides[-1]] * (per - len(mine)) if n else []
         device = accelerator.device
         show_progress = show_progress and accelerator.is_main_process
@@ -83,6 +94,8 @@ def encode_sides(
     dim = core.embedding_dim
     embeddings = torch.cat(parts) if parts else torch.empty(0, dim, device=device)
     if accelerator is not None and accelerator.num_processes > 1:
+        if not gather:
+            return embeddings[: len(mine)]
         # Plain gather, not gather_for_metrics: the latter trims by the remainder of whichever prepared dataloader is
         # at its end (the training one, when evaluating at the end of an epoch), which is not ours.
         embeddings = accelerator.gather(embeddings.contiguous())[:n]
