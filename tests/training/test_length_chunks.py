@@ -99,6 +99,37 @@ def test_gradient_cache_chunks_cut_to_their_longest_text_equal_the_padded_step(u
     assert _relative(cached, padded) <= 1e-5
 
 
+def _chunk_positions(raw: dict, rows: list[int]) -> tuple[int, int]:
+    """(token positions the GradCache chunks of one batch encode, the least any cut into chunks of that size can:
+    each side's rows sorted by length, each chunk padded to its own longest)."""
+    from accelerate.utils import send_to_device
+
+    from vembed.training.loop import Trainer
+
+    trainer = Trainer(recipe_from_dict(raw))
+    trainer.build()
+    batch = send_to_device(trainer.loader.collate_fn([trainer.dataset[i] for i in rows]), trainer.accelerator.device)
+    chunks, _ = trainer.train_step._encode_without_graph(batch)
+    least = 0
+    for side in ("query", "positive", "negative"):
+        lengths = batch[side]["attention_mask"].sum(dim=1).sort().values
+        least += sum(len(part) * int(part.max()) for part in lengths.split(raw["gradient_cache_chunk_size"]))
+    return sum(chunk.inputs["attention_mask"].numel() for chunk in chunks), least
+
+
+def test_gradient_cache_chunks_formed_by_length_equal_the_padded_step_with_less_padding(uneven_texts):
+    rows = list(range(BATCH))
+    padded, padded_loss, _ = _step(uneven_texts, rows)
+    cached = dict(uneven_texts, use_gradient_cache=True, gradient_cache_chunk_size=3)
+    by_length, loss, _ = _step(dict(cached, length_chunks=2), rows)
+    assert abs(loss - padded_loss) <= 1e-5 * abs(padded_loss)
+    assert _relative(by_length, padded) <= 1e-5
+    # Chunks cut from length-sorted rows encode the least positions; consecutive rows encode more.
+    sorted_positions, least = _chunk_positions(dict(cached, length_chunks=2), rows)
+    consecutive_positions, _ = _chunk_positions(cached, rows)
+    assert sorted_positions == least < consecutive_positions
+
+
 def _two_rank_step(raw_path: str, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -111,8 +142,10 @@ def _two_rank_step(raw_path: str, out_dir: str) -> None:
 
 
 @pytest.mark.slow
-def test_two_ranks_with_length_chunks_equal_one_process_on_the_whole_batch(uneven_texts, tmp_path):
-    raw = dict(uneven_texts, batch_size=BATCH // 2, length_chunks=2)
+@pytest.mark.parametrize("grad_cache", [{}, {"use_gradient_cache": True, "gradient_cache_chunk_size": 2}],
+                         ids=["plain", "gradcache-by-length"])
+def test_two_ranks_with_length_chunks_equal_one_process_on_the_whole_batch(uneven_texts, tmp_path, grad_cache):
+    raw = dict(uneven_texts, batch_size=BATCH // 2, length_chunks=2, **grad_cache)
     raw_path = tmp_path / "raw.json"
     raw_path.write_text(json.dumps(raw))
     run_on_ranks(_two_rank_step, str(raw_path), str(tmp_path), world=2)

@@ -40,7 +40,8 @@ def trim_padding(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {**inputs, **{key: inputs[key][:, :width] for key in _text_keys(inputs)}}
 
 
-def _text_only(inputs: dict[str, torch.Tensor]) -> bool:
+def is_text_only(inputs: dict[str, torch.Tensor]) -> bool:
+    """True for a side of texts alone (no images): the sides whose rows may be regrouped by length."""
     index = inputs.get(TEXT_INDEX)
     return (index is not None and PIXEL_VALUES not in inputs and bool((index >= 0).all())
             and bool((inputs.get(IMAGE_INDEX, index.new_full((1,), -1)) < 0).all()))
@@ -57,21 +58,29 @@ def encode_by_length(encode: Callable[[dict[str, torch.Tensor]], torch.Tensor], 
     """`encode(inputs)` computed as `chunks` length-sorted forwards (text-only sides), each trimmed to its longest
     row; embeddings returned in the rows' original order. Sides with images, or `chunks` <= 1: one trimmed forward."""
     mask = inputs.get("attention_mask")
-    if mask is None or chunks <= 1 or not _text_only(inputs) or len(mask) < 2:
+    if mask is None or chunks <= 1 or not is_text_only(inputs) or len(mask) < 2:
         return encode(trim_padding(inputs))
-    keys = _text_keys(inputs)
     pieces, order = [], []
     for rows in chunk_rows(mask, chunks):
-        part = {key: inputs[key][rows] for key in keys}
-        part[TEXT_INDEX] = torch.arange(len(rows), device=rows.device)
-        if IMAGE_INDEX in inputs:
-            part[IMAGE_INDEX] = inputs[IMAGE_INDEX][rows]
-        pieces.append(encode(trim_padding(part)))
+        pieces.append(encode(trim_padding(select_rows(inputs, rows))))
         order.append(rows)
-    order_all = torch.cat(order)
-    inverse = torch.empty_like(order_all)
-    inverse[order_all] = torch.arange(len(order_all), device=order_all.device)
-    return torch.cat(pieces).index_select(0, inverse.to(pieces[0].device))
+    return in_batch_order(torch.cat(pieces), torch.cat(order))
+
+
+def select_rows(inputs: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The text-only side of `rows` (any order), laid out as `preprocess` would have made it for those texts alone."""
+    part = {key: inputs[key][rows] for key in _text_keys(inputs)}
+    part[TEXT_INDEX] = torch.arange(len(rows), device=rows.device)
+    if IMAGE_INDEX in inputs:
+        part[IMAGE_INDEX] = inputs[IMAGE_INDEX][rows]
+    return part
+
+
+def in_batch_order(embeddings: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`embeddings[i]` belongs to batch row `rows[i]`: return them with row r at position r."""
+    inverse = torch.empty_like(rows)
+    inverse[rows] = torch.arange(len(rows), device=rows.device)
+    return embeddings.index_select(0, inverse.to(embeddings.device))
 
 
 def padding_counts(mask: torch.Tensor, chunks: int) -> torch.Tensor:

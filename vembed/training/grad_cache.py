@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from vembed.models.length_chunks import trim_padding
+from vembed.models.length_chunks import in_batch_order, is_text_only, select_rows, trim_padding
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -59,14 +59,22 @@ class RngState:
 
 @dataclass(eq=False)
 class Chunk:
-    """Rows `start:stop` of one side: their inputs, the RNG state of their first forward, and the cached gradient."""
+    """Rows of one side (`rows`, or `start:stop` when None): their inputs, the RNG state of their first forward, and
+    the cached gradient."""
 
     side: str
     start: int
     stop: int
     inputs: dict[str, torch.Tensor]
     rng: RngState
+    rows: torch.Tensor | None = None
     grad: torch.Tensor | None = None
+
+    def of(self, batch_rows: torch.Tensor) -> torch.Tensor:
+        """This chunk's rows of a tensor in batch order."""
+        if self.rows is None:
+            return batch_rows[self.start : self.stop]
+        return batch_rows.index_select(0, self.rows.to(batch_rows.device))
 
 
 def chunk_bounds(num_rows: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -92,7 +100,7 @@ class GradCacheStep:
         chunks, embeddings = self._encode_without_graph(batch)
 
         # 2. the loss on the whole batch's detached embeddings; cache d(loss)/d(embeddings)
-        leaves = {side: torch.cat(parts).detach().requires_grad_() for side, parts in embeddings.items()}
+        leaves = {side: embedded.detach().requires_grad_() for side, embedded in embeddings.items()}
         query, positive, negatives = self.objective.shape_embeddings(
             leaves["query"], leaves["positive"], leaves.get("negative"), int(batch.get("num_negatives") or 0)
         )
@@ -101,7 +109,7 @@ class GradCacheStep:
             loss = self.objective.loss(query, positive, negatives, labels=labels)
         grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
         for chunk in chunks:
-            chunk.grad = grads[chunk.side][chunk.start : chunk.stop]
+            chunk.grad = chunk.of(grads[chunk.side])
 
         # 3. replay every chunk under its RNG state and backpropagate its cached gradient
         final = list({chunk.side: chunk for chunk in chunks}.values())  # the last chunk of each side
@@ -114,21 +122,32 @@ class GradCacheStep:
         return loss.detach()
 
     @torch.no_grad()
-    def _encode_without_graph(self, batch: dict[str, Any]) -> tuple[list[Chunk], dict[str, list[torch.Tensor]]]:
+    def _encode_without_graph(self, batch: dict[str, Any]) -> tuple[list[Chunk], dict[str, torch.Tensor]]:
+        """Every side's chunks and its embeddings in batch order. With length-aware encoding (`length_chunks` > 1),
+        a text side's chunks are cut from its rows sorted by length, so each chunk is padded only to texts of about
+        its own length; otherwise chunks are consecutive rows."""
         acc, adapter = self.accelerator, self.objective.adapter
+        by_length = getattr(self.objective, "length_chunks", 1) > 1
         chunks: list[Chunk] = []
-        embeddings: dict[str, list[torch.Tensor]] = {}
+        embeddings: dict[str, torch.Tensor] = {}
         for side in SIDES:
             inputs = batch.get(side)
             if not inputs:
                 continue
+            order = None
+            if by_length and "attention_mask" in inputs and is_text_only(inputs):
+                order = torch.argsort(inputs["attention_mask"].sum(dim=1), stable=True)
+            parts = []
             for start, stop in chunk_bounds(adapter.num_sides(inputs), self.chunk_size):
-                part = adapter.slice_batch(inputs, start, stop)
+                rows = None if order is None else order[start:stop]
+                part = adapter.slice_batch(inputs, start, stop) if rows is None else select_rows(inputs, rows)
                 if adapter.length_chunking:  # each chunk padded only to its own longest text
                     part = trim_padding(part)
-                chunks.append(Chunk(side, start, stop, part, RngState(acc.device)))
+                chunks.append(Chunk(side, start, stop, part, RngState(acc.device), rows))
                 with acc.autocast():
-                    embeddings.setdefault(side, []).append(adapter(part))
+                    parts.append(adapter(part))
+            embedded = torch.cat(parts)
+            embeddings[side] = embedded if order is None else in_batch_order(embedded, order)
         return chunks, embeddings
 
 
