@@ -94,3 +94,58 @@ def test_a_topk_of_corpus_positions_scores_as_the_same_run():
     found = corpus_metrics(run, qrels)
     assert found["mrr@10"] == pytest.approx((1 / 2 + 1 / 2) / 2)
     assert found["recall@1"] == 0.0 and found["recall@10"] == 1.0
+
+
+# --- evaluation of an adapter on a corpus folder -------------------------------------------------------------------
+
+
+def _text_adapter(tokenizer_dir: str):
+    from corpora import text_model_keys
+
+    from vembed.components import recipe_from_dict
+    from vembed.models import MODELS
+
+    torch.manual_seed(0)
+    return MODELS.get("text").from_recipe(recipe_from_dict(text_model_keys(tokenizer_dir))).eval()
+
+
+def _evaluate_on_ranks(folder: str, tokenizer_dir: str, out_file: str) -> None:
+    import json
+
+    from accelerate import Accelerator
+
+    from vembed.data.corpus import load_corpus_split
+    from vembed.evaluation.corpus import evaluate_corpus
+
+    accelerator = Accelerator(cpu=True)
+    assert accelerator.num_processes == 2
+    found = evaluate_corpus(_text_adapter(tokenizer_dir), load_corpus_split(folder, "train"), batch_size=4,
+                            accelerator=accelerator, documents_per_block=5)  # 4 blocks of 10, each rank 5
+    if accelerator.is_main_process:
+        with open(out_file, "w") as handle:
+            json.dump(found, handle)
+
+
+def test_two_ranks_evaluate_a_corpus_as_one_process(tmp_path, tiny_tokenizer_dir):
+    import json
+
+    from corpora import make_corpus_folder
+    from ranks import run_on_ranks
+
+    from vembed.data.corpus import load_corpus_split
+    from vembed.evaluation.corpus import evaluate_corpus
+
+    folder = make_corpus_folder(tmp_path / "corpus")
+    split = load_corpus_split(folder, "train")
+    expected = evaluate_corpus(_text_adapter(tiny_tokenizer_dir), split, batch_size=7)
+    assert set(expected) == {"corpus/ndcg@10", "corpus/recall@1", "corpus/recall@10", "corpus/recall@100",
+                             "corpus/map@100", "corpus/mrr@10", "num_queries", "num_documents"}
+    assert expected["num_documents"] == 36 and expected["num_queries"] == 10
+    assert expected["corpus/recall@100"] == 1.0  # 36 documents: all retrieved
+    assert 0 < expected["corpus/ndcg@10"] < 1
+    out = tmp_path / "found.json"
+    run_on_ranks(_evaluate_on_ranks, str(folder), tiny_tokenizer_dir, str(out), world=2, timeout=120)
+    found = json.loads(out.read_text())
+    assert found.keys() == expected.keys()
+    for key, value in expected.items():
+        assert found[key] == pytest.approx(value, abs=1e-6), key

@@ -20,9 +20,13 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from vembed.data.records import Side
-from vembed.errors import DataError
+from vembed.errors import DataError, RecipeError
+
+if TYPE_CHECKING:
+    from vembed.recipe import DataConfig
 
 CORPUS_FILE = "corpus.jsonl"
 QUERIES_FILE = "queries.jsonl"
@@ -39,6 +43,46 @@ def is_corpus_folder(path: str | os.PathLike) -> bool:
 def qrels_splits(path: str | os.PathLike) -> list[str]:
     """The splits a corpus folder judges (the names of its qrels/*.tsv files), sorted."""
     return sorted(p.stem for p in (Path(path) / QRELS_DIR).glob("*.tsv"))
+
+
+@dataclass(frozen=True)
+class CorpusSource:
+    """A split (or one named source of it) that names a corpus folder: where, which qrels split, the recipe key."""
+
+    name: str | None
+    folder: str
+    qrels_split: str
+    image_root: str | None
+    key: str  # the recipe key that sets qrels_split, for messages
+
+    def check(self) -> None:
+        """The folder judges `qrels_split` (one line naming the key and the splits it has, before anything loads)."""
+        if not (Path(self.folder) / QRELS_DIR / f"{self.qrels_split}.tsv").is_file():
+            have = ", ".join(qrels_splits(self.folder)) or "none"
+            raise RecipeError(self.key, f"corpus folder {self.folder} has no {QRELS_DIR}/{self.qrels_split}.tsv "
+                                        f"(splits here: {have}); set {self.key} to one of them")
+
+    def load(self) -> "CorpusSplit":
+        return load_corpus_split(self.folder, self.qrels_split, self.image_root, key=self.key)
+
+
+def corpus_sources(data: "DataConfig", split: str) -> "dict[str | None, CorpusSource]":
+    """The parts of `data.<split>` that are corpus folders: `{None: ...}` for a split that is one folder, else the
+    named sources whose `files` is one (keyed by name). Other parts (pair files) are not listed."""
+    value = getattr(data, split)
+    sources = data.sources(split)
+    if sources is None:
+        if _one_folder(value):
+            return {None: CorpusSource(None, str(value), getattr(data.qrels_splits, split), data.image_root,
+                                       f"data.qrels_splits.{split}")}
+        return {}
+    return {name: CorpusSource(name, str(source.files), source.qrels_split, source.image_root,
+                               f"data.{split}.{name}.qrels_split")
+            for name, source in sources.items() if _one_folder(source.files)}
+
+
+def _one_folder(value: Any) -> bool:
+    return isinstance(value, (str, os.PathLike)) and is_corpus_folder(value)
 
 
 @dataclass

@@ -73,15 +73,22 @@ def resolve_files(
 
 def check_data_paths(data: "DataConfig", splits: Sequence[str] = ("train", "validation", "test")) -> None:
     """Every file, glob or directory the recipe's `data.<split>` names exists (and `data.image_root`), before anything
-    is built; a RecipeError names the first that does not."""
+    is built; a RecipeError names the first that does not. A corpus folder must judge its qrels split."""
+    from vembed.data.corpus import corpus_sources
+
     for split in splits:
         value = getattr(data, split)
         if value is None:
             continue
+        corpora = corpus_sources(data, split)
+        for corpus in corpora.values():
+            corpus.check()
         sources = data.sources(split)
-        if sources is None:
+        if sources is None and None not in corpora:
             resolve_files(value, data.format, key=f"data.{split}")
         for name, source in (sources or {}).items():
+            if name in corpora:
+                continue
             resolve_files(source.files, source.format, key=f"data.{split}.{name}.files")
             if source.image_root is not None and not os.path.isdir(source.image_root):
                 raise RecipeError(f"data.{split}.{name}.image_root", f"directory {source.image_root!r} not found")

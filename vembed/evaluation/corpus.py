@@ -172,6 +172,11 @@ def _as_rankings(ranking: Any, query_ids: Sequence[str] | None, doc_ids: Sequenc
 CORPUS_PREFIX = "corpus"
 
 
+def corpus_metric_names(cutoffs: Cutoffs = DEFAULT_CUTOFFS) -> list[str]:
+    """The metric keys `evaluate_corpus` returns (without the counts): `corpus/ndcg@10`, ..."""
+    return [f"{CORPUS_PREFIX}/{name}" for name in cutoffs.names()]
+
+
 def evaluate_corpus(
     adapter: "EmbeddingAdapter",
     split: "CorpusSplit",
