@@ -59,3 +59,15 @@ def text_model_keys(tokenizer_dir: str) -> dict:
               "num_attention_heads": 4, "max_position_embeddings": 32, "hidden_dropout_prob": 0.0,
               "attention_probs_dropout_prob": 0.0, **ids}
     return {"model_type": "text", "model_config": config, "tokenizer_name": tokenizer_dir}
+
+
+def write_negatives(path: Path) -> Path:
+    """Mined negatives in the `mine` branch's schema: q0's per positive (one of them judged relevant: dropped), the
+    other train queries' per query (`positive_ids`, or no positive: every positive of the query)."""
+    rows = [{"query_id": "q0", "positive_id": "d0", "negative_ids": ["d6", "d1", "d3", "d5"]},  # d6: relevant to q0
+            {"query_id": "q0", "positive_id": "d6", "negative_ids": ["d7", "d9"]},
+            {"query_id": "q18", "positive_ids": ["d18", "d24"], "negative_ids": ["d19", "d20", "d21"]}]
+    rows += [{"query_id": f"q{i}", "negative_ids": [f"d{(i + 1) % 36}", f"d{(i + 3) % 36}"]}
+             for i in (2, 8, 10, 16, 24, 26, 32, 34)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path

@@ -205,6 +205,10 @@ class DataConfig(_Strict):
     # Corpus folders (BEIR layout: corpus.jsonl, queries.jsonl, qrels/<split>.tsv) given as data.train/validation/test
     # are recognised by their files; this names the qrels split each reads (a named source: its own qrels_split).
     qrels_splits: QrelsSplits = Field(default_factory=QrelsSplits)
+    # data.train as a corpus folder: mined hard negatives by id, a JSONL of {"query_id", "positive_id" (or a list
+    # "positive_ids", or neither: every positive of the query), "negative_ids": [...]} (what `mine` writes); each
+    # record keeps num_hard_negatives of its row's (pairs with fewer are skipped and counted).
+    hard_negatives: str | None = None
 
     @field_validator("train", "validation", "test", mode="before")
     @classmethod

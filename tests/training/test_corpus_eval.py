@@ -4,6 +4,7 @@ figures equal `vembed eval` on the saved final/, and wrong qrels splits or metri
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from corpora import make_corpus_folder, text_model_keys, write_pairs
@@ -73,10 +74,62 @@ def test_a_missing_qrels_split_is_one_line_naming_the_key_and_the_splits(corpus_
 def test_metric_for_best_model_must_be_a_validation_metric(corpus_run):
     folder, raw = corpus_run
     with pytest.raises(RecipeError, match=r"metric_for_best_model: 'corpus/ndcg@5' is not a validation metric of "
-                                          r"this recipe \(did you mean corpus/ndcg@10\?\); use one of: corpus/ndcg@10,"):
+                                          r"this recipe \(did you mean corpus/ndcg@10\?\); use one of: corpus/"):
         check_recipe(recipe_from_dict({**raw, "metric_for_best_model": "corpus/ndcg@5"}))
     named = {**raw, "data": {**raw["data"], "validation": {"beir": str(folder), "pairs": raw["data"]["train"]}}}
     check_recipe(recipe_from_dict({**named, "metric_for_best_model": "beir/corpus/map@100"}))
     check_recipe(recipe_from_dict({**named, "metric_for_best_model": "pairs/q2d/mrr"}))
     with pytest.raises(RecipeError, match="'q2d/recall@1' is not a validation metric"):
         check_recipe(recipe_from_dict(named))  # mixed sources share no key: the default must be named
+
+
+def test_a_text_model_trains_on_a_corpus_folder_with_its_judged_documents_and_negatives_by_id(corpus_run, tmp_path):
+    from corpora import write_negatives
+
+    from vembed.data.corpus import load_corpus_split
+
+    folder, raw = corpus_run
+    negatives_file = write_negatives(tmp_path / "negatives.jsonl")
+    raw["data"] = {"train": str(folder), "hard_negatives": str(negatives_file), "num_hard_negatives": 2}
+    raw.update(max_steps=3, save_steps=None, eval_steps=None, eval_before_training=False)
+    recipe = recipe_from_dict(raw)
+    check_recipe(recipe)
+    trainer = Trainer(recipe)
+    batches = []
+    original = trainer.task.train_dataset
+
+    def recording_collate(objective):
+        dataset, collate = original(objective)
+
+        def recording(examples):
+            batch = collate(examples)
+            batches.append((examples, batch["label_ids"].tolist()))
+            return batch
+
+        return dataset, recording
+
+    trainer.task.train_dataset = recording_collate
+    metrics = trainer.run().metrics
+    assert metrics["train"]["steps"] == 3 and math.isfinite(metrics["train"]["final_loss"])
+    assert metrics["train"]["data"]["kept"] == 13 and metrics["train"]["data"]["num_hard_negatives"] == 2
+
+    split = load_corpus_split(folder, "train")
+    doc_id = {side.text: i for i, side in zip(split.corpus.ids, split.corpus.sides)}
+    query_id = {side.text: i for i, side in zip(split.queries.ids, split.queries.sides)}
+    mined = {(row["query_id"], row.get("positive_id")): row["negative_ids"]
+             for row in map(json.loads, negatives_file.read_text().splitlines())}
+    seen = set()
+    for examples, labels in batches:
+        assert len(examples) == 4
+        for example, label in zip(examples, labels):
+            query, positive = query_id[example.query.text], doc_id[example.positive.text]
+            assert split.qrels[query][positive] > 0  # the query's own judged document
+            listed = mined.get((query, positive)) or mined[(query, None)]
+            expected = [d for d in listed if split.qrels[query].get(d, 0) <= 0][:2]
+            assert [doc_id[n.text] for n in example.negatives] == expected  # from the file, relevant ones dropped
+            seen.add((query, positive))
+        groups = {}  # pairs of one relevance group (same query, or a shared relevant document) share a label id
+        for example, label in zip(examples, labels):
+            groups.setdefault(example.label, set()).add(label)
+        assert all(len(ids) == 1 for ids in groups.values()) and len(set(labels)) == len(groups)
+    assert len(seen) >= 10  # 3 steps (+1 prefetched batch) of 4 records: most of the 13 pairs

@@ -366,7 +366,8 @@ def check_images_per_side(model_type: str, examples: "Sequence[Example]") -> Non
     limit = MODELS.get(model_type).max_images_per_side
     if limit is None:
         return
-    if isinstance(examples, PairRows):  # from the row checks: only the record with the most images is made ...
+    if isinstance(examples, PairRows) or hasattr(examples, "most_images_per_side"):  # PairRows, CorpusPairs: from
+        # the row checks (the corpus): only the record with the most images is made ...
         most, where = examples.most_images_per_side()
         if most <= limit:
             return
