@@ -133,3 +133,17 @@ def test_a_text_model_trains_on_a_corpus_folder_with_its_judged_documents_and_ne
             groups.setdefault(example.label, set()).add(label)
         assert all(len(ids) == 1 for ids in groups.values()) and len(set(labels)) == len(groups)
     assert len(seen) >= 10  # 3 steps (+1 prefetched batch) of 4 records: most of the 13 pairs
+
+
+def test_named_validation_sources_may_mix_corpus_folders_and_pair_files(corpus_run):
+    from vembed.data.corpus import CorpusSplit
+    from vembed.tasks.contrastive import ContrastiveTask
+
+    folder, raw = corpus_run
+    raw["data"]["validation"] = {"pairs": raw["data"]["train"], "beir": {"files": str(folder), "qrels_split": "test"}}
+    recipe = recipe_from_dict({**raw, "metric_for_best_model": "beir/corpus/ndcg@10"})
+    check_recipe(recipe)
+    loaded = ContrastiveTask(recipe).load_eval_split("validation")
+    assert list(loaded) == ["pairs", "beir"]
+    assert isinstance(loaded["beir"], CorpusSplit) and loaded["beir"].split == "test"
+    assert len(loaded["pairs"]) == 13 and loaded["pairs"][0].query.text == "a photo of a red square"

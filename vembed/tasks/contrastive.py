@@ -236,7 +236,7 @@ class ContrastiveTask(Task):
                 per_source[name] = examples[:limit] if limit else examples
         if list(per_source) == [None]:
             return per_source[None]
-        return {name: per_source[name] for name in getattr(data, split)}  # the recipe's order
+        return {name: per_source[name] for name in getattr(data, split) if name in per_source}  # the recipe's order
 
     def evaluate(self, model: "nn.Module", data: "list[Example] | dict[str, list[Example]]",
                  accelerator: "Accelerator", prepared: "nn.Module | None" = None) -> dict[str, float]:
