@@ -68,23 +68,11 @@ DEFAULT_CUTOFFS = Cutoffs()
 
 def rankings_from_run(run: Run) -> dict[str, list[str]]:
     """Each query's document ids, best first, in trec_eval's order (score descending, then document id descending)."""
-    return {query: [doc for doc, _ in sorted(scores.items(), key=lambda item: (-item[1], _Reversed(item[0])))]
-            for query, scores in run.items()}
-
-
-class _Reversed:
-    """A string that sorts in descending order (for the secondary key of an ascending sort)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: str):
-        self.value = value
-
-    def __lt__(self, other: "_Reversed") -> bool:
-        return self.value > other.value
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Reversed) and self.value == other.value
+    rankings = {}
+    for query, scores in run.items():
+        by_id = sorted(scores, reverse=True)  # then a stable sort by score keeps equal scores in descending id order
+        rankings[query] = sorted(by_id, key=lambda doc, scores=scores: -scores[doc])
+    return rankings
 
 
 def rankings_from_topk(top: "TopK", query_ids: Sequence[str], doc_ids: Sequence[str]) -> dict[str, list[str]]:
