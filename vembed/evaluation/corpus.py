@@ -190,7 +190,9 @@ def evaluate_corpus(
     if max_queries is not None:
         query_ids = query_ids[:max_queries]
     if not query_ids:
-        raise ValueError(f"{split.folder}: no query of split {split.split!r} has a relevant document (grade > 0)")
+        from vembed.errors import DataError
+
+        raise DataError(f"no query of qrels/{split.split}.tsv has a relevant document (grade > 0)", split.folder)
     top = search_corpus(adapter, [queries.sides[queries.index[q]] for q in query_ids], split.corpus.sides,
                         cutoffs.depth, batch_size=batch_size, accelerator=accelerator, forward=forward,
                         documents_per_block=documents_per_block or DOCUMENTS_PER_BLOCK, show_progress=show_progress)
