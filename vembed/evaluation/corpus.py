@@ -2,7 +2,7 @@
 of an adapter on a corpus folder (every query searched against the whole corpus, exactly, in blocks).
 
 The definitions are trec_eval's, so numbers compare with BEIR, MTEB and sentence-transformers'
-InformationRetrievalEvaluator (tests/evaluation/test_corpus.py checks them against pytrec_eval to 1e-6):
+InformationRetrievalEvaluator (tests/evaluation/test_corpus_metrics.py checks them against pytrec_eval to 1e-6):
 - ndcg@k (`ndcg_cut_k`): linear graded gains `grade / log2(rank + 1)` of the top k, divided by the same sum over the
   query's judged grades sorted best first (only grades > 0 count as gains).
 - recall@k (`recall_k`): relevant documents (grade > 0) in the top k / all the query's relevant documents. This is
