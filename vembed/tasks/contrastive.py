@@ -90,6 +90,10 @@ class ContrastiveTask(Task):
     name = "contrastive"
     uses_gradient_cache = True
 
+    def __init__(self, recipe: "Recipe"):
+        super().__init__(recipe)
+        self._split_reports: dict[str, dict[str, Any]] = {}  # held-out split -> what was read of it
+
     @classmethod
     def check_recipe(cls, recipe: "Recipe", *, for_training: bool = True) -> None:
         from vembed.data.sources import check_data_paths
@@ -205,18 +209,26 @@ class ContrastiveTask(Task):
 
     def load_eval_split(self, split: str) -> "list[Example] | dict[str, list[Example]]":
         """The records of a held-out split; for named sources, a dict name -> records (evaluated one by one)."""
-        from vembed.data.sources import load_source_examples
+        from vembed.data.sources import load_rows
 
         if getattr(self.recipe.data, split) is None:
             return []
-        per_source = load_source_examples(self.recipe.data, split, num_hard_negatives=0)
+        rows, report = load_rows(self.recipe.data, split, num_hard_negatives=0)
+        per_source = {name: rows[start:stop] for name, start, stop in rows.source_ranges()}
         limit = self.recipe.data.eval_max_samples
         for name, examples in per_source.items():
             check_images_per_side(self.recipe.model_type, examples)
             per_source[name] = examples[:limit] if limit else examples
+        counted = report.to_dict()  # rows read, kept and skipped, plus how many are evaluated (eval_max_samples)
+        for name, examples in per_source.items():
+            (counted["sources"][name] if name is not None else counted)["evaluated"] = len(examples)
+        self._split_reports[split] = counted
         if list(per_source) == [None]:
             return per_source[None]
         return per_source
+
+    def split_report(self, split: str) -> dict[str, Any] | None:
+        return self._split_reports.get(split)
 
     def evaluate(self, model: "nn.Module", data: "list[Example] | dict[str, list[Example]]",
                  accelerator: "Accelerator", prepared: "nn.Module | None" = None) -> dict[str, float]:
@@ -251,12 +263,14 @@ class ContrastiveTask(Task):
         keys = ("q2d/recall@1", "q2d/recall@5", "q2d/recall@10", "q2d/mrr", "d2q/recall@1")
         return "  ".join(f"{k}={metrics[k]:.3f}" for k in keys if k in metrics)
 
-    def plots(self, metrics: dict[str, Any], output_dir: Path) -> None:
+    def plots(self, metrics: dict[str, Any], output_dir: Path) -> list[Path]:
         from vembed.evaluation.plots import plot_recall_vs_dim
 
         split = metrics.get("test") or metrics.get("validation")
         if split and self.recipe.loss.mrl_dims:
-            plot_recall_vs_dim(split, output_dir / "recall_vs_dim.png")
+            path = plot_recall_vs_dim(split, output_dir / "recall_vs_dim.png")
+            return [path] if path is not None else []
+        return []
 
 
 def _check_not_streamed(recipe: "Recipe") -> None:
