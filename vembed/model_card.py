@@ -134,7 +134,9 @@ def render_card(card: Mapping[str, Any], *, flavour: Flavour = "vembed", load_pa
         _data_section(card.get("data")),
         _launch_section(card.get("launch")),
         _training_section(card.get("training"), card.get("recipe")),
-        _evaluation_section(card.get("evaluation"), card.get("best"), _source_names(card)),
+        # A folder saved outside a run has no record of any evaluation, not "no evaluation".
+        _evaluation_section(card.get("evaluation"), card.get("best"), _source_names(card))
+        if card.get("evaluation") or "recipe" in card else "",
         _plots_section(card.get("plots")),
         _load_section(model, flavour, load_path, source_path),
         _recipe_section(card.get("recipe")),
