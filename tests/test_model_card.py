@@ -16,7 +16,7 @@ from tiny_models import tiny_clip_run
 from vembed.components import recipe_from_dict
 from vembed.model_card import (
     CARD_FILE,
-    EXAMPLE_TEXT,
+    EXAMPLE_TEXTS,
     README_FILE,
     code_blocks,
     recipe_from_card,
@@ -159,7 +159,7 @@ def _run_block(code: str) -> torch.Tensor:
 def test_card_load_snippets_embed_as_vembed_does(trained):
     import vembed
 
-    expected = vembed.load(str(trained["final"]), device="cpu").encode(texts=[EXAMPLE_TEXT])
+    expected = vembed.load(str(trained["final"]), device="cpu").encode(texts=EXAMPLE_TEXTS)
     vembed_block, transformers_block, *_ = code_blocks(trained["card"])
     assert "vembed.load(" in vembed_block and len(vembed_block.splitlines()) <= 4
     torch.testing.assert_close(_run_block(vembed_block), expected)
@@ -176,7 +176,7 @@ def test_export_writes_a_card_whose_snippet_loads_the_export(trained, tmp_path):
     text = (out / README_FILE).read_text()
     st_block, mteb_block = code_blocks(text)
     assert f"SentenceTransformer({str(out)!r})" in st_block
-    expected = vembed.load(str(trained["final"]), device="cpu").encode(texts=[EXAMPLE_TEXT])
+    expected = vembed.load(str(trained["final"]), device="cpu").encode(texts=EXAMPLE_TEXTS)
     torch.testing.assert_close(_run_block(st_block), expected, atol=1e-5, rtol=0)
     # MTEB needs the Hub for its tasks: the snippet is checked for the MTEB 2 API, not run.
     compile(mteb_block, "<mteb>", "exec")
@@ -218,3 +218,26 @@ def test_a_card_that_fails_to_render_leaves_the_model_without_it(dummy_data_dir,
     assert (final / "model.safetensors").is_file() and not (final / README_FILE).exists()
     assert not (final / CARD_FILE).exists() and not list(final.glob("*.png"))
     assert "final/ has no model card: KeyError" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls", "last"])
+def test_text_model_transformers_snippet_pools_as_vembed_does(tiny_tokenizer_dir, tmp_path, pooling):
+    """A folder saved outside a run: the card comes from its vembed.json, and its plain-transformers snippet pools
+    as the adapter does."""
+    from transformers import AutoTokenizer
+
+    import vembed
+    from vembed.data.tokenizer import special_token_ids
+    from vembed.model_card import folder_card
+    from vembed.models import MODELS
+
+    config = {"model_type": "bert", "hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 1,
+              "num_attention_heads": 4, "max_position_embeddings": 16,
+              **special_token_ids(AutoTokenizer.from_pretrained(tiny_tokenizer_dir))}
+    raw = {"model_type": "text", "tokenizer_name": tiny_tokenizer_dir, "model_config": config, "pooling": pooling}
+    torch.manual_seed(0)
+    MODELS.get("text").from_recipe(recipe_from_dict(raw)).save(tmp_path)
+    card = render_card(folder_card(tmp_path), load_path=str(tmp_path))
+    transformers_block = code_blocks(card)[1]
+    expected = vembed.load(str(tmp_path), device="cpu").encode(texts=EXAMPLE_TEXTS)
+    torch.testing.assert_close(_run_block(transformers_block), expected, atol=1e-5, rtol=0)

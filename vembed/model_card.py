@@ -27,7 +27,8 @@ PLOT_CAPTIONS = {
     "recall_vs_dim.png": "recall at each Matryoshka dimension",
     "similarity_histogram.png": "per-image cosine of generated to real embeddings",
 }
-EXAMPLE_TEXT = "a photo of a cat"
+# Two texts of different lengths: the snippets then show padding handled as vembed handles it.
+EXAMPLE_TEXTS = ["a photo of a cat", "two dogs playing in the snow near a red house"]
 Flavour = Literal["vembed", "sentence-transformers"]
 
 
@@ -399,7 +400,7 @@ def _transformers_example(model: Mapping[str, Any], path: str) -> str | None:
     adapter = _adapter_class(model.get("model_type"))
     if adapter is None:
         return None
-    return adapter.transformers_example(path, model.get("settings") or {}, EXAMPLE_TEXT)
+    return adapter.transformers_example(path, model.get("settings") or {}, EXAMPLE_TEXTS)
 
 
 def _load_section(model: Mapping[str, Any], flavour: Flavour, path: str, source_path: str | None) -> str:
@@ -417,9 +418,10 @@ def _load_section(model: Mapping[str, Any], flavour: Flavour, path: str, source_
         lines += ["```python", "from vembed.generation import load_generator",
                   f"generator = load_generator({path!r})", "```"]
         return "\n".join(lines)
+    shape = f"({len(EXAMPLE_TEXTS)}, {model.get('embedding_dim')})"
     lines += ["With vembed (`pip install vembed`):", "", "```python", "import vembed",
               f"model = vembed.load({path!r})",
-              f"embeddings = model.encode(texts=[{EXAMPLE_TEXT!r}])  # ({1}, {model.get('embedding_dim')})"
+              f"embeddings = model.encode(texts={EXAMPLE_TEXTS!r})  # {shape}"
               if "text" in adapter.modalities else "embeddings = model.encode(images=['photo.jpg'])"]
     if images and "text" in adapter.modalities:
         lines.append("# images: model.encode(images=['photo.jpg']) (paths or PIL images)")
@@ -447,7 +449,7 @@ def _load_section(model: Mapping[str, Any], flavour: Flavour, path: str, source_
 def _sentence_transformers_lines(path: str, images: bool) -> list[str]:
     lines = ["```python", "from sentence_transformers import SentenceTransformer",
              f"model = SentenceTransformer({path!r})",
-             f"embeddings = model.encode([{EXAMPLE_TEXT!r}])"]
+             f"embeddings = model.encode({EXAMPLE_TEXTS!r})"]
     if images:
         lines.append("# images: model.encode([PIL.Image.open('photo.jpg')])")
     return lines + ["```"]

@@ -260,8 +260,8 @@ class EmbeddingAdapter(nn.Module, ABC):
         raise NotImplementedError(f"model_type {cls.model_type!r} has no sentence-transformers equivalent")
 
     @classmethod
-    def transformers_example(cls, path: str, settings: dict[str, Any], text: str) -> str | None:
-        """Python that embeds `text` as this adapter does with plain transformers from the folder `path` (its saved
+    def transformers_example(cls, path: str, settings: dict[str, Any], texts: list[str]) -> str | None:
+        """Python that embeds `texts` as this adapter does with plain transformers from the folder `path` (its saved
         `settings`), ending with an `embeddings` tensor: the model card shows it. None (the default): the embedding
         needs vembed (its pooling, prompt format or projections are not one transformers model's own output)."""
         return None

@@ -66,7 +66,7 @@ class ClipAdapter(TransformersAdapter):
                 *st.normalize(settings)]
 
     @classmethod
-    def transformers_example(cls, path: str, settings: dict[str, Any], text: str) -> str | None:
+    def transformers_example(cls, path: str, settings: dict[str, Any], texts: list[str]) -> str | None:
         """The HF model's own text/image features, tokenised as this adapter tokenises (its padding and max_length);
         only the input_ids and attention_mask reach the text tower."""
         normalize = "\nembeddings = torch.nn.functional.normalize(embeddings, dim=-1)" if settings.get(
@@ -75,7 +75,7 @@ class ClipAdapter(TransformersAdapter):
             "import torch\n"
             "from transformers import AutoImageProcessor, AutoModel, AutoTokenizer\n"
             f"model, tokenizer = AutoModel.from_pretrained({path!r}).eval(), AutoTokenizer.from_pretrained({path!r})\n"
-            f"tokens = tokenizer([{text!r}], padding={cls.text_padding!r}, truncation=True, "
+            f"tokens = tokenizer({texts!r}, padding={cls.text_padding!r}, truncation=True, "
             f"max_length={settings.get('max_length')}, return_tensors=\"pt\")\n"
             "with torch.no_grad():\n"
             "    embeddings = model.get_text_features(input_ids=tokens[\"input_ids\"], "

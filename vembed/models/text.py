@@ -53,7 +53,7 @@ class TextAdapter(TransformersAdapter):
                 st.pooling(info["embedding_dim"], settings.get("pooling", "mean")), *st.normalize(settings)]
 
     @classmethod
-    def transformers_example(cls, path: str, settings: dict[str, Any], text: str) -> str | None:
+    def transformers_example(cls, path: str, settings: dict[str, Any], texts: list[str]) -> str | None:
         """The encoder's last hidden states, pooled as this adapter pools them (`vembed/models/pooling.py`)."""
         pooling = settings.get("pooling", "mean")
         pooled = {
@@ -69,7 +69,7 @@ class TextAdapter(TransformersAdapter):
             "import torch\n"
             "from transformers import AutoModel, AutoTokenizer\n"
             f"model, tokenizer = AutoModel.from_pretrained({path!r}).eval(), AutoTokenizer.from_pretrained({path!r})\n"
-            f"tokens = tokenizer([{text!r}], padding=True, truncation=True, max_length={settings.get('max_length')}, "
+            f"tokens = tokenizer({texts!r}, padding=True, truncation=True, max_length={settings.get('max_length')}, "
             "return_tensors=\"pt\")\n"
             "with torch.no_grad():\n"
             "    hidden = model(**tokens).last_hidden_state\n"
