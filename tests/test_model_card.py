@@ -241,3 +241,21 @@ def test_text_model_transformers_snippet_pools_as_vembed_does(tiny_tokenizer_dir
     transformers_block = code_blocks(card)[1]
     expected = vembed.load(str(tmp_path), device="cpu").encode(texts=EXAMPLE_TEXTS)
     torch.testing.assert_close(_run_block(transformers_block), expected, atol=1e-5, rtol=0)
+
+
+def test_front_matter_names_a_hub_base_model_and_not_a_local_path():
+    import yaml
+
+    def front(recipe: dict) -> dict:
+        from vembed.model_card import base_models
+
+        card = {"model": {"model_type": "text", "embedding_dim": 8, "settings": {}, "base": base_models(recipe)},
+                "recipe": recipe}
+        return yaml.safe_load(render_card(card).split("---\n")[1])
+
+    hub = front({"model_name": "sentence-transformers/all-MiniLM-L6-v2", "tokenizer_name": "other/tokenizer"})
+    assert hub["base_model"] == "sentence-transformers/all-MiniLM-L6-v2"
+    assert hub["library_name"] == "transformers" and "sentence-similarity" in hub["tags"]
+    assert "base_model" not in front({"model_name": "/models/minilm"})
+    composed = front({"text_model_name": "bert-base-uncased", "vision_model_name": "google/vit-base-patch16-224"})
+    assert composed["base_model"] == ["bert-base-uncased", "google/vit-base-patch16-224"]

@@ -30,6 +30,7 @@ PLOT_CAPTIONS = {
 # Two texts of different lengths: the snippets then show padding handled as vembed handles it.
 EXAMPLE_TEXTS = ["a photo of a cat", "two dogs playing in the snow near a red house"]
 Flavour = Literal["vembed", "sentence-transformers"]
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 # --- the facts -------------------------------------------------------------------------------------------------------
@@ -182,7 +183,9 @@ def _front_matter(card: Mapping[str, Any], flavour: Flavour) -> str:
         meta["library_name"] = "transformers" if _transformers_example(model, ".") else "vembed"
         meta["pipeline_tag"] = "feature-extraction"
     meta["tags"] = list(dict.fromkeys(tags))
-    pretrained = [base["pretrained"] for base in model.get("base") or () if "pretrained" in base]
+    # Hugging Face links base_model to a Hub repository: local paths (absolute, or ./, ../) are not named there.
+    pretrained = [base["pretrained"] for base in model.get("base") or ()
+                  if "pretrained" in base and _HUB_ID.match(str(base["pretrained"]))]
     if pretrained:
         meta["base_model"] = pretrained[0] if len(pretrained) == 1 else pretrained
     return "---\n" + yaml.safe_dump(meta, sort_keys=False).rstrip() + "\n---"
