@@ -259,3 +259,14 @@ def test_front_matter_names_a_hub_base_model_and_not_a_local_path():
     assert "base_model" not in front({"model_name": "/models/minilm"})
     composed = front({"text_model_name": "bert-base-uncased", "vision_model_name": "google/vit-base-patch16-224"})
     assert composed["base_model"] == ["bert-base-uncased", "google/vit-base-patch16-224"]
+
+
+@pytest.mark.parametrize("model_type", ["composed", "qwen_vl"])
+def test_adapters_without_a_transformers_equivalent_say_so(model_type):
+    import yaml
+
+    card = render_card({"model": {"model_type": model_type, "embedding_dim": 8, "settings": {}}}, load_path="m")
+    assert yaml.safe_load(card.split("---\n")[1])["library_name"] == "vembed"
+    assert f"Not without vembed: a `{model_type}` model's embedding is computed by vembed's adapter" in card
+    assert "`vembed export` refuses it" in card and "SentenceTransformer(" not in card
+    assert len(code_blocks(card)) == 1  # vembed.load only
