@@ -26,8 +26,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("vembed.models", "vembed.losses"),  # embedding adapters and losses: a library without the trainer
     ("vembed.generation",),  # the generative path's model, flow loss and samplers (its task: below)
     ("vembed.components",),  # a recipe read with its components' settings (needs the registries above)
-    ("vembed.api", "vembed.export", "vembed.extraction", "vembed.retrieval"),  # using trained models (encoding is
-    # the models' own), searching a corpus with them, mining negatives
+    ("vembed.api", "vembed.export", "vembed.extraction", "vembed.retrieval", "vembed.model_card"),  # using trained
+    # models (encoding is the models' own), searching a corpus with them, mining negatives, describing them
     ("vembed.evaluation",),  # measuring them (retrieval metrics, zero-shot accuracy)
     ("vembed.tasks", "vembed.generation.task", "vembed.planning"),  # what a run trains and measures; its memory plan
     ("vembed.training", "vembed.strategy_bench"),  # the one loop and the launch strategies

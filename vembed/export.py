@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from vembed.errors import VembedError
+from vembed.model_card import folder_card, write_card
 from vembed.models import MODELS, EmbeddingAdapter
 from vembed.models.base import read_adapter_file
 
@@ -59,6 +60,10 @@ def export_sentence_transformers(
     `trust_remote_code` here lets the model folder's own code run while exporting). With `verify`, both models embed
     a few probe texts (and, for image models, a probe image) and the export fails unless they agree within 1e-5. An
     existing `out_dir` is replaced only when it is itself a sentence-transformers folder (a previous export).
+
+    The export gets its own model card (README.md, `vembed/model_card.py`), rendered from the source folder's
+    `card.json` (what its training run recorded; a folder saved outside a run gets a card of what its `vembed.json`
+    says), with the same plots and the sentence-transformers and MTEB snippets pointing at `out_dir`.
     """
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     info = read_adapter_file(model_dir)
@@ -83,9 +88,11 @@ def export_sentence_transformers(
     try:
         modules = adapter.sentence_transformers_modules(model_dir, info, trust_remote_code)
         model = st.SentenceTransformer(modules=modules, device="cpu")
-        model.save(str(tmp))
+        model.save(str(tmp), create_model_card=False)  # vembed's card below, from what the run recorded
         if verify:
             _verify(model_dir, tmp, adapter, trust_remote_code)
+        write_card(tmp, folder_card(model_dir), plots_from=model_dir, flavour="sentence-transformers",
+                   load_path=str(out_dir), source_path=str(model_dir))
         shutil.rmtree(out_dir, ignore_errors=True)
         tmp.rename(out_dir)
     finally:

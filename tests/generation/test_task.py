@@ -64,6 +64,10 @@ def test_tiny_dit_reaches_090_cosine_with_heun_and_heun_beats_euler(shards, tmp_
     assert (result.output_dir / "similarity_histogram.png").stat().st_size > 0
     saved = json.loads((result.output_dir / "metrics.json").read_text())
     assert saved["validation"]["image_cosine"] == pytest.approx(validation["image_cosine"])
+    card = (result.final_model_dir / "README.md").read_text()  # a generator's card: its metrics, plot and loader
+    assert f"| image_cosine | {validation['image_cosine']:.4f} |" in card
+    assert "![" in card and (result.final_model_dir / "similarity_histogram.png").is_file()
+    assert "load_generator(" in card
 
     # Solver accuracy: distance to a fine reference solution of the same ODE from the same noise, at equal cost.
     from vembed.data.embedding_shards import EmbeddingShardDataset

@@ -106,6 +106,8 @@ def test_launch_trains_and_evaluates_as_one_process_and_resumes_exactly(bases, r
     out = tmp_path / "launched"
     result = launch(config, write_recipe(base, out, batch_size=PER_DEVICE, **_lora(lora)))
     assert f"strategy            {strategy} (2 processes)" in result.stdout + result.stderr
+    card = (out / "final" / "README.md").read_text()  # the model card, written with the gathered weights
+    assert f"| strategy | {strategy} |" in card and "| world size (processes) | 2 |" in card
     launched = final_weights(out)  # the exported final model: full weights (LoRA merged), gathered by every rank
     reference_weights, reference_metrics = references(model, lora)
     difference = max_relative_difference(launched, reference_weights)

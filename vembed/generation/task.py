@@ -151,12 +151,14 @@ class FlowMatchingTask(Task):
     def headline(self, metrics: dict[str, float]) -> str:
         return "  ".join(f"{k}={metrics[k]:.3f}" for k in METRICS if k in metrics)
 
-    def plots(self, metrics: dict[str, Any], output_dir: Path) -> None:
+    def plots(self, metrics: dict[str, Any], output_dir: Path) -> list[Path]:
         from vembed.evaluation.similarity import plot_similarity_histogram
 
         # The loop evaluates validation, then test, at the end: the last evaluation is the split metrics report.
         cosines = getattr(self, "last_image_cosines", None)
         if cosines is not None and cosines.numel():
             split = "test" if metrics.get("test") else "validation"
-            plot_similarity_histogram(cosines, output_dir / "similarity_histogram.png",
-                                      title=f"{split}: {cosines.numel()} images, mean {cosines.mean():.3f}")
+            path = plot_similarity_histogram(cosines, output_dir / "similarity_histogram.png",
+                                             title=f"{split}: {cosines.numel()} images, mean {cosines.mean():.3f}")
+            return [Path(path)] if path is not None else []
+        return []

@@ -259,6 +259,13 @@ class EmbeddingAdapter(nn.Module, ABC):
         `vembed.json` is `info`): what `vembed export` writes. Adapters with an equivalent override this."""
         raise NotImplementedError(f"model_type {cls.model_type!r} has no sentence-transformers equivalent")
 
+    @classmethod
+    def transformers_example(cls, path: str, settings: dict[str, Any], texts: list[str]) -> str | None:
+        """Python that embeds `texts` as this adapter does with plain transformers from the folder `path` (its saved
+        `settings`), ending with an `embeddings` tensor: the model card shows it. None (the default): the embedding
+        needs vembed (its pooling, prompt format or projections are not one transformers model's own output)."""
+        return None
+
     def settings_to_save(self) -> dict[str, Any]:
         """What `vembed.json` records to rebuild this adapter from its folder: the settings but the unsaved ones."""
         return self.settings.model_dump(mode="json", by_alias=True, exclude=set(self.settings.unsaved))

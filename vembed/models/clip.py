@@ -65,6 +65,27 @@ class ClipAdapter(TransformersAdapter):
         return [st.transformer(path, settings, trust_remote_code, processing_kwargs=processing),
                 *st.normalize(settings)]
 
+    @classmethod
+    def transformers_example(cls, path: str, settings: dict[str, Any], texts: list[str]) -> str | None:
+        """The HF model's own text/image features, tokenised as this adapter tokenises (its padding and max_length);
+        only the input_ids and attention_mask reach the text tower."""
+        normalize = "\nembeddings = torch.nn.functional.normalize(embeddings, dim=-1)" if settings.get(
+            "normalize", True) else ""
+        return (
+            "import torch\n"
+            "from transformers import AutoImageProcessor, AutoModel, AutoTokenizer\n"
+            f"model, tokenizer = AutoModel.from_pretrained({path!r}).eval(), AutoTokenizer.from_pretrained({path!r})\n"
+            f"tokens = tokenizer({texts!r}, padding={cls.text_padding!r}, truncation=True, "
+            f"max_length={settings.get('max_length')}, return_tensors=\"pt\")\n"
+            "with torch.no_grad():\n"
+            "    embeddings = model.get_text_features(input_ids=tokens[\"input_ids\"], "
+            "attention_mask=tokens[\"attention_mask\"]).pooler_output"
+            f"{normalize}\n"
+            f"# images: pixels = AutoImageProcessor.from_pretrained({path!r})(images, return_tensors=\"pt\")"
+            "[\"pixel_values\"]\n"
+            "#         model.get_image_features(pixel_values=pixels).pooler_output"
+        )
+
     def encoder_configs(self) -> "dict[str, PretrainedConfig]":
         return {"text": self.model.config.text_config, "image": self.model.config.vision_config}
 

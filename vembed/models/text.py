@@ -52,6 +52,30 @@ class TextAdapter(TransformersAdapter):
         return [st.transformer(path, settings, trust_remote_code),
                 st.pooling(info["embedding_dim"], settings.get("pooling", "mean")), *st.normalize(settings)]
 
+    @classmethod
+    def transformers_example(cls, path: str, settings: dict[str, Any], texts: list[str]) -> str | None:
+        """The encoder's last hidden states, pooled as this adapter pools them (`vembed/models/pooling.py`)."""
+        pooling = settings.get("pooling", "mean")
+        pooled = {
+            "mean": "mask = tokens[\"attention_mask\"].unsqueeze(-1).float()\n"
+                    "embeddings = (hidden * mask).sum(1) / mask.sum(1)  # mean over attended tokens",
+            "cls": "embeddings = hidden[:, 0]  # the first token (right padding)",
+            "last": "last = tokens[\"attention_mask\"].sum(1) - 1  # the last attended token (right padding)\n"
+                    "embeddings = hidden[torch.arange(len(hidden)), last]",
+        }[pooling]
+        normalize = "\nembeddings = torch.nn.functional.normalize(embeddings, dim=-1)" if settings.get(
+            "normalize", True) else ""
+        return (
+            "import torch\n"
+            "from transformers import AutoModel, AutoTokenizer\n"
+            f"model, tokenizer = AutoModel.from_pretrained({path!r}).eval(), AutoTokenizer.from_pretrained({path!r})\n"
+            f"tokens = tokenizer({texts!r}, padding=True, truncation=True, max_length={settings.get('max_length')}, "
+            "return_tensors=\"pt\")\n"
+            "with torch.no_grad():\n"
+            "    hidden = model(**tokens).last_hidden_state\n"
+            f"{pooled}{normalize}"
+        )
+
     def encoder_configs(self) -> "dict[str, PretrainedConfig]":
         return {"text": self.model.config}
 

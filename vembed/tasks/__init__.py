@@ -85,8 +85,14 @@ class Task:
         """The few metrics printed on one line."""
         raise NotImplementedError
 
-    def plots(self, metrics: dict[str, Any], output_dir: Path) -> None:
-        """PNGs of a finished run, from its metrics."""
+    def split_report(self, split: str) -> dict[str, Any] | None:
+        """What was read of a held-out split (rows read, kept, skipped, evaluated; per named source) once
+        `load_eval_split` read it, for the model card; None when the task does not count it."""
+        return None
+
+    def plots(self, metrics: dict[str, Any], output_dir: Path) -> list[Path]:
+        """PNGs of a finished run, from its metrics; the paths written."""
+        return []
 
 
 def task_name_for(recipe: "Recipe") -> str:

@@ -96,6 +96,7 @@ class ContrastiveTask(Task):
     def __init__(self, recipe: "Recipe"):
         super().__init__(recipe)
         _resolve_best_metric(recipe)
+        self._split_reports: dict[str, dict[str, Any]] = {}  # held-out split -> what was read of it
 
     @classmethod
     def check_recipe(cls, recipe: "Recipe", *, for_training: bool = True) -> None:
@@ -213,30 +214,50 @@ class ContrastiveTask(Task):
 
     def load_eval_split(self, split: str) -> "EvalData | dict[str, EvalData]":
         """The records of a held-out split, or its corpus (`CorpusSplit`) where it names a corpus folder; for named
-        sources, a dict name -> either (evaluated one by one)."""
+        sources, a dict name -> either (evaluated one by one). What was read is kept for the model card."""
         from vembed.data.corpus import corpus_sources
-        from vembed.data.sources import load_source_examples
+        from vembed.data.sources import load_rows
 
         data = self.recipe.data
         if getattr(data, split) is None:
             return []
         corpora = corpus_sources(data, split)
         if None in corpora:
-            return corpora[None].load()
+            corpus = corpora[None].load()
+            self._split_reports[split] = _corpus_report(corpus)
+            return corpus
         per_source: dict[Any, Any] = {name: corpus.load() for name, corpus in corpora.items()}
+        counted: dict[str, Any] = {"split": split, "sources": {name: _corpus_report(corpus)
+                                                               for name, corpus in per_source.items()}}
         pairs = {name: source for name, source in (getattr(data, split) or {}).items() if name not in corpora} \
             if corpora else None
         if pairs is None or pairs:
             pair_data = data if pairs is None else data.model_copy(update={split: pairs})
-            per_source.update(load_source_examples(pair_data, split, num_hard_negatives=0))
+            rows, report = load_rows(pair_data, split, num_hard_negatives=0)
+            per_source.update({name: rows[start:stop] for name, start, stop in rows.source_ranges()})
+            # rows read, kept and skipped, plus how many are evaluated (eval_max_samples)
+            read = report.to_dict()
+            if "sources" in read:
+                counted["sources"].update(read["sources"])
+            else:
+                counted = read
         limit = data.eval_max_samples
         for name, examples in per_source.items():
             if isinstance(examples, list):
                 check_images_per_side(self.recipe.model_type, examples)
                 per_source[name] = examples[:limit] if limit else examples
+                (counted["sources"][name] if name is not None else counted)["evaluated"] = len(per_source[name])
+        if "sources" in counted:  # the recipe's order
+            counted["sources"] = {name: counted["sources"][name] for name in getattr(data, split)
+                                  if name in counted["sources"]}
+        self._split_reports[split] = counted
         if list(per_source) == [None]:
             return per_source[None]
         return {name: per_source[name] for name in getattr(data, split) if name in per_source}  # the recipe's order
+
+    def split_report(self, split: str) -> dict[str, Any] | None:
+        """What was read of a held-out split (rows read, kept, skipped, evaluated), for the model card."""
+        return self._split_reports.get(split)
 
     def evaluate(self, model: "nn.Module", data: "list[Example] | dict[str, list[Example]]",
                  accelerator: "Accelerator", prepared: "nn.Module | None" = None) -> dict[str, float]:
@@ -281,12 +302,21 @@ class ContrastiveTask(Task):
                 "corpus/recall@100", "corpus/mrr@10")
         return "  ".join(f"{k}={metrics[k]:.3f}" for k in keys if k in metrics)
 
-    def plots(self, metrics: dict[str, Any], output_dir: Path) -> None:
+    def plots(self, metrics: dict[str, Any], output_dir: Path) -> list[Path]:
         from vembed.evaluation.plots import plot_recall_vs_dim
 
         split = metrics.get("test") or metrics.get("validation")
         if split and self.recipe.loss.mrl_dims:
-            plot_recall_vs_dim(split, output_dir / "recall_vs_dim.png")
+            path = plot_recall_vs_dim(split, output_dir / "recall_vs_dim.png")
+            return [path] if path is not None else []
+        return []
+
+
+def _corpus_report(corpus: "CorpusSplit") -> dict[str, Any]:
+    """A corpus split in the data report's terms: its judged queries are the rows read, kept and evaluated."""
+    where = f"{corpus.folder} (qrels/{corpus.split}.tsv, {len(corpus.corpus)} documents)"
+    n = len(corpus.queries)
+    return {"split": corpus.split, "files": [where], "total": n, "kept": n, "skipped": {}, "evaluated": n}
 
 
 def _check_not_streamed(recipe: "Recipe") -> None:

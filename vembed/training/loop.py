@@ -319,9 +319,11 @@ class Trainer:
         self.build()  # model and data first: if either fails, output_dir is left untouched
         from vembed.training.deepspeed import unsharded_construction
         from vembed.training.sharded_state import count_parameters
-        from vembed.training.start_block import describe_launch, memory_estimate_line
+        from vembed.training.start_block import describe_launch, launch_record, memory_estimate_line
 
         trainable, total = count_parameters(self.objective)
+        self.launch = launch_record(self.plan, acc, recipe, trainable, total,
+                                    contrastive=self.task.uses_gradient_cache)  # for the model card
         acc.print(describe_launch(self.plan, acc, recipe, trainable, total, self.task.batch_lines(self.plan.world_size),
                                   grad_cache_applies=self.task.uses_gradient_cache))
         if acc.is_main_process:
@@ -603,31 +605,13 @@ class Trainer:
         return json.loads(path.read_text()) if path.is_file() else {}
 
     def _finish(self, state: TrainerState, metrics: dict[str, Any]) -> TrainResult:
+        """final/ (the weights first: an evaluation that fails must not cost them), then the evaluation of the trained
+        model, metrics.json and the plots, then the model card that reports them, written into final/."""
         acc, recipe = self.accelerator, self.recipe
         final_dir = self.output_dir / "final"
         self._check_decode_failures()
         acc.wait_for_everyone()
-        from vembed.training.deepspeed import unsharded_construction
-        from vembed.training.sharded_state import gather_full_state_dict
-
-        # Sharded weights (ZeRO-3, FSDP) are gathered by every rank together; rank 0 alone would wait forever.
-        full_state = gather_full_state_dict(acc, self.model) if self.plan.sharded else None
-        if acc.is_main_process:
-            import shutil
-
-            tmp = self.output_dir / ".tmp-final"
-            shutil.rmtree(tmp, ignore_errors=True)
-            if full_state is None:
-                adapter = self.adapter
-            else:
-                with unsharded_construction(acc):
-                    adapter = _adapter_with_weights(recipe, full_state)
-            with writing_checkpoint_files("the final model", self.output_dir, self.checkpoints.last_good, tmp):
-                adapter.save(tmp)
-            shutil.rmtree(final_dir, ignore_errors=True)
-            tmp.rename(final_dir)
-        acc.wait_for_everyone()
-
+        self._save_final(final_dir)
         if self.eval_examples:
             metrics["validation"] = self.evaluate(self.eval_examples)
         if self.test_examples:
@@ -646,10 +630,13 @@ class Trainer:
         metrics["eval_history"] = state.eval_history
         metrics["best"] = {"metric": recipe.metric_for_best_model, "value": state.best_metric,
                            "checkpoint": state.best_checkpoint}
+        plots: list[Path] = []
         if acc.is_main_process:
             with writing_checkpoint_files("metrics.json and plots", self.output_dir, self.checkpoints.last_good):
                 write_json_atomic(self.output_dir / "metrics.json", metrics)
-                self._plots(metrics)
+                plots = self._plots(metrics)
+            with writing_checkpoint_files("the model card", self.output_dir, self.checkpoints.last_good):
+                self._write_card(final_dir, metrics, plots)
             if self.train_report.num_skipped:
                 acc.print(f"warning: {self.train_report.summary()}")
             failures = metrics["train"]["decode_failures"]
@@ -664,11 +651,56 @@ class Trainer:
         acc.wait_for_everyone()
         return TrainResult(self.output_dir, final_dir, metrics, state)
 
-    def _plots(self, metrics: dict[str, Any]) -> None:
+    def _save_final(self, final_dir: Path) -> None:
+        """final/: the full weights (gathered by every rank together when sharded: rank 0 alone would wait forever),
+        written under a temporary name and renamed."""
+        acc, recipe = self.accelerator, self.recipe
+        from vembed.training.deepspeed import unsharded_construction
+        from vembed.training.sharded_state import gather_full_state_dict
+
+        full_state = gather_full_state_dict(acc, self.model) if self.plan.sharded else None
+        if acc.is_main_process:
+            import shutil
+
+            tmp = self.output_dir / ".tmp-final"
+            shutil.rmtree(tmp, ignore_errors=True)
+            if full_state is None:
+                adapter = self.adapter
+            else:
+                with unsharded_construction(acc):
+                    adapter = _adapter_with_weights(recipe, full_state)
+            with writing_checkpoint_files("the final model", self.output_dir, self.checkpoints.last_good, tmp):
+                adapter.save(tmp)
+            shutil.rmtree(final_dir, ignore_errors=True)
+            tmp.rename(final_dir)
+        acc.wait_for_everyone()
+
+    def _write_card(self, final_dir: Path, metrics: dict[str, Any], plots: list[Path]) -> None:
+        """README.md and card.json (what the card was built from, so `vembed export` and later renderings need
+        only the model folder) and the run's plots, into final/ (each file written whole, then renamed)."""
+        from vembed.model_card import build_card, remove_card, write_card
+        from vembed.models.base import read_adapter_file
+
+        data = {"train": self.train_report.to_dict(),
+                **{split: self.task.split_report(split) for split in ("validation", "test")}}
+        try:
+            card = build_card(self.recipe.to_dict(), adapter_info=read_adapter_file(final_dir),
+                              launch=getattr(self, "launch", None) or {},
+                              data={split: report for split, report in data.items() if report},
+                              metrics=metrics, plots=[path.name for path in plots])
+            write_card(final_dir, card, plots_from=self.output_dir, load_path=str(final_dir))
+        except OSError:
+            raise  # a full disk: writing_checkpoint_files reports it, as for the weights
+        except Exception as error:  # noqa: BLE001 - a card that cannot be rendered must not cost the trained model
+            remove_card(final_dir)
+            self.accelerator.print(f"warning: final/ has no model card: {type(error).__name__}: {error}")
+
+    def _plots(self, metrics: dict[str, Any]) -> list[Path]:
         from vembed.evaluation.plots import plot_loss_curve
 
-        plot_loss_curve(metrics["loss_history"], self.output_dir / "loss_curve.png", metrics["eval_history"])
-        self.task.plots(metrics, self.output_dir)
+        loss_curve = plot_loss_curve(metrics["loss_history"], self.output_dir / "loss_curve.png",
+                                     metrics["eval_history"])
+        return [path for path in (loss_curve, *self.task.plots(metrics, self.output_dir)) if path is not None]
 
 
 class _Meter:

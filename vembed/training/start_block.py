@@ -3,7 +3,7 @@ the task), the parameters, and the memory planner's estimate for this launch."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -29,6 +29,25 @@ def describe_launch(plan: "LaunchPlan", accelerator: "Accelerator", recipe: "Rec
     lines += batch_lines
     lines.append(("parameters", f"{trainable:,} trainable / {total:,} total"))
     return "\n".join(f"{label:<20}{value}" for label, value in lines)
+
+
+def launch_record(plan: "LaunchPlan", accelerator: "Accelerator", recipe: "Recipe", trainable: int, total: int, *,
+                  contrastive: bool = True) -> dict[str, Any]:
+    """The start block's figures as data, for the model card: what ran where and how big each batch was.
+    `contrastive`: the task has a contrastive batch (negatives gathered across processes) and can use GradCache."""
+    world = plan.world_size
+    record: dict[str, Any] = {
+        "strategy": plan.strategy, "kind": plan.kind, "world_size": world, "device": accelerator.device.type,
+        "precision": str(accelerator.mixed_precision), "per_device_batch": recipe.batch_size,
+        "gradient_accumulation_steps": recipe.gradient_accumulation_steps,
+        "effective_batch": recipe.batch_size * world * recipe.gradient_accumulation_steps,
+        "lora": recipe.use_lora, "trainable_parameters": trainable, "total_parameters": total,
+    }
+    if contrastive:
+        record["contrastive_batch"] = recipe.batch_size * world
+        record["gradient_cache"] = {"enabled": plan.grad_cache.enabled, "chunk_size": plan.grad_cache.chunk_size,
+                                    "reason": plan.grad_cache.reason}
+    return record
 
 
 def memory_estimate_line(plan: "LaunchPlan", recipe: "Recipe", device_type: str) -> str:
