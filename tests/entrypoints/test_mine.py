@@ -53,9 +53,10 @@ def test_mine_writes_rows_that_training_reads_as_hard_negatives(setup, tmp_path,
         assert row["positive_id"] not in row["negative_ids"] and len(row["negatives"]) == 3
     assert f"{out}: {len(rows)} rows" in printed and "4 block(s) encoded, 0 reused" in printed
 
-    # Mining again (other thresholds) reads every block from the cache.
-    assert _mine(setup, out, "--overwrite", "--range-min", "0") == 0
-    assert "0 block(s) encoded, 4 reused" in capsys.readouterr().out
+    # Mining again (other thresholds; none: complete judgements) reads every block from the cache.
+    assert _mine(setup, out, "--overwrite", "--range-min", "0", "--max-score-ratio", "none") == 0
+    printed = capsys.readouterr().out
+    assert "0 block(s) encoded, 4 reused" in printed and "no score threshold" in printed
 
     from vembed.data.sources import load_examples
     from vembed.recipe import DataConfig

@@ -63,6 +63,9 @@ def test_negatives_skip_positives_and_keep_the_rank_window_below_the_threshold()
     # Ratio 1: only candidates above the positive itself go (d99 is outside the window already, d90 goes).
     (loose,) = select_negatives(found, [[names.index("pos")]], [0.8], MiningSettings(1, 6, 1.0, 4))
     assert [names[i] for i in loose.negatives] == ["d78", "d75", "d70", "d60"]
+    # No threshold (complete judgements): the window alone decides, d90 included.
+    (unfiltered,) = select_negatives(found, [[names.index("pos")]], [0.8], MiningSettings(1, 6, None, 4))
+    assert [names[i] for i in unfiltered.negatives] == ["d90", "d78", "d75", "d70"]
 
 
 def _folder(tmp_path, documents: dict[str, str], queries: dict[str, str], qrels: dict[str, dict[str, int]]):

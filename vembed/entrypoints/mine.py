@@ -29,9 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--range-max", "--range_max", type=int, default=DEFAULTS.range_max,
                         help=f"look no further than this rank among non-relevant documents (default "
                              f"{DEFAULTS.range_max})")
-    parser.add_argument("--max-score-ratio", "--max_score_ratio", type=float, default=DEFAULTS.max_score_ratio,
+    parser.add_argument("--max-score-ratio", "--max_score_ratio", type=_ratio, default=DEFAULTS.max_score_ratio,
                         help="drop candidates scoring above this fraction of the query's lowest positive score "
-                             f"(NV-Retriever's TopK-PercPos; default {DEFAULTS.max_score_ratio})")
+                             f"(NV-Retriever's TopK-PercPos; default {DEFAULTS.max_score_ratio}); none: no threshold "
+                             "(only for corpora whose judgements are complete)")
     parser.add_argument("--num-negatives", "--num_negatives", type=int, default=DEFAULTS.num_negatives,
                         help=f"negatives per row; queries with fewer left are left out (default "
                              f"{DEFAULTS.num_negatives})")
@@ -52,6 +53,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-remote-code", "--trust_remote_code", action="store_true",
                         help="let the model folder run Python code it ships (only for folders you trust)")
     parser.add_argument("--debug", action="store_true")
+
+
+def _ratio(text: str) -> float | None:
+    """A number, or none/off: no threshold. Range checks are MiningSettings.check's (one line, exit 2)."""
+    if text.strip().lower() in ("none", "off"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number nor none") from None
 
 
 def settings_of(args: argparse.Namespace) -> MiningSettings:
@@ -110,10 +121,11 @@ def run(args: argparse.Namespace) -> int:
                        f"{settings.range_min}-{settings.range_max}")
             where = (f"; cache {cache.folder}: {stats.blocks_encoded} block(s) encoded, {stats.blocks_reused} reused"
                      f"{' (emptied: model or corpus changed)' if cache.invalidated else ''}" if cache else "")
+            rule = (f"the threshold ({settings.max_score_ratio} x the lowest positive's score) dropped {dropped}"
+                    if settings.max_score_ratio is not None else f"no score threshold ({stats.candidates} candidates)")
             print(f"{out}: {len(rows)} rows from {stats.mined} of {stats.queries} queries, {settings.num_negatives} "
-                  f"negatives each; the threshold ({settings.max_score_ratio} x the lowest positive's score) dropped "
-                  f"{dropped}; {stats.too_few} queries had fewer than {settings.num_negatives} negatives left and "
-                  f"were left out; search: {'faiss' if use_faiss else 'exact (torch)'}{where}")
+                  f"negatives each; {rule}; {stats.too_few} queries had fewer than {settings.num_negatives} "
+                  f"negatives left and were left out; search: {'faiss' if use_faiss else 'exact (torch)'}{where}")
         accelerator.wait_for_everyone()
         return 0
 

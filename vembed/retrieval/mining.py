@@ -22,6 +22,7 @@ The two filters, and where their defaults come from:
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 from collections.abc import Iterable, Iterator, Sequence
@@ -53,7 +54,10 @@ class MiningSettings:
 
     range_min: int = 10  # skip this many closest non-relevant documents (likely unjudged positives)
     range_max: int = 100  # consider candidates up to this rank (exclusive), counted among non-relevant documents
-    max_score_ratio: float = 0.95  # keep a candidate only if its score <= this x the query's lowest positive score
+    # Keep a candidate only if its score <= this x the query's lowest positive score. None: no threshold, for corpora
+    # whose judgements are complete (synthetic ones), where a document scored near or above the positive is a true
+    # negative and the most useful one (see docs/benchmarks.md: on such a corpus 0.95 drops exactly those).
+    max_score_ratio: float | None = 0.95
     num_negatives: int = 7  # negatives per training row (7 + the positive = BGE's train_group_size 8)
     sampling: str = "top"  # "top": the closest kept candidates; "random": a seeded sample of them (FlagEmbedding)
     seed: int = 0  # for sampling="random"
@@ -64,7 +68,7 @@ class MiningSettings:
             raise RecipeError("--range-min", f"must be at least 0, got {self.range_min}")
         if self.range_min >= self.range_max:
             raise RecipeError("--range-min", f"must be below --range-max ({self.range_max}), got {self.range_min}")
-        if not 0 < self.max_score_ratio <= 1:
+        if self.max_score_ratio is not None and not 0 < self.max_score_ratio <= 1:
             raise RecipeError("--max-score-ratio", f"must be in (0, 1] (a fraction of the positive's score), got "
                                                    f"{self.max_score_ratio}")
         if self.num_negatives < 1:
@@ -116,7 +120,8 @@ def select_negatives(found: TopK, positives: Sequence[Iterable[int]], positive_s
         relevant = set(relevant)
         candidates = [(i, s) for i, s in zip(indices[q], scores[q]) if i >= 0 and i not in relevant]
         window = candidates[settings.range_min : settings.range_max]
-        threshold = score_threshold(positive_scores[q], settings.max_score_ratio)
+        threshold = (math.inf if settings.max_score_ratio is None
+                     else score_threshold(positive_scores[q], settings.max_score_ratio))
         kept = [(i, s) for i, s in window if s <= threshold]
         stats.queries += 1
         stats.candidates += len(window)
