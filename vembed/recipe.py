@@ -152,9 +152,22 @@ class SourceConfig(_Strict):
     query_prompt: str | None = None
     # qwen_vl: the system-turn instruction of this source's queries (instead of the recipe's query_instruction).
     query_instruction: str | None = None
+    # A corpus folder (`files`: a folder with corpus.jsonl, queries.jsonl, qrels/): which qrels/<split>.tsv judges
+    # this source. Unset: data.qrels_splits of the split the source is in.
+    qrels_split: str | None = None
 
 
 SplitValue = str | list[str] | dict[str, SourceConfig] | None
+
+
+class QrelsSplits(_Strict):
+    """Which qrels/<name>.tsv of a corpus folder (vembed/data/corpus.py) each data split reads, when it names one.
+    No fallback: a folder without the named file is an error listing the splits it has (BEIR sets without dev, such
+    as SciFact, must say `validation: test` on purpose: choosing the best checkpoint on test leaks the test set)."""
+
+    train: str = "train"
+    validation: str = "dev"
+    test: str = "test"
 
 
 class DataConfig(_Strict):
@@ -189,6 +202,13 @@ class DataConfig(_Strict):
     # Records sharing a `label` (data.columns.label) are not each other's in-batch negatives (InfoNCE, SigLIP): with
     # 10 classes at batch 64, most in-batch "negatives" would otherwise be the same class.
     mask_same_label: bool = True
+    # Corpus folders (BEIR layout: corpus.jsonl, queries.jsonl, qrels/<split>.tsv) given as data.train/validation/test
+    # are recognised by their files; this names the qrels split each reads (a named source: its own qrels_split).
+    qrels_splits: QrelsSplits = Field(default_factory=QrelsSplits)
+    # data.train as a corpus folder: mined hard negatives by id, a JSONL of {"query_id", "positive_id" (or a list
+    # "positive_ids", or neither: every positive of the query), "negative_ids": [...]} (what `mine` writes); each
+    # record keeps num_hard_negatives of its row's (pairs with fewer are skipped and counted).
+    hard_negatives: str | None = None
 
     @field_validator("train", "validation", "test", mode="before")
     @classmethod
@@ -240,6 +260,7 @@ class DataConfig(_Strict):
                 image_root=pick("image_root", self.image_root),
                 num_hard_negatives=pick("num_hard_negatives", self.num_hard_negatives), weight=source.weight,
                 query_prompt=pick("query_prompt", None), query_instruction=pick("query_instruction", None),
+                qrels_split=source.qrels_split or getattr(self.qrels_splits, split),
             )
         return filled
 

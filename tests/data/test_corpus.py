@@ -55,3 +55,49 @@ def test_duplicate_ids_missing_split_and_broken_lines_are_named(tmp_path):
         handle.write('{"_id": "d1", "text": "x"}\n{broken\n')
     with pytest.raises(DataError, match=r"row 2: not JSON"):
         load_corpus_split(root, "test")
+
+
+# --- training pairs of a corpus folder -----------------------------------------------------------------------------
+
+
+def test_corpus_pairs_are_one_record_per_relevant_document_with_negatives_by_id(tmp_path):
+    from corpora import make_corpus_folder, write_negatives
+
+    from vembed.data.corpus import CorpusPairs, read_hard_negatives
+
+    split = load_corpus_split(make_corpus_folder(tmp_path / "c"), "train")
+    negatives = read_hard_negatives(write_negatives(tmp_path / "negatives.jsonl"), split)
+    pairs = CorpusPairs(split, negatives, num_negatives=2)
+    ids = [pairs.ids(i) for i in range(len(pairs))]
+    assert ids[:3] == [("q0", "d0", ["d1", "d3"]), ("q0", "d6", ["d7", "d9"]), ("q2", "d2", ["d3", "d5"])]
+    assert ("q18", "d24", ["d19", "d20"]) in ids and ("q24", "d30", ["d25", "d27"]) in ids
+    assert len(pairs) == pairs.total == 13  # every (query, grade > 0 document) judgement of qrels/train.tsv
+    record = pairs[0]
+    assert record.query.text == "a photo of a red square" and record.positive.text == "square a red square on blue"
+    assert [n.text for n in record.negatives] == [split.corpus.sides[1].text, split.corpus.sides[3].text]
+    assert record.positive.role == "document" and record.query.role == "query"
+    # Relevance groups: one query's pairs, and queries sharing a relevant document (q18, q24: d24), share a label.
+    label = {pair: pairs[i].label for i, pair in enumerate((q, d) for q, d, _ in ids)}
+    assert label[("q0", "d0")] == label[("q0", "d6")]
+    assert label[("q18", "d18")] == label[("q24", "d30")] != label[("q0", "d0")]
+    assert len(set(label.values())) == 9
+    # Pairs with fewer negatives than asked are left out (q0/d0 keeps 3 after dropping its relevant d6).
+    three = CorpusPairs(split, negatives, 3)
+    assert [three.ids(i)[:2] for i in range(len(three))] == [("q0", "d0"), ("q18", "d18"), ("q18", "d24")]
+    assert three.too_few == 10
+
+
+def test_bad_negative_rows_are_one_line(tmp_path):
+    from corpora import make_corpus_folder
+
+    from vembed.data.corpus import read_hard_negatives
+
+    split = load_corpus_split(make_corpus_folder(tmp_path / "c"), "train")
+    path = tmp_path / "negatives.jsonl"
+    for text, words in (('{"query_id": "q0", "negative_ids": ["d1", "nope"]}', "row 1: negative 'nope' is not in"),
+                        ('{"query_id": "q0"}', "row 1: needs 'query_id' and a list 'negative_ids'"),
+                        ('{"query_id": "q0", "negative_ids": []}\n{"query_id": "q0", "negative_ids": ["d1"]}',
+                         "row 2: repeats the negatives of query 'q0'")):
+        path.write_text(text + "\n")
+        with pytest.raises(DataError, match=words):
+            read_hard_negatives(path, split)

@@ -20,9 +20,13 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from vembed.data.records import Side
-from vembed.errors import DataError
+from vembed.errors import DataError, RecipeError
+
+if TYPE_CHECKING:
+    from vembed.recipe import DataConfig
 
 CORPUS_FILE = "corpus.jsonl"
 QUERIES_FILE = "queries.jsonl"
@@ -39,6 +43,46 @@ def is_corpus_folder(path: str | os.PathLike) -> bool:
 def qrels_splits(path: str | os.PathLike) -> list[str]:
     """The splits a corpus folder judges (the names of its qrels/*.tsv files), sorted."""
     return sorted(p.stem for p in (Path(path) / QRELS_DIR).glob("*.tsv"))
+
+
+@dataclass(frozen=True)
+class CorpusSource:
+    """A split (or one named source of it) that names a corpus folder: where, which qrels split, the recipe key."""
+
+    name: str | None
+    folder: str
+    qrels_split: str
+    image_root: str | None
+    key: str  # the recipe key that sets qrels_split, for messages
+
+    def check(self) -> None:
+        """The folder judges `qrels_split` (one line naming the key and the splits it has, before anything loads)."""
+        if not (Path(self.folder) / QRELS_DIR / f"{self.qrels_split}.tsv").is_file():
+            have = ", ".join(qrels_splits(self.folder)) or "none"
+            raise RecipeError(self.key, f"corpus folder {self.folder} has no {QRELS_DIR}/{self.qrels_split}.tsv "
+                                        f"(splits here: {have}); set {self.key} to one of them")
+
+    def load(self) -> "CorpusSplit":
+        return load_corpus_split(self.folder, self.qrels_split, self.image_root, key=self.key)
+
+
+def corpus_sources(data: "DataConfig", split: str) -> "dict[str | None, CorpusSource]":
+    """The parts of `data.<split>` that are corpus folders: `{None: ...}` for a split that is one folder, else the
+    named sources whose `files` is one (keyed by name). Other parts (pair files) are not listed."""
+    value = getattr(data, split)
+    sources = data.sources(split)
+    if sources is None:
+        if _one_folder(value):
+            return {None: CorpusSource(None, str(value), getattr(data.qrels_splits, split), data.image_root,
+                                       f"data.qrels_splits.{split}")}
+        return {}
+    return {name: CorpusSource(name, str(source.files), source.qrels_split, source.image_root,
+                               f"data.{split}.{name}.qrels_split")
+            for name, source in sources.items() if _one_folder(source.files)}
+
+
+def _one_folder(value: Any) -> bool:
+    return isinstance(value, (str, os.PathLike)) and is_corpus_folder(value)
 
 
 @dataclass
@@ -216,3 +260,138 @@ def write_corpus_folder(folder: str | os.PathLike, documents: dict[str, dict], q
         rows += [f"{q}\t{d}\t{grade}\n" for q, docs in judged.items() for d, grade in docs.items()]
         write(root / QRELS_DIR / f"{split}.tsv", "".join(rows))
     return root
+
+
+# --- training on a corpus folder -----------------------------------------------------------------------------------
+
+
+def read_hard_negatives(path: str | os.PathLike, split: CorpusSplit) -> dict[tuple[str, str | None], list[int]]:
+    """Mined negatives by id, one JSONL row per query (or per query and positive):
+    `{"query_id": "q1", "positive_id": "d1", "negative_ids": ["d7", "d9"]}` (`positive_ids`: a list; neither: the
+    negatives of every positive of the query). Returns `{(query_id, positive_id or None): corpus positions}`.
+
+    Unknown ids are a DataError naming the row; negatives the qrels judge relevant to the query are dropped (a mined
+    "negative" that is a known positive would teach the model the opposite of the judgement).
+    """
+    path = Path(path)
+    found: dict[tuple[str, str | None], list[int]] = {}
+    for line_number, row in _jsonl(path):
+        query = row.get("query_id")
+        negatives = row.get("negative_ids")
+        if query is None or not isinstance(negatives, list):
+            raise DataError("needs 'query_id' and a list 'negative_ids'", str(path), line_number)
+        query = str(query)
+        positives = row.get("positive_ids", [row["positive_id"]] if row.get("positive_id") is not None else [None])
+        if not isinstance(positives, list):
+            raise DataError("'positive_ids' must be a list of corpus ids", str(path), line_number)
+        relevant = split.relevant(query)
+        positions = []
+        for negative in map(str, negatives):
+            if negative not in split.corpus.index:
+                raise DataError(f"negative {negative!r} is not in {CORPUS_FILE}", str(path), line_number)
+            if negative not in relevant:
+                positions.append(split.corpus.index[negative])
+        for positive in positives:
+            key = (query, None if positive is None else str(positive))
+            if key in found:
+                raise DataError(f"repeats the negatives of query {query!r}"
+                                + (f", positive {key[1]!r}" if key[1] else ""), str(path), line_number)
+            found[key] = positions
+    return found
+
+
+class CorpusPairs:
+    """`Sequence[Example]` of a corpus folder's training split: one record per (query, relevant document) pair,
+    made on fetch from the one copy of the corpus (documents are referred to by position, never copied per row).
+
+    One record per pair, not per query: every judged positive is trained on each epoch, the samplers see a fixed
+    number of records, and pairs behave as the rows of a pairs file would. A record's `label` is its relevance group
+    (queries and documents connected by judgements, `data.mask_same_label`): two queries sharing a relevant
+    document, or one query's pairs, are not each other's in-batch negatives.
+    """
+
+    def __init__(self, split: CorpusSplit, negatives: dict[tuple[str, str | None], list[int]] | None = None,
+                 num_negatives: int = 0, source_name: str | None = None):
+        import numpy as np
+
+        self.split, self.num_negatives, self.source_name = split, num_negatives, source_name
+        pairs = [(split.queries.index[q], split.corpus.index[d], q, d)
+                 for q in split.queries.ids for d, grade in split.qrels[q].items() if grade > 0]
+        groups = _relevance_groups([(q, d) for _, _, q, d in pairs])
+        kept, self.too_few = [], 0
+        negative_rows: list[list[int]] = []
+        for query_pos, doc_pos, q, d in pairs:
+            found = (negatives or {}).get((q, d), (negatives or {}).get((q, None), []))
+            if len(found) < num_negatives:
+                self.too_few += 1
+                continue
+            kept.append((query_pos, doc_pos, groups[q]))
+            negative_rows.append(found[:num_negatives])
+        self.total = len(pairs)
+        self.queries = np.asarray([k[0] for k in kept], dtype=np.int64)
+        self.documents = np.asarray([k[1] for k in kept], dtype=np.int64)
+        self.groups = np.asarray([k[2] for k in kept], dtype=np.int64)
+        self.negatives = np.asarray(negative_rows, dtype=np.int64).reshape(len(kept), num_negatives)
+
+    def __len__(self) -> int:
+        return len(self.queries)
+
+    def __getitem__(self, index: Any) -> Any:
+        from dataclasses import replace
+
+        from vembed.data.records import Example
+
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        sides = self.split.corpus.sides
+        query = self.split.queries.sides[int(self.queries[index])]
+        # Copies of the sides (small: text and a path), so a collator that edits one cannot change the corpus.
+        return Example(query=replace(query), positive=replace(sides[int(self.documents[index])]),
+                       negatives=[replace(sides[int(i)]) for i in self.negatives[index]],
+                       label=f"corpus-group-{int(self.groups[index])}", row=int(index) + 1,
+                       source=self.split.folder, source_name=self.source_name)
+
+    def source_ranges(self) -> list[tuple[str | None, int, int]]:
+        return [(self.source_name, 0, len(self))]
+
+    def ids(self, index: int) -> tuple[str, str, list[str]]:
+        """(query id, positive id, negative ids) of record `index`, for reports and tests."""
+        corpus = self.split.corpus.ids
+        return (self.split.queries.ids[int(self.queries[index])], corpus[int(self.documents[index])],
+                [corpus[int(i)] for i in self.negatives[index]])
+
+    # What the run checks over every record, from the corpus (no record is made).
+    def every_record_has(self, modalities: frozenset[str]) -> bool:
+        used = [self.split.queries.sides[int(i)] for i in set(self.queries.tolist())]
+        used += [self.split.corpus.sides[int(i)] for i in set(self.documents.tolist())]
+        have = {"text": all(s.text for s in used), "image": all(s.image for s in used)}
+        return all(have[m] for m in modalities) if used else False
+
+    def most_images_per_side(self) -> tuple[int, int | None]:
+        return (1, 0) if any(s.image for s in self.split.corpus.sides + self.split.queries.sides) else (0, None)
+
+    def duplicate_keys(self) -> tuple[Any, Any]:
+        """Per record, ids of the items it holds (query, positive, negatives): equal ids for the same query or document,
+        what the no-duplicates sampler compares."""
+        import numpy as np
+
+        n_docs = len(self.split.corpus)
+        keys = np.concatenate([self.queries[:, None] + n_docs, self.documents[:, None], self.negatives], axis=1)
+        width = keys.shape[1]
+        return np.arange(0, len(keys) * width + 1, width, dtype=np.int64), keys.reshape(-1)
+
+
+def _relevance_groups(pairs: list[tuple[str, str]]) -> dict[str, int]:
+    """Each query's connected component of the query-document judgement graph (union-find), numbered from 0."""
+    parent: dict[str, str] = {}
+
+    def find(item: str) -> str:
+        while parent.setdefault(item, item) != item:
+            parent[item] = parent[parent[item]]
+            item = parent[item]
+        return item
+
+    for query, doc in pairs:
+        parent[find("q:" + query)] = find("d:" + doc)
+    numbers: dict[str, int] = {}
+    return {query: numbers.setdefault(find("q:" + query), len(numbers)) for query, _ in pairs}

@@ -73,20 +73,33 @@ def resolve_files(
 
 def check_data_paths(data: "DataConfig", splits: Sequence[str] = ("train", "validation", "test")) -> None:
     """Every file, glob or directory the recipe's `data.<split>` names exists (and `data.image_root`), before anything
-    is built; a RecipeError names the first that does not."""
+    is built; a RecipeError names the first that does not. A corpus folder must judge its qrels split."""
+    from vembed.data.corpus import corpus_sources
+
     for split in splits:
         value = getattr(data, split)
         if value is None:
             continue
+        corpora = corpus_sources(data, split)
+        for corpus in corpora.values():
+            corpus.check()
         sources = data.sources(split)
-        if sources is None:
+        if sources is None and None not in corpora:
             resolve_files(value, data.format, key=f"data.{split}")
         for name, source in (sources or {}).items():
+            if name in corpora:
+                continue
             resolve_files(source.files, source.format, key=f"data.{split}.{name}.files")
             if source.image_root is not None and not os.path.isdir(source.image_root):
                 raise RecipeError(f"data.{split}.{name}.image_root", f"directory {source.image_root!r} not found")
     if data.image_root is not None and not os.path.isdir(data.image_root):
         raise RecipeError("data.image_root", f"directory {data.image_root!r} not found")
+    if data.hard_negatives is not None and "train" in splits:
+        if None not in corpus_sources(data, "train"):
+            raise RecipeError("data.hard_negatives", "gives negatives by id for a corpus folder; data.train is not "
+                                                     "one (pairs files carry their negatives in a column)")
+        if not os.path.isfile(data.hard_negatives):
+            raise RecipeError("data.hard_negatives", f"file {data.hard_negatives!r} not found")
 
 
 def _resolve_one(item: str, format: str, key: str) -> list[str]:
@@ -398,6 +411,15 @@ def load_rows(
     value = getattr(data_cfg, split, None)
     if value is None:
         raise RecipeError(f"data.{split}", "is not set; point it at a JSONL/CSV/Parquet file, glob or directory")
+    from vembed.data.corpus import corpus_sources
+
+    corpora = corpus_sources(data_cfg, split)
+    if corpora:
+        wanted = num_hard_negatives if num_hard_negatives is not None else data_cfg.num_hard_negatives
+        return _load_corpus_pairs(data_cfg, split, corpora, wanted)
+    if data_cfg.hard_negatives is not None and split == "train":
+        raise RecipeError("data.hard_negatives", "gives negatives by id for a corpus folder; data.train is not one "
+                                                 "(pairs files carry their negatives in a column)")
     sources = data_cfg.sources(split)
     if sources is None:
         wanted = num_hard_negatives if num_hard_negatives is not None else data_cfg.num_hard_negatives
@@ -411,6 +433,45 @@ def load_rows(
                                     source.image_root, wanted, data_cfg.max_bad_fraction, settings)
     rows = PairRows.concat([rows for rows, _ in loaded.values()])
     return rows, SourcesReport(split, {name: report for name, (_, report) in loaded.items()})
+
+
+def _load_corpus_pairs(data_cfg: "DataConfig", split: str, corpora: dict, wanted: int | None
+                       ) -> "tuple[Any, DataReport]":
+    """A corpus folder's (query, relevant document) pairs (vembed/data/corpus.py, `CorpusPairs`), with hard
+    negatives by id from data.hard_negatives."""
+    from vembed.data.corpus import CorpusPairs, read_hard_negatives
+
+    if None not in corpora:
+        name = next(iter(corpora))
+        raise RecipeError(f"data.{split}.{name}.files", "a corpus folder is not yet a named source of training data; "
+                                                        f"give it as data.{split} itself")
+    corpus = corpora[None].load()
+    path = data_cfg.hard_negatives if split == "train" else None
+    if path is not None and not os.path.isfile(path):
+        raise RecipeError("data.hard_negatives", f"file {path!r} not found")
+    negatives = read_hard_negatives(path, corpus) if path is not None else None
+    if wanted is None:  # the smallest number any pair has, as for pairs files
+        counts = [len(found) for found in (negatives or {}).values()]
+        wanted = min(counts) if counts and _every_pair_listed(corpus, negatives) else 0
+    pairs = CorpusPairs(corpus, negatives, wanted)
+    files = [corpus.folder] + ([path] if path else [])
+    report = DataReport(split=split, files=files, total=pairs.total, kept=len(pairs), num_hard_negatives=wanted)
+    if pairs.too_few:
+        report.skip(path or corpus.folder, 0, "too_few_negatives",
+                    f"{pairs.too_few} (query, positive) pairs have fewer than {wanted} negatives")
+        report.skipped["too_few_negatives"] = pairs.too_few
+    if not len(pairs):
+        raise DataError(f"no (query, relevant document) pair of qrels/{corpus.split}.tsv is usable"
+                        + (f" ({pairs.too_few} have fewer than {wanted} hard negatives)" if pairs.too_few else ""),
+                        corpus.folder)
+    _check_bad_fraction(report, data_cfg.max_bad_fraction)
+    logger.info(report.summary())
+    return pairs, report
+
+
+def _every_pair_listed(corpus: Any, negatives: dict) -> bool:
+    return all((q, d) in negatives or (q, None) in negatives
+               for q in corpus.queries.ids for d, grade in corpus.qrels[q].items() if grade > 0)
 
 
 def load_examples(

@@ -1,4 +1,6 @@
-"""Evaluate a saved model on a data file: `vembed eval MODEL_DIR DATA [--image-root DIR] [--output metrics.json]`."""
+"""Evaluate a saved model on a data file: `vembed eval MODEL_DIR DATA [--image-root DIR] [--output metrics.json]`;
+or on a corpus folder (corpus.jsonl, queries.jsonl, qrels/): `vembed eval MODEL_DIR FOLDER --split test` searches every
+judged query against the whole corpus and reports nDCG@10, recall@1/10/100, MAP@100 and MRR@10 (`corpus/...`)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="column mapping, e.g. --column query=caption --column positive_image=file")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--mrl-dims", type=int, nargs="+", help="also report metrics at these truncated sizes")
-    parser.add_argument("--max-samples", type=int, help="evaluate on at most this many records")
+    parser.add_argument("--max-samples", type=int, help="evaluate on at most this many records (corpus folder: "
+                                                        "queries; the corpus stays whole)")
+    parser.add_argument("--split", help="a corpus folder's qrels split (qrels/<split>.tsv; default: test)")
     parser.add_argument("--output", help="write the metrics as JSON here")
     parser.add_argument("--trust-remote-code", "--trust_remote_code", action="store_true",
                         help="let the model folder run Python code it ships (only for folders you trust)")
@@ -25,46 +29,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vembed.entrypoints import quiet_libraries, run_cli
+    from vembed.entrypoints import run_cli
 
     def body() -> int:
-        from vembed.data.sources import check_data_paths, load_examples
         from vembed.errors import RecipeError
-        from vembed.models.base import load_adapter
-        from vembed.recipe import ColumnMap, DataConfig
-        from vembed.tasks.contrastive import check_images_per_side
 
         for flag, value in (("--batch-size", args.batch_size), ("--max-samples", args.max_samples)):
             if value is not None and value < 1:
                 raise RecipeError(flag, f"must be at least 1, got {value}")
         if args.output:
             _check_output_file(Path(args.output))
-        columns = {}
-        for item in args.column:
-            if "=" not in item:
-                raise RecipeError("--column", f"{item!r} is not FIELD=COLUMN (e.g. query=caption)")
-            field, column = item.split("=", 1)
-            columns[field] = column
-        try:
-            data = DataConfig(test=args.data, image_root=args.image_root, format=args.format,
-                              columns=ColumnMap(**columns), max_bad_fraction=1.0)
-        except Exception as err:  # pydantic's message names the field
-            raise RecipeError("--column", str(err).splitlines()[-1]) from None
-        check_data_paths(data, ("test",))  # the checks a recipe's data gets
-        quiet_libraries()
-        adapter = load_adapter(args.model_dir, trust_remote_code=args.trust_remote_code)
-        too_big = [d for d in args.mrl_dims or () if not 0 < d <= adapter.embedding_dim]
-        if too_big:
-            raise RecipeError("--mrl-dims", f"{too_big} are not in 1..{adapter.embedding_dim}, the model's "
-                                            "embedding size")
-        examples, report = load_examples(data, "test", num_hard_negatives=0)
-        check_images_per_side(adapter.model_type, examples)
-        if args.max_samples:
-            examples = examples[: args.max_samples]
-        from vembed.evaluation.retrieval import evaluate_retrieval
+        from vembed.data.corpus import is_corpus_folder
 
-        metrics = evaluate_retrieval(adapter, examples, batch_size=args.batch_size, mrl_dims=args.mrl_dims,
-                                     show_progress=True)
+        if len(args.data) == 1 and is_corpus_folder(args.data[0]):
+            metrics = _evaluate_corpus(args)
+        else:
+            if args.split is not None:
+                raise RecipeError("--split", f"names a qrels split of a corpus folder; {' '.join(args.data)} is not "
+                                             "one (a corpus folder holds corpus.jsonl, queries.jsonl and qrels/)")
+            metrics = _evaluate_pairs(args)
         text = json.dumps(metrics, indent=2)
         print(text)
         if args.output:
@@ -75,6 +58,61 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     return run_cli(body, args.debug)
+
+
+def _evaluate_corpus(args: argparse.Namespace) -> dict[str, float]:
+    from vembed.data.corpus import CorpusSource
+    from vembed.entrypoints import quiet_libraries
+    from vembed.errors import RecipeError
+    from vembed.evaluation.corpus import evaluate_corpus
+    from vembed.models.base import load_adapter
+
+    for flag, value in (("--mrl-dims", args.mrl_dims), ("--column", args.column)):
+        if value:
+            raise RecipeError(flag, "applies to pair files, not to a corpus folder")
+    source = CorpusSource(None, args.data[0], args.split or "test", args.image_root, "--split")
+    source.check()
+    quiet_libraries()
+    adapter = load_adapter(args.model_dir, trust_remote_code=args.trust_remote_code)
+    split = source.load()
+    return evaluate_corpus(adapter, split, batch_size=args.batch_size, max_queries=args.max_samples,
+                           show_progress=True)
+
+
+def _evaluate_pairs(args: argparse.Namespace) -> dict[str, float]:
+    from vembed.data.sources import check_data_paths, load_examples
+    from vembed.entrypoints import quiet_libraries
+    from vembed.errors import RecipeError
+    from vembed.models.base import load_adapter
+    from vembed.recipe import ColumnMap, DataConfig
+    from vembed.tasks.contrastive import check_images_per_side
+
+    columns = {}
+    for item in args.column:
+        if "=" not in item:
+            raise RecipeError("--column", f"{item!r} is not FIELD=COLUMN (e.g. query=caption)")
+        field, column = item.split("=", 1)
+        columns[field] = column
+    try:
+        data = DataConfig(test=args.data, image_root=args.image_root, format=args.format,
+                          columns=ColumnMap(**columns), max_bad_fraction=1.0)
+    except Exception as err:  # pydantic's message names the field
+        raise RecipeError("--column", str(err).splitlines()[-1]) from None
+    check_data_paths(data, ("test",))  # the checks a recipe's data gets
+    quiet_libraries()
+    adapter = load_adapter(args.model_dir, trust_remote_code=args.trust_remote_code)
+    too_big = [d for d in args.mrl_dims or () if not 0 < d <= adapter.embedding_dim]
+    if too_big:
+        raise RecipeError("--mrl-dims", f"{too_big} are not in 1..{adapter.embedding_dim}, the model's "
+                                        "embedding size")
+    examples, report = load_examples(data, "test", num_hard_negatives=0)
+    check_images_per_side(adapter.model_type, examples)
+    if args.max_samples:
+        examples = examples[: args.max_samples]
+    from vembed.evaluation.retrieval import evaluate_retrieval
+
+    return evaluate_retrieval(adapter, examples, batch_size=args.batch_size, mrl_dims=args.mrl_dims,
+                              show_progress=True)
 
 
 def _check_output_file(path: Path) -> None:

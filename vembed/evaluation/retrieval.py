@@ -191,6 +191,14 @@ def _corpus_and_relevance(examples: Sequence["Example"]) -> tuple[list["Side"], 
     return docs, GroupRelevance(torch.tensor(query_groups), torch.tensor(doc_groups))
 
 
+def retrieval_metric_names(mrl_dims: Sequence[int] | None = None, ks: Sequence[int] = (1, 5, 10)) -> list[str]:
+    """The metric keys `evaluate_retrieval` returns (without the counts), for checking a recipe's
+    metric_for_best_model before training."""
+    names = [f"recall@{k}" for k in ks] + ["mrr", f"ndcg@{NDCG_K}"]
+    return [f"{direction}/{prefix}{name}" for prefix in [""] + [f"dim{d}/" for d in mrl_dims or ()]
+            for direction in ("q2d", "d2q") for name in names]
+
+
 def evaluate_retrieval(
     adapter: "EmbeddingAdapter",
     examples: Sequence["Example"],

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from vembed.errors import DataError, RecipeError
+from vembed.errors import DataError, RecipeError, did_you_mean
 from vembed.losses.base import EmbeddingLoss
 from vembed.models.base import EmbeddingAdapter
 from vembed.tasks import TASKS, Task
@@ -18,7 +18,10 @@ if TYPE_CHECKING:
 
     from accelerate import Accelerator
 
+    from vembed.data.corpus import CorpusSplit
     from vembed.data.records import Example
+
+    EvalData = list[Example] | CorpusSplit
     from vembed.recipe import Recipe
     from vembed.training.stages import Stage
 
@@ -90,6 +93,10 @@ class ContrastiveTask(Task):
     name = "contrastive"
     uses_gradient_cache = True
 
+    def __init__(self, recipe: "Recipe"):
+        super().__init__(recipe)
+        _resolve_best_metric(recipe)
+
     @classmethod
     def check_recipe(cls, recipe: "Recipe", *, for_training: bool = True) -> None:
         from vembed.data.sources import check_data_paths
@@ -108,6 +115,7 @@ class ContrastiveTask(Task):
         adapter_cls = MODELS.get(recipe.model_type)
         adapter_cls.check_recipe(recipe)
         _check_source_and_stage_keys(recipe, adapter_cls)
+        _resolve_best_metric(recipe, check=True)
         dim = adapter_cls.embedding_dim_for(recipe)  # reads the config only: a bad model_name fails here, cheaply
         if recipe.loss.mrl_dims:
             too_big = [d for d in recipe.loss.mrl_dims if d > dim]
@@ -203,20 +211,32 @@ class ContrastiveTask(Task):
         return ShardStream(self.stream_backend, self.stream_shards, decoder, collate,
                            batch_size=recipe.batch_size, seed=recipe.seed, shuffle_buffer=data.shuffle_buffer)
 
-    def load_eval_split(self, split: str) -> "list[Example] | dict[str, list[Example]]":
-        """The records of a held-out split; for named sources, a dict name -> records (evaluated one by one)."""
+    def load_eval_split(self, split: str) -> "EvalData | dict[str, EvalData]":
+        """The records of a held-out split, or its corpus (`CorpusSplit`) where it names a corpus folder; for named
+        sources, a dict name -> either (evaluated one by one)."""
+        from vembed.data.corpus import corpus_sources
         from vembed.data.sources import load_source_examples
 
-        if getattr(self.recipe.data, split) is None:
+        data = self.recipe.data
+        if getattr(data, split) is None:
             return []
-        per_source = load_source_examples(self.recipe.data, split, num_hard_negatives=0)
-        limit = self.recipe.data.eval_max_samples
+        corpora = corpus_sources(data, split)
+        if None in corpora:
+            return corpora[None].load()
+        per_source: dict[Any, Any] = {name: corpus.load() for name, corpus in corpora.items()}
+        pairs = {name: source for name, source in (getattr(data, split) or {}).items() if name not in corpora} \
+            if corpora else None
+        if pairs is None or pairs:
+            pair_data = data if pairs is None else data.model_copy(update={split: pairs})
+            per_source.update(load_source_examples(pair_data, split, num_hard_negatives=0))
+        limit = data.eval_max_samples
         for name, examples in per_source.items():
-            check_images_per_side(self.recipe.model_type, examples)
-            per_source[name] = examples[:limit] if limit else examples
+            if isinstance(examples, list):
+                check_images_per_side(self.recipe.model_type, examples)
+                per_source[name] = examples[:limit] if limit else examples
         if list(per_source) == [None]:
             return per_source[None]
-        return per_source
+        return {name: per_source[name] for name in getattr(data, split) if name in per_source}  # the recipe's order
 
     def evaluate(self, model: "nn.Module", data: "list[Example] | dict[str, list[Example]]",
                  accelerator: "Accelerator", prepared: "nn.Module | None" = None) -> dict[str, float]:
@@ -230,8 +250,19 @@ class ContrastiveTask(Task):
             for key in sorted(shared):
                 metrics[key] = sum(found[key] for found in per_source.values()) / len(per_source)
             return metrics
+        from vembed.data.corpus import CorpusSplit
         from vembed.evaluation.retrieval import evaluate_retrieval
 
+        # Through the wrapper, as in training: ZeRO-3 gathers weights read outside their module's forward (CLIP's
+        # position embedding) only inside its engine's forward (ContrastiveObjective.forward's `encode`).
+        forward = None if prepared is None else lambda inputs: prepared(encode=inputs)
+        if isinstance(data, CorpusSplit):
+            from vembed.evaluation.corpus import evaluate_corpus
+
+            return evaluate_corpus(model, data, batch_size=self.recipe.resolved_eval_batch_size,
+                                   accelerator=accelerator, max_queries=self.recipe.data.eval_max_samples,
+                                   show_progress=accelerator.is_local_main_process and len(data.corpus) >= 20000,
+                                   forward=forward)
         if not data:
             return {}
         return evaluate_retrieval(
@@ -242,13 +273,12 @@ class ContrastiveTask(Task):
             accelerator=accelerator,
             # Small sets encode in a blink; a bar for each would only bury the training bar.
             show_progress=accelerator.is_local_main_process and len(data) >= 2000,
-            # Through the wrapper, as in training: ZeRO-3 gathers weights read outside their module's forward (CLIP's
-            # position embedding) only inside its engine's forward (ContrastiveObjective.forward's `encode`).
-            forward=None if prepared is None else lambda inputs: prepared(encode=inputs),
+            forward=forward,
         )
 
     def headline(self, metrics: dict[str, float]) -> str:
-        keys = ("q2d/recall@1", "q2d/recall@5", "q2d/recall@10", "q2d/mrr", "d2q/recall@1")
+        keys = ("q2d/recall@1", "q2d/recall@5", "q2d/recall@10", "q2d/mrr", "d2q/recall@1", "corpus/ndcg@10",
+                "corpus/recall@100", "corpus/mrr@10")
         return "  ".join(f"{k}={metrics[k]:.3f}" for k in keys if k in metrics)
 
     def plots(self, metrics: dict[str, Any], output_dir: Path) -> None:
@@ -271,6 +301,42 @@ def _check_not_streamed(recipe: "Recipe") -> None:
     if recipe.stages:
         raise RecipeError("stages", "are not available for streamed data yet; train the stages as separate runs "
                                     "(model_name: the previous run's final/ folder)")
+
+
+def validation_metric_names(recipe: "Recipe") -> list[str]:
+    """The metric keys evaluating `data.validation` gives (without counts): a split of pairs `q2d/recall@1`, ...; a
+    corpus folder `corpus/ndcg@10`, ...; named sources each under `<name>/` and, unprefixed, the keys they share."""
+    from vembed.data.corpus import corpus_sources
+    from vembed.evaluation.corpus import corpus_metric_names
+    from vembed.evaluation.retrieval import retrieval_metric_names
+
+    data = recipe.data
+    if data.validation is None:
+        return []
+    corpora = corpus_sources(data, "validation")
+    pairs, corpus = retrieval_metric_names(recipe.loss.mrl_dims), corpus_metric_names()
+    if not isinstance(data.validation, dict):
+        return corpus if None in corpora else pairs
+    per_source = {name: corpus if name in corpora else pairs for name in data.validation}
+    shared = [key for key in pairs + corpus if all(key in keys for keys in per_source.values())]
+    return shared + [f"{name}/{key}" for name, keys in per_source.items() for key in keys]
+
+
+def _resolve_best_metric(recipe: "Recipe", check: bool = False) -> None:
+    """metric_for_best_model must be a validation metric. Left unset, it is q2d/recall@1, or corpus/ndcg@10 where
+    the validation split is all corpus folders (the metric BEIR and MTEB rank by). `check`: a name that is not among
+    the validation metrics is a RecipeError listing them (before anything is built)."""
+    names = validation_metric_names(recipe)
+    if not names or recipe.metric_for_best_model in names:
+        return
+    if "metric_for_best_model" not in recipe.model_fields_set and "corpus/ndcg@10" in names:
+        recipe.metric_for_best_model = "corpus/ndcg@10"
+        recipe.model_fields_set.discard("metric_for_best_model")  # still the default, only resolved
+        return
+    if check:
+        raise RecipeError("metric_for_best_model", f"{recipe.metric_for_best_model!r} is not a validation metric of "
+                                                   f"this recipe{did_you_mean(recipe.metric_for_best_model, names)}; "
+                                                   f"use one of: {', '.join(names)}")
 
 
 def _check_source_and_stage_keys(recipe: "Recipe", adapter_cls: type) -> None:
@@ -300,7 +366,8 @@ def check_images_per_side(model_type: str, examples: "Sequence[Example]") -> Non
     limit = MODELS.get(model_type).max_images_per_side
     if limit is None:
         return
-    if isinstance(examples, PairRows):  # from the row checks: only the record with the most images is made ...
+    if isinstance(examples, PairRows) or hasattr(examples, "most_images_per_side"):  # PairRows, CorpusPairs: from
+        # the row checks (the corpus): only the record with the most images is made ...
         most, where = examples.most_images_per_side()
         if most <= limit:
             return
