@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import os
 import random
 import sys
@@ -107,23 +106,14 @@ def train(data: Path, tokenizer: Path, output_dir: Path, seed: int, epochs: int,
 
 
 def ndcg_at_10(model_dir: Path, folder: Path, split: str = "test") -> dict[str, float]:
-    """nDCG@10 and recall@1 of `split`'s queries over the whole corpus (graded qrels, exact search).
-    A stop-gap until corpus metrics land in vembed.evaluation (issue 16): same formula as trec_eval's ndcg_cut_10."""
+    """nDCG@10 and recall@1 of `split`'s queries over the whole corpus (vembed.evaluation.corpus: trec_eval's
+    definitions, exact search)."""
     from vembed.data.corpus import load_corpus_split
+    from vembed.evaluation.corpus import evaluate_corpus
     from vembed.models.base import load_adapter
-    from vembed.retrieval.search import search_corpus
 
-    data = load_corpus_split(folder, split)
-    found = search_corpus(load_adapter(model_dir), data.queries.sides, data.corpus.sides, 10, batch_size=128)
-    ndcg, hits = [], []
-    for q, query_id in enumerate(data.queries.ids):
-        grades = data.relevant(query_id)
-        ranked = [data.corpus.ids[i] for i in found.indices[q].tolist() if i >= 0]
-        dcg = sum((2 ** grades.get(d, 0) - 1) / math.log2(r + 2) for r, d in enumerate(ranked))
-        ideal = sum((2 ** g - 1) / math.log2(r + 2) for r, g in enumerate(sorted(grades.values(), reverse=True)[:10]))
-        ndcg.append(dcg / ideal)
-        hits.append(float(ranked[0] in grades))
-    return {"ndcg@10": sum(ndcg) / len(ndcg), "recall@1": sum(hits) / len(hits)}
+    metrics = evaluate_corpus(load_adapter(model_dir), load_corpus_split(folder, split), batch_size=128)
+    return {"ndcg@10": metrics["corpus/ndcg@10"], "recall@1": metrics["corpus/recall@1"]}
 
 
 def plot(results: list[dict], out: Path) -> None:

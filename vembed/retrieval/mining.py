@@ -217,7 +217,7 @@ def mine_hard_negatives(
     k = max(1, min(len(corpus), settings.range_max + most_relevant))  # room for the positives the window skips
     blocks = document_blocks(adapter, corpus.sides, batch_size=batch_size, accelerator=accelerator,
                              documents_per_block=documents_per_block, show_progress=show_progress, cache=cache)
-    counted = _counting(blocks)
+    counted = _Counted(blocks)
     found = search(query_emb, _with_positive_scores(counted, query_emb, pair_row.to(device), pair_doc.to(device),
                                                     pair_scores),
                    k, accelerator=accelerator, score_block=faiss_top_k if use_faiss else top_k)
@@ -234,7 +234,7 @@ def mine_hard_negatives(
     return rows, stats
 
 
-class _counting:
+class _Counted:
     """Blocks passed through, counted (this process's shares: encoded or read from the cache)."""
 
     def __init__(self, blocks: Iterable[tuple[int, torch.Tensor]]):
