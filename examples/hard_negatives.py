@@ -123,10 +123,13 @@ def plot(results: list[dict], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     labels = sorted({k for r in results for k in r["ndcg@10"]}, key=lambda k: (k != "in-batch", k))
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
     for r in results:
         ax.plot(labels, [r["ndcg@10"].get(k, float("nan")) for k in labels], marker="o", label=f"seed {r['seed']}")
     ax.set_ylabel("held-out nDCG@10")
+    ax.tick_params(axis="x", labelrotation=20)
+    for tick in ax.get_xticklabels():
+        tick.set_horizontalalignment("right")
     ax.set_title("in-batch negatives vs mined hard negatives")
     ax.grid(alpha=0.3)
     ax.legend()
