@@ -64,6 +64,17 @@ def test_mine_writes_rows_that_training_reads_as_hard_negatives(setup, tmp_path,
     examples, report = load_examples(DataConfig(train=str(out)), "train", num_hard_negatives=3)
     assert len(examples) == len(rows) and len(examples[0].negatives) == 3
 
+    # ... and by id, for training from the corpus folder itself (data.hard_negatives): the same texts.
+    from vembed.data.corpus import CorpusPairs, load_corpus_split, read_hard_negatives
+
+    rows = [json.loads(line) for line in out.read_text().splitlines()]  # the second mining's
+    split = load_corpus_split(setup / "corpus", "train")
+    pairs = CorpusPairs(split, read_hard_negatives(out, split), num_negatives=3)
+    by_id = {pairs.ids(i)[:2]: pairs[i] for i in range(len(pairs))}
+    for row in rows:
+        record = by_id[(row["query_id"], row["positive_id"])]
+        assert [n.text for n in record.negatives] == row["negatives"] and record.query.text == row["query"]
+
 
 @pytest.mark.parametrize("change, expected", [
     ({"corpus": "missing"}, "is not a corpus folder"),
