@@ -1,4 +1,4 @@
-"""The `vembed` command: train | eval | export | plan | bench | extract | data | demo."""
+"""The `vembed` command: train | eval | export | plan | bench | extract | mine | data | demo."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def _index_command(paths: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vembed.entrypoints import bench_strategies, demo, evaluate, export, extract, launch, plan
+    from vembed.entrypoints import bench_strategies, demo, evaluate, export, extract, launch, mine, plan
 
     parser = argparse.ArgumentParser(prog="vembed", description="Fine-tune embedding models from a YAML recipe.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -99,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     xt = sub.add_parser("extract", help="paired teacher embeddings (EVA → CLIP) in shards, for blip3o_dit")
     extract.add_arguments(xt)
     xt.set_defaults(func=extract.run)
+
+    mn = sub.add_parser("mine", help="hard negatives for training: a saved model's nearest non-relevant documents of "
+                                     "each query of a corpus folder")
+    mine.add_arguments(mn)
+    mn.set_defaults(func=mine.run)
 
     data = sub.add_parser("data", help="generate offline data sets")
     data.add_argument("kind", choices=["dummy", "digits", "webdataset", "index"],

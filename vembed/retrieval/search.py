@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     from vembed.data.records import Side
     from vembed.models.base import EmbeddingAdapter
+    from vembed.retrieval.cache import EmbeddingCache
 
 SCORE_CHUNK_ELEMENTS = 1 << 25  # query x document scores held at once (128 MiB of float32)
 DOCUMENTS_PER_BLOCK = 1 << 15  # documents encoded per process before their scores are folded into the top-k
@@ -119,11 +120,14 @@ def document_blocks(
     documents_per_block: int = DOCUMENTS_PER_BLOCK,
     forward: "Callable[[dict[str, Any]], torch.Tensor] | None" = None,
     show_progress: bool = False,
+    cache: "EmbeddingCache | None" = None,
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """(corpus position of the first row, embeddings) of this process's share of each block of the corpus.
 
     Every process runs the same number of forwards (sharded models need that); each block of
-    `documents_per_block x num_processes` documents is split into contiguous shares.
+    `documents_per_block x num_processes` documents is split into contiguous shares. With a `cache` (an opened
+    `vembed.retrieval.cache.EmbeddingCache`), a block every process finds stored is read instead of encoded (one
+    process missing its share makes all encode it: the forwards stay in step) and each encoded share is stored.
     """
     world = accelerator.num_processes if accelerator is not None else 1
     rank = accelerator.process_index if accelerator is not None else 0
@@ -135,10 +139,24 @@ def document_blocks(
         starts = tqdm(starts, desc="corpus", unit="block", leave=False)
     for start in starts:
         part = documents[start : start + block]
-        first, _ = share_bounds(len(part), rank, world)
+        first, stop = share_bounds(len(part), rank, world)
+        stored = cache.load(start + first, start + stop) if cache is not None else None
+        if cache is not None and _on_every_process(stored is not None, accelerator):
+            cache.reused += 1
+            yield start + first, stored.to(accelerator.device if accelerator is not None else "cpu")
+            continue
         emb = encode_sides(adapter, part, batch_size=batch_size, accelerator=accelerator, forward=forward,
                            gather=False)
+        if cache is not None:
+            cache.store(start + first, start + stop, emb)
         yield start + first, emb
+
+
+def _on_every_process(flag: bool, accelerator: "Accelerator | None") -> bool:
+    if accelerator is None or accelerator.num_processes == 1:
+        return flag
+    flags = accelerator.gather(torch.tensor([int(flag)], device=accelerator.device))
+    return bool(flags.min().item())
 
 
 def search(
@@ -148,13 +166,15 @@ def search(
     *,
     accelerator: "Accelerator | None" = None,
     normalize: bool = True,
+    score_block: Callable[..., TopK] = top_k,
 ) -> TopK:
     """Fold `blocks` ((corpus offset, document embeddings), e.g. from `document_blocks`) into each query's top-k,
-    then merge the processes' lists: every process returns the global top-k."""
+    then merge the processes' lists: every process returns the global top-k. `score_block` finds one block's top-k
+    (`top_k`'s signature; mining passes faiss's when asked)."""
     best = TopK.empty(len(query_emb), k, query_emb.device)
     for offset, emb in blocks:
         if len(emb):
-            best = best.merge(top_k(query_emb, emb, k, doc_offset=offset, normalize=normalize))
+            best = best.merge(score_block(query_emb, emb, k, doc_offset=offset, normalize=normalize))
     return merge_across_processes(best, accelerator)
 
 

@@ -1,0 +1,99 @@
+"""`vembed mine`: a saved model and a corpus folder in, a training file out that vembed's training reads directly;
+bad input is one line and exit 2, with nothing written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vembed.cli import main
+from vembed.data.corpus import write_corpus_folder
+
+TOPICS = ["red square", "blue circle", "green triangle", "yellow star", "black line", "white page"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_tokenizer_dir):
+    """A tiny random-init text model saved by vembed, and a corpus folder of 60 documents and 6 queries."""
+    from transformers import AutoTokenizer
+
+    from vembed.components import recipe_from_dict
+    from vembed.data.tokenizer import special_token_ids
+    from vembed.models import MODELS
+
+    root = tmp_path_factory.mktemp("mine")
+    ids = special_token_ids(AutoTokenizer.from_pretrained(tiny_tokenizer_dir))
+    recipe = recipe_from_dict({"model_type": "text", "tokenizer_name": tiny_tokenizer_dir, "max_length": 16,
+                               "model_config": {"model_type": "bert", "hidden_size": 32, "intermediate_size": 37,
+                                                "num_hidden_layers": 1, "num_attention_heads": 4,
+                                                "max_position_embeddings": 16, **ids}})
+    MODELS.get("text").from_recipe(recipe).save(root / "model")
+    docs = {f"d{i}": {"text": f"a photo of a {TOPICS[i % 6]} number {i}"} for i in range(60)}
+    queries = {f"q{t}": {"text": f"a {topic}"} for t, topic in enumerate(TOPICS)}
+    qrels = {"train": {f"q{t}": {f"d{t}": 1} for t in range(6)}, "test": {"q0": {"d0": 1}}}
+    write_corpus_folder(root / "corpus", docs, queries, qrels)
+    return root
+
+
+def _mine(setup, out, *extra: str) -> int:
+    return main(["mine", str(setup / "model"), str(setup / "corpus"), "--out", str(out), "--range-min", "1",
+                 "--range-max", "30", "--max-score-ratio", "1.0", "--num-negatives", "3", "--batch-size", "16",
+                 "--documents-per-block", "16", "--faiss", "no", *extra])
+
+
+def test_mine_writes_rows_that_training_reads_as_hard_negatives(setup, tmp_path, capsys):
+    out = tmp_path / "negatives.jsonl"
+    assert _mine(setup, out) == 0
+    printed = capsys.readouterr().out
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows and {"query_id", "positive_id", "negative_ids", "negative_scores", "query", "positive",
+                     "negatives"} <= set(rows[0])
+    for row in rows:
+        assert row["positive_id"] not in row["negative_ids"] and len(row["negatives"]) == 3
+    assert f"{out}: {len(rows)} rows" in printed and "4 block(s) encoded, 0 reused" in printed
+
+    # Mining again (other thresholds; none: complete judgements) reads every block from the cache.
+    assert _mine(setup, out, "--overwrite", "--range-min", "0", "--max-score-ratio", "none") == 0
+    printed = capsys.readouterr().out
+    assert "0 block(s) encoded, 4 reused" in printed and "no score threshold" in printed
+
+    from vembed.data.sources import load_examples
+    from vembed.recipe import DataConfig
+
+    examples, report = load_examples(DataConfig(train=str(out)), "train", num_hard_negatives=3)
+    assert len(examples) == len(rows) and len(examples[0].negatives) == 3
+
+    # ... and by id, for training from the corpus folder itself (data.hard_negatives): the same texts.
+    from vembed.data.corpus import CorpusPairs, load_corpus_split, read_hard_negatives
+
+    rows = [json.loads(line) for line in out.read_text().splitlines()]  # the second mining's
+    split = load_corpus_split(setup / "corpus", "train")
+    pairs = CorpusPairs(split, read_hard_negatives(out, split), num_negatives=3)
+    by_id = {pairs.ids(i)[:2]: pairs[i] for i in range(len(pairs))}
+    for row in rows:
+        record = by_id[(row["query_id"], row["positive_id"])]
+        assert [n.text for n in record.negatives] == row["negatives"] and record.query.text == row["query"]
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"corpus": "missing"}, "is not a corpus folder"),
+    ({"--split": "dev"}, "has no qrels/dev.tsv (splits here: test, train)"),
+    ({"--range-min": "30"}, "--range-min: must be below --range-max (30)"),
+    ({"--max-score-ratio": "1.5"}, "--max-score-ratio: must be in (0, 1]"),
+    ({"--max-score-ratio": "0"}, "--max-score-ratio: must be in (0, 1]"),
+    ({"model": "missing"}, "is not a folder"),
+    ({"out": "exists"}, "exists; pass --overwrite"),
+])
+def test_bad_input_is_one_line_and_exit_2(setup, tmp_path, capsys, change, expected):
+    out = tmp_path / "negatives.jsonl"
+    if change.pop("out", None):
+        out.write_text("keep me\n")
+    model = str(tmp_path / "nope") if change.pop("model", None) else str(setup / "model")
+    corpus = str(tmp_path / "nope") if change.pop("corpus", None) else str(setup / "corpus")
+    flags = [item for pair in change.items() for item in pair]
+    code = main(["mine", model, corpus, "--out", str(out), "--range-max", "30", *flags])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
+    assert not out.exists() or out.read_text() == "keep me\n"
+    assert not (tmp_path / "negatives.jsonl.cache").exists()
