@@ -97,3 +97,68 @@ def test_bad_input_is_one_line_and_exit_2(setup, tmp_path, capsys, change, expec
     assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
     assert not out.exists() or out.read_text() == "keep me\n"
     assert not (tmp_path / "negatives.jsonl.cache").exists()
+
+
+WORDS = "red blue green yellow black white small empty square circle triangle star lines page digit seven".split()
+
+
+@pytest.fixture(scope="module")
+def distinct(setup, tmp_path_factory):
+    """setup's model with a corpus whose 64 documents are distinct word sequences the tokenizer knows (no ties)."""
+    import itertools
+
+    root = tmp_path_factory.mktemp("distinct")
+    combos = list(itertools.permutations(WORDS, 3))[::53][:64]
+    docs = {f"d{i}": {"text": " ".join(words)} for i, words in enumerate(combos)}
+    queries = {f"q{i}": {"text": " ".join(combos[i * 7][:2])} for i in range(8)}
+    write_corpus_folder(root / "corpus", docs, queries, {"train": {f"q{i}": {f"d{i * 7}": 1} for i in range(8)}})
+    (root / "model").symlink_to(setup / "model")
+    return root
+
+
+def _launch(setup, out, *launcher: str):
+    import os
+    import subprocess
+    import sys
+
+    from launching import free_port
+
+    from vembed.resources import accelerate_configs
+
+    command = [sys.executable, "-m", "accelerate.commands.launch", *launcher, "--main_process_port",
+               str(free_port()), "-m", "vembed", "mine", str(setup / "model"), str(setup / "corpus"), "--out",
+               str(out), "--range-min", "1", "--range-max", "30", "--max-score-ratio", "1.0", "--num-negatives", "3",
+               "--batch-size", "4", "--documents-per-block", "8", "--faiss", "no", "--no-cache"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env,
+                          cwd=str(accelerate_configs().parent))
+
+
+@pytest.mark.slow
+def test_two_processes_launched_by_accelerate_mine_what_one_process_mines(distinct, tmp_path):
+    from vembed.resources import accelerate_configs
+
+    setup = distinct
+    one = tmp_path / "one.jsonl"
+    assert main(["mine", str(setup / "model"), str(setup / "corpus"), "--out", str(one), "--range-min", "1",
+                 "--range-max", "30", "--max-score-ratio", "1.0", "--num-negatives", "3", "--batch-size", "4",
+                 "--documents-per-block", "8", "--faiss", "no", "--no-cache"]) == 0
+    two = tmp_path / "two.jsonl"
+    done = _launch(setup, two, "--config_file", str(accelerate_configs() / "ddp_cpu.yaml"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 process(es)" in done.stdout, done.stdout[-2000:]
+    rows_one = [json.loads(line) for line in one.read_text().splitlines()]
+    rows_two = [json.loads(line) for line in two.read_text().splitlines()]
+    assert len(rows_one) == 8
+    assert [r["negative_ids"] for r in rows_two] == [r["negative_ids"] for r in rows_one]
+    for a, b in zip(rows_two, rows_one):
+        assert a["negative_scores"] == pytest.approx(b["negative_scores"], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_a_launch_that_starts_fewer_processes_than_promised_is_one_line(setup, tmp_path):
+    out = tmp_path / "negatives.jsonl"
+    done = _launch(setup, out, "--cpu", "--num_processes", "2")  # accelerate starts ONE process for this
+    assert done.returncode != 0, done.stderr[-3000:]  # ours is 2; accelerate's launcher turns it into its own 1
+    assert "launch error: accelerate launch promised 2 processes" in done.stderr and "1 started" in done.stderr, done.stderr[-2000:]
+    assert not out.exists()
