@@ -1,6 +1,6 @@
 """`compile: true`: the adapter's encoder towers run under torch.compile and the step is the eager step (same loss and
-gradients to 1e-5, dropout off), plain and under GradCache; the start block says so; launches where it is not
-verified are refused by the launch plan, naming the key, before any weight is read."""
+gradients to 1e-5, dropout off), plain, under GradCache and with LoRA; the start block says so; launches where it is
+not verified (FSDP, DeepSpeed) are refused by the launch plan, naming the key, before any weight is read."""
 
 from __future__ import annotations
 
@@ -43,8 +43,10 @@ def _relative(actual: dict, reference: dict) -> float:
     return ((got - ref).norm() / ref.norm()).item()
 
 
-@pytest.mark.parametrize("changes", [{}, {"use_gradient_cache": True, "gradient_cache_chunk_size": 4}],
-                         ids=["plain", "gradcache"])
+@pytest.mark.parametrize("changes", [
+    {}, {"use_gradient_cache": True, "gradient_cache_chunk_size": 4},
+    {"use_lora": True, "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0},
+], ids=["plain", "gradcache", "lora"])
 def test_a_compiled_step_gives_the_eager_step(no_dropout, changes, tmp_path):
     import torch._dynamo
 
@@ -88,8 +90,7 @@ ZERO2_LAUNCH = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_S
 @pytest.mark.parametrize("launch, changes, says", [
     (FSDP_LAUNCH, {}, "not available under FSDP"),
     (ZERO2_LAUNCH, {}, "not available under DeepSpeed"),
-    ({}, {"use_lora": True}, "not available with use_lora"),
-], ids=["fsdp", "deepspeed", "lora"])
+], ids=["fsdp", "deepspeed"])
 def test_compile_is_refused_by_the_plan_where_it_is_not_verified(no_dropout, monkeypatch, launch, changes, says):
     from vembed.models.clip import ClipAdapter
     from vembed.training.launch_plan import decide_launch

@@ -155,7 +155,7 @@ def decide_launch(recipe: "Recipe", env: Mapping[str, str] | None = None) -> Lau
 
 def _check_compile(recipe: "Recipe", kind: LaunchKind, on_cpu: bool) -> None:
     """`compile: true` where it is known to train as the eager model does (tests/training/test_compile.py: one
-    process and GradCache, to 1e-5); one line naming the key and the reason everywhere else."""
+    process, GradCache and LoRA, to 1e-5); one line naming the key and the reason everywhere else."""
     import shutil
 
     from vembed.components import model_class
@@ -165,9 +165,6 @@ def _check_compile(recipe: "Recipe", kind: LaunchKind, on_cpu: bool) -> None:
         raise RecipeError("compile", f"is not available under {'FSDP' if kind == 'fsdp' else 'DeepSpeed'}: their "
                                      "hooks gather and free each tower's weights around its forward, which compiled "
                                      "towers are not verified against; use DDP, or compile: false")
-    if recipe.use_lora:
-        raise RecipeError("compile", "is not available with use_lora: PEFT's LoRA layers are not verified under "
-                                     "torch.compile here; use compile: false with LoRA")
     if not issubclass(model_class(recipe), EmbeddingAdapter):
         raise RecipeError("compile", f"model_type {recipe.model_type} names no encoder towers to compile")
     import torch._dynamo
