@@ -229,7 +229,8 @@ def vembed_recipe(spec: dict[str, Any]) -> dict[str, Any]:
     recipe = {
         **spec.get("recipe", {}),
         "data": {"train": str(work / "train.jsonl"), "num_hard_negatives": 0},
-        "output_dir": str(work / f"vembed-run-{os.getpid()}-chunks{spec.get('length_chunks', 1)}"),
+        "output_dir": str(work / f"vembed-run-{os.getpid()}-chunks{spec.get('length_chunks', 1)}"
+                                 f"{'-compiled' if spec.get('compile') else ''}"),
         "batch_size": spec["batch_size"], "learning_rate": spec["learning_rate"],
         "max_steps": spec["warmup"] + spec["steps"] + 1, "scheduler_type": "constant", "weight_decay": 0.0,
         "max_grad_norm": None, "temperature": TEMPERATURE, "max_length": spec["max_length"],
