@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -143,7 +144,8 @@ def plot(summary: dict, path: Path) -> None:
         for i, name in enumerate(names):  # every round, so the spread shows
             ax.scatter([i] * len(summary[key][name]), summary[key][name], color="black", s=8, zorder=3)
         ax.axhline(summary["target_seconds"], color="tab:red", linestyle="--", linewidth=1, label="target 5 s")
-        ax.set_xticks(range(len(names)), [n.replace(" ", "\n", 1).replace(", ", ",\n") for n in names], fontsize=6)
+        ax.set_xticks(range(len(names)), [textwrap.fill(n.replace(".", ". "), 14).replace(". ", ".") for n in names],
+                      fontsize=6)
         ax.set_title(label, fontsize=9)
         ax.legend(fontsize=7)
     fig.suptitle(f"demo recipe, start to first optimizer step, {summary['rounds']} interleaved rounds", fontsize=10)
