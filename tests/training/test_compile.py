@@ -74,6 +74,13 @@ def test_the_start_block_says_compile_is_on(no_dropout):
     assert "compile" not in block(no_dropout)
 
 
+def test_a_run_resumes_with_compile_switched(no_dropout):
+    """compile changes how the towers run, not what they compute: it is not part of the run's identity."""
+    from vembed.training.run_dir import run_identity
+
+    assert run_identity(recipe_from_dict(dict(no_dropout, compile=True))) == run_identity(recipe_from_dict(no_dropout))
+
+
 def test_compiled_towers_save_the_eager_state_dict(no_dropout):
     from vembed.models.clip import ClipAdapter
 
