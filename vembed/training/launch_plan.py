@@ -155,7 +155,8 @@ def decide_launch(recipe: "Recipe", env: Mapping[str, str] | None = None) -> Lau
 
 def _check_compile(recipe: "Recipe", kind: LaunchKind, on_cpu: bool) -> None:
     """`compile: true` where it is known to train as the eager model does (tests/training/test_compile.py: one
-    process, GradCache and LoRA, to 1e-5); one line naming the key and the reason everywhere else."""
+    process, GradCache and LoRA, to 1e-5; test_ddp_step.py: 2 DDP ranks as one process); one line naming the key
+    and the reason everywhere else."""
     import shutil
 
     from vembed.components import model_class
