@@ -1,16 +1,21 @@
-"""Process start to first optimizer step, for the demo recipe (configs/demo_clip.yaml), on the user's commands:
+"""Process start to first optimizer step, for the demo recipe (configs/demo_clip.yaml), through every door a user has:
 
-    python bench/startup.py                 # both launches, 3 interleaved rounds, median
+    python bench/startup.py                 # every door, 3 interleaved rounds, median
     python bench/startup.py --profile       # also: where the time goes (cProfile of the one-process launch)
     python bench/startup.py --smoke         # one round of the one-process launch, into a temp folder: does it run?
-    python bench/startup.py --baseline DIR  # also the one-process launch of another checkout (before/after)
+    python bench/startup.py --baseline DIR  # also every door of another checkout, interleaved (before/after)
+    python bench/startup.py --doors run.py "vembed train"   # only the doors whose names contain these words
 
 - `python -m vembed.entrypoints.train configs/demo_clip.yaml` (one process, no launcher);
-- `python run.py configs/demo_clip.yaml` (validates, then `accelerate launch`, as `make demo` does).
+- `python run.py configs/demo_clip.yaml` and `vembed train configs/demo_clip.yaml` (validate, then launch);
+- `accelerate launch vembed/entrypoints/train.py ...` and `accelerate launch -m vembed.entrypoints.train ...`
+  (accelerate's CLI, which starts the training script as a second interpreter).
 
 The clock starts before the process is spawned and stops when the training process finishes its first optimizer
-step: a `sitecustomize.py` put first on PYTHONPATH registers a global optimizer-step hook in the training process
-only, prints a marker and exits. Nothing in vembed is changed for the measurement.
+step: a `sitecustomize.py` put first on PYTHONPATH registers a global optimizer-step hook in every process once
+torch's optimizer module is imported there (a launcher that never steps never fires it), prints a marker and exits.
+Nothing in vembed is changed for the measurement. CPU seconds are those of the launched process and the children it
+waited for (a launcher's training child is counted when the launcher waits for it).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -32,13 +38,14 @@ from outputs import output_dir  # noqa: E402
 
 SITECUSTOMIZE = '''
 import os, sys
-if os.environ.get("VEMBED_BENCH_FIRST_STEP") and sys.argv and sys.argv[0].endswith(("train.py", "-m")):
+if os.environ.get("VEMBED_BENCH_FIRST_STEP"):
+    import importlib.abc, importlib.util
+
     _profile = None
     if os.environ.get("VEMBED_BENCH_PROFILE"):
         import cProfile
         _profile = cProfile.Profile()
         _profile.enable()
-    import torch.optim.optimizer as _opt
 
     def _first_step(*_):
         if _profile is not None:
@@ -47,13 +54,34 @@ if os.environ.get("VEMBED_BENCH_FIRST_STEP") and sys.argv and sys.argv[0].endswi
         print("VEMBED_BENCH_FIRST_STEP", flush=True)
         os._exit(0)
 
-    _opt.register_optimizer_step_post_hook(_first_step)
+    class _HookWhenImported(importlib.abc.MetaPathFinder):
+        # Registers the hook when torch.optim.optimizer is imported, so no process imports torch early for it.
+        def find_spec(self, name, path=None, target=None):
+            if name != "torch.optim.optimizer":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            load = spec.loader.exec_module
+
+            def exec_module(module):
+                load(module)
+                module.register_optimizer_step_post_hook(_first_step)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, _HookWhenImported())
 '''
 
+BIN = Path(sys.executable).parent  # the console scripts of this environment: accelerate, vembed
 LAUNCHES = {
-    "one process": [sys.executable, "-m", "vembed.entrypoints.train"],
-    "run.py (accelerate launch)": [sys.executable, str(ROOT / "run.py")],
+    "python -m vembed.entrypoints.train": [sys.executable, "-m", "vembed.entrypoints.train"],
+    "python run.py": [sys.executable, "run.py"],
+    "vembed train": [str(BIN / "vembed"), "train"],
+    "accelerate launch train.py": [str(BIN / "accelerate"), "launch", "vembed/entrypoints/train.py"],
+    "accelerate launch -m": [str(BIN / "accelerate"), "launch", "-m", "vembed.entrypoints.train"],
 }
+ONE_PROCESS = "python -m vembed.entrypoints.train"
 
 
 def make_data(work: Path) -> list[str]:
@@ -90,11 +118,13 @@ def time_to_first_step(command: list[str], work: Path, profile: Path | None = No
                 break
         else:
             raise RuntimeError(f"{command} ended (code {process.wait()}) without an optimizer step")
+        # The training process exits at its marker; a launcher above it then returns its exit code.
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
     finally:
-        if process.poll() is None and wall is not None and "run.py" not in " ".join(command):
-            process.wait(timeout=timeout)  # the training process exits right after its marker
         if process.poll() is None:
-            process.kill()  # the launcher of run.py, whose training child has already exited
+            os.killpg(process.pid, 9)  # its own session: the launcher and anything it started
         process.wait(timeout=timeout)
     return wall, cpu() - cpu_before
 
@@ -106,14 +136,16 @@ def plot(summary: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(summary["seconds"])
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
+    fig, axes = plt.subplots(1, 2, figsize=(max(10, 1.2 * len(names)), 4.2))
+    colours = ["tab:gray" if n.endswith("baseline") else "tab:blue" for n in names]
     for ax, key, label in ((axes[0], "seconds", "wall seconds to first step"),
-                           (axes[1], "cpu_seconds", "CPU seconds to first step (run.py: its own process only)")):
-        ax.bar(range(len(names)), [summary[f"median_{key}"][n] for n in names], color="tab:blue")
+                           (axes[1], "cpu_seconds", "CPU seconds to first step (launched process + children)")):
+        ax.bar(range(len(names)), [summary[f"median_{key}"][n] for n in names], color=colours)
         for i, name in enumerate(names):  # every round, so the spread shows
             ax.scatter([i] * len(summary[key][name]), summary[key][name], color="black", s=8, zorder=3)
         ax.axhline(summary["target_seconds"], color="tab:red", linestyle="--", linewidth=1, label="target 5 s")
-        ax.set_xticks(range(len(names)), [n.replace(" (", "\n(").replace(", ", ",\n") for n in names], fontsize=7)
+        ax.set_xticks(range(len(names)), [textwrap.fill(n.replace(".", ". "), 14).replace(". ", ".") for n in names],
+                      fontsize=6)
         ax.set_title(label, fontsize=9)
         ax.legend(fontsize=7)
     fig.suptitle(f"demo recipe, start to first optimizer step, {summary['rounds']} interleaved rounds", fontsize=10)
@@ -130,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="where JSON, plot and profile go (default: bench/results, or a temporary folder "
                                       "for --smoke)")
     parser.add_argument("--baseline", help="another vembed checkout (e.g. `git archive` of main) to time alongside")
+    parser.add_argument("--doors", nargs="+", help="only the doors whose names contain one of these (default: all)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     work = Path(tempfile.mkdtemp(prefix="vembed-startup-"))
@@ -137,29 +170,36 @@ def main(argv: list[str] | None = None) -> int:
     (work / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
     overrides = make_data(work)
     recipe = str(ROOT / "configs" / "demo_clip.yaml")
-    launches = {"one process": LAUNCHES["one process"]} if args.smoke else LAUNCHES
+    doors = {ONE_PROCESS: LAUNCHES[ONE_PROCESS]} if args.smoke else {
+        name: command for name, command in LAUNCHES.items() if not args.doors or any(d in name for d in args.doors)}
     rounds = 1 if args.smoke else args.rounds
-    roots = {name: ROOT for name in launches}
-    if args.baseline:
-        launches = {**launches, "one process, baseline": LAUNCHES["one process"]}
-        roots["one process, baseline"] = Path(args.baseline).resolve()
+    launches = {name: (command, ROOT) for name, command in doors.items()}
+    if args.baseline:  # each door of the other checkout beside this one's
+        baseline = Path(args.baseline).resolve()
+        launches = {key: value for name, command in doors.items()
+                    for key, value in ((name, (command, ROOT)), (f"{name}, baseline", (command, baseline)))}
     times: dict[str, list[float]] = {name: [] for name in launches}
     cpu_times: dict[str, list[float]] = {name: [] for name in launches}
+    load_before = os.getloadavg()
+    names = list(launches)
     for round_index in range(rounds):
-        for name, command in launches.items():  # interleaved
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:  # interleaved, the order rotated every round
+            command, root = launches[name]
             seconds, cpu_seconds = time_to_first_step([*command, recipe, "--config_override", *overrides], work,
-                                                      root=roots[name])
+                                                      root=root)
             times[name].append(seconds)
             cpu_times[name].append(cpu_seconds)
-            print(f"[round {round_index + 1}/{rounds}] {name:<28} {seconds:6.2f} s to the first optimizer step "
+            print(f"[round {round_index + 1}/{rounds}] {name:<46} {seconds:6.2f} s to the first optimizer step "
                   f"({cpu_seconds:6.2f} CPU s)", flush=True)
     summary = {"recipe": "configs/demo_clip.yaml", "rounds": rounds, "seconds": times,
                "median_seconds": {name: statistics.median(t) for name, t in times.items()},
                "cpu_seconds": cpu_times, "median_cpu_seconds": {n: statistics.median(t) for n, t in cpu_times.items()},
-               "target_seconds": 5.0, "machine": {"cpus": os.cpu_count(), "load_average_after": os.getloadavg()}}
+               "target_seconds": 5.0, "machine": {"cpus": os.cpu_count(), "load_average_before": load_before,
+                                                  "load_average_after": os.getloadavg()}}
     if args.profile:
         stats = work / "startup.prof"
-        time_to_first_step([*LAUNCHES["one process"], recipe, "--config_override", *overrides], work, profile=stats)
+        time_to_first_step([*LAUNCHES[ONE_PROCESS], recipe, "--config_override", *overrides], work, profile=stats)
         import pstats
 
         out = output_dir(args.out, args.smoke)
@@ -170,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "startup.json").write_text(json.dumps(summary, indent=2))
     plot(summary, out / "startup.png")
     for name, median in summary["median_seconds"].items():
-        print(f"{name}: median {median:.2f} s (target ≤ 5 s), {summary['median_cpu_seconds'][name]:.2f} CPU s")
+        print(f"{name:<46} median {median:.2f} s (target ≤ 5 s), {summary['median_cpu_seconds'][name]:.2f} CPU s")
+    print(f"load average before {load_before}, after {summary['machine']['load_average_after']}")
     print(f"results in {out}")
     return 0
 

@@ -3,6 +3,8 @@
     python bench/throughput.py --scenario text      # vembed vs sentence-transformers (MNRL) vs a minimal loop
     python bench/throughput.py --scenario clip      # tiny CLIP (the demo's shape): vembed vs a minimal loop
     python bench/throughput.py --scenario vit       # a ViT-B/16-sized vision tower: vembed vs a minimal loop
+    python bench/throughput.py --scenario clip_compile   # the demo's CLIP, eager vs `compile: true`
+    python bench/throughput.py --scenario text_compile   # MiniLM-shaped text model, eager vs `compile: true`
     python bench/throughput.py --smoke              # every scenario, tiny, in-process, into a temp folder: does it run?
 
 Every system trains the same model (same initial weights), the same data, batch, steps and learning rate, with no
@@ -17,6 +19,8 @@ Systems:
 - sentence-transformers: `SentenceTransformerTrainer` with `MultipleNegativesRankingLoss` (scale 20 = vembed's
   temperature 0.05, one direction like vembed's `symmetric_loss: false`).
 - minimal: a hand-written loop over pre-tokenised batches: forward, InfoNCE, backward, fused AdamW. The floor.
+- vembed-compiled: vembed with `compile: true` (its towers under torch.compile). `first_step_seconds` (process start
+  of the run to its first optimizer step) minus eager vembed's is what compiling costs at start.
 """
 
 from __future__ import annotations
@@ -58,6 +62,12 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     # minutes; a 2-layer 64-wide text tower on the other side (composed adapter)
     "vit": {"systems": ["vembed", "minimal"], "batch_size": 8, "warmup": 2, "steps": 12, "learning_rate": 1e-4,
             "max_length": 32},
+    # torch.compile: the same runs, eager against `compile: true`; more warm-up steps, since every new text length
+    # (and the last, smaller batch) compiles again until dynamo marks the shapes dynamic
+    "clip_compile": {"base": "clip", "systems": ["vembed", "vembed-compiled"], "batch_size": 64, "warmup": 8,
+                     "steps": 30, "learning_rate": 1e-3, "max_length": 32},
+    "text_compile": {"base": "text", "systems": ["vembed", "vembed-compiled"], "batch_size": 16, "warmup": 6,
+                     "steps": 16, "learning_rate": 2e-5, "max_length": 32},
 }
 SMOKE = {"batch_size": 4, "warmup": 1, "steps": 2, "max_length": 32}  # 32: the tiny models' position limit
 
@@ -78,11 +88,14 @@ TINY_VIT = {**VIT_B16, "hidden_size": 32, "num_hidden_layers": 1, "num_attention
 
 
 # --- shared inputs ---------------------------------------------------------------------------------------------------
-def prepare(scenario: str, work: Path, smoke: bool) -> dict[str, Any]:
+def prepare(name: str, work: Path, smoke: bool) -> dict[str, Any]:
     """Write the data, the tokenizer and the initial weights every system starts from; return the run spec."""
+    scenario = name
     from vembed.data.tokenizer import special_token_ids, train_tokenizer
 
-    spec = {**SCENARIOS[scenario], **(SMOKE if smoke else {}), "scenario": scenario, "work": str(work)}
+    scenario = SCENARIOS[scenario].get("base", scenario)  # the data and model of another scenario
+    spec = {**SCENARIOS[scenario], **SCENARIOS[name], **(SMOKE if smoke else {}), "scenario": scenario,
+            "work": str(work)}
     n_rows = spec["batch_size"] * (spec["warmup"] + spec["steps"] + 2)
     if scenario in ("text", "uneven_text"):
         rows = ([{"query": f"what is the capital city of region number {i} in the north?",
@@ -172,6 +185,7 @@ class StepClock:
         self.times: list[float] = []
         self.cpu_times: list[float] = []  # process CPU seconds: much less sensitive than wall time to neighbours
         self.peak_rss_mb = 0.0
+        self.started = time.perf_counter()
         self._handle = register_optimizer_step_post_hook(self._tick)
 
     def _tick(self, *_: Any) -> None:
@@ -193,7 +207,8 @@ class StepClock:
         median_step = statistics.median(steps)
         return {"samples_per_second": spec["batch_size"] / median_step, "seconds_per_step": median_step,
                 "step_seconds": steps, "samples_per_second_window": spec["batch_size"] * s / seconds,
-                "peak_rss_mb": self.peak_rss_mb, "samples_per_cpu_second": spec["batch_size"] * s / cpu_seconds}
+                "peak_rss_mb": self.peak_rss_mb, "samples_per_cpu_second": spec["batch_size"] * s / cpu_seconds,
+                "first_step_seconds": self.times[0] - self.started}
 
 
 def run_vembed(spec: dict[str, Any]) -> None:
@@ -214,11 +229,12 @@ def vembed_recipe(spec: dict[str, Any]) -> dict[str, Any]:
     recipe = {
         **spec.get("recipe", {}),
         "data": {"train": str(work / "train.jsonl"), "num_hard_negatives": 0},
-        "output_dir": str(work / f"vembed-run-{os.getpid()}-chunks{spec.get('length_chunks', 1)}"),
+        "output_dir": str(work / f"vembed-run-{os.getpid()}-chunks{spec.get('length_chunks', 1)}"
+                                 f"{'-compiled' if spec.get('compile') else ''}"),
         "batch_size": spec["batch_size"], "learning_rate": spec["learning_rate"],
         "max_steps": spec["warmup"] + spec["steps"] + 1, "scheduler_type": "constant", "weight_decay": 0.0,
         "max_grad_norm": None, "temperature": TEMPERATURE, "max_length": spec["max_length"],
-        "save_steps": None, "eval_before_training": False, "seed": 0,
+        "save_steps": None, "eval_before_training": False, "seed": 0, "compile": spec.get("compile", False),
     }
     if spec["scenario"] in ("text", "uneven_text"):
         recipe.update(model_type="text", model_name=spec["model_dir"], pooling="mean", symmetric_loss=False,
@@ -343,7 +359,12 @@ def run_vembed_padded(spec: dict[str, Any]) -> None:
     run_vembed({**spec, "length_chunks": 1})
 
 
-RUNNERS = {"vembed": run_vembed, "vembed-padded": run_vembed_padded, "sentence-transformers": run_sentence_transformers,
+def run_vembed_compiled(spec: dict[str, Any]) -> None:
+    run_vembed({**spec, "compile": True})
+
+
+RUNNERS = {"vembed": run_vembed, "vembed-padded": run_vembed_padded, "vembed-compiled": run_vembed_compiled,
+           "sentence-transformers": run_sentence_transformers,
            "minimal": run_minimal}
 
 
@@ -393,6 +414,8 @@ def compare(scenario: str, rounds: int, smoke: bool, out_dir: Path) -> dict[str,
         "spec": {k: spec[k] for k in ("batch_size", "warmup", "steps", "learning_rate", "max_length")},
         "model": spec.get("model_dir") or spec["recipe"], "skipped": [s for s in spec["systems"] if s not in systems],
         "systems": {s: {"samples_per_second": statistics.median(r["samples_per_second"] for r in rs),
+                        "seconds_per_step": statistics.median(r["seconds_per_step"] for r in rs),
+                        "first_step_seconds": statistics.median(r["first_step_seconds"] for r in rs),
                         "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in rs), "runs": rs}
                     for s, rs in runs.items()},
         "machine": {"cpus": os.cpu_count(), "load_average_after": os.getloadavg()},

@@ -367,6 +367,10 @@ class Recipe(_Strict):
     # float rounding). 1: one forward padded to the batch's longest text. Helps where lengths are uneven; adapters
     # whose pooling depends on padding (siglip) and qwen_vl ignore it. Under GradCache each chunk is cut to its longest.
     length_chunks: int = Field(default=1, ge=1)
+    # torch.compile each encoder tower the adapter names (`compiled_modules`), in place: same weights and state dict,
+    # the first steps (and each new input shape) pay the compilation. Tested equal to eager in one process, with
+    # GradCache, with LoRA and under DDP; FSDP and DeepSpeed are refused (vembed/training/launch_plan.py says why).
+    compile: bool = False
     # FSDP2 (sharded weights, gradients, optimizer state): run.py / `vembed train` launch accelerate_configs/fsdp.yaml;
     # with `accelerate launch`, pass an FSDP config yourself (the run refuses a launch that is not FSDP).
     use_fsdp: bool = False

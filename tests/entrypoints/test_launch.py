@@ -1,6 +1,7 @@
-"""run.py / `vembed train` (vembed/entrypoints/launch.py) under faults: bad accelerate configs are one line before any
-process starts, a second launch into a running run's folder is refused, a killed launcher takes its ranks with it,
-and when one rank fails its own error is the line the user sees, naming the rank."""
+"""run.py / `vembed train` (vembed/entrypoints/launch.py): a one-process launch trains in the launcher itself, as
+accelerate's launcher would have run it; and under faults: bad accelerate configs are one line before any process
+starts, a second launch into a running run's folder is refused, a killed launcher takes its ranks with it, and when
+one rank fails its own error is the line the user sees, naming the rank."""
 
 from __future__ import annotations
 
@@ -67,6 +68,57 @@ def test_a_second_launch_into_a_running_runs_folder_is_refused(tiny_clip_recipe,
     assert code == 2 and f"in use by another vembed run (pid {holder.pid} " in err and "\n" not in err
 
 
+@pytest.mark.parametrize("config, processes, in_launcher", [
+    ("single", 1, True), ("ddp_cpu", 2, False), ("ddp_cpu", 1, False), ("deepspeed_zero2", 1, False),
+    ("fsdp", 1, False),
+])
+def test_only_a_launch_of_one_plain_process_trains_in_the_launcher(config, processes, in_launcher):
+    args = ["--config_file", str(launch.CONFIGS / f"{config}.yaml"), "--num_processes", str(processes), "train.py"]
+    env = launch.one_plain_process_env(args)
+    assert (env is not None) == in_launcher
+    if in_launcher:  # accelerate's simple launcher's variables, e.g. one OpenMP thread unless OMP_NUM_THREADS is set
+        assert env["ACCELERATE_MIXED_PRECISION"] == "no" and env["ACCELERATE_USE_CPU"] == "False"
+        assert env["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS", "1")
+
+
+# In the launcher's process: accelerate's simple launcher (which starts a second interpreter) must not run.
+NO_SECOND_PROCESS = ("import sys, accelerate.commands.launch as launcher; "
+                     "launcher.simple_launcher = lambda args: sys.exit('a second interpreter was started'); "
+                     "from vembed.entrypoints.launch import main; sys.exit(main(sys.argv[1:]))")
+
+
+@pytest.mark.slow
+def test_a_one_process_launch_trains_in_the_launcher_as_accelerate_launch_would(tiny_clip_recipe, tmp_path):
+    """run.py with a one-process config trains in its own process (no second interpreter importing torch and
+    transformers again), and the run is the one `accelerate launch` gives: same plan, same weights, same metrics."""
+    import torch
+    from launching import final_weights
+
+    raw = dict(tiny_clip_recipe, max_steps=3, save_steps=None, eval_before_training=True)
+    env = {key: value for key, value in ENV.items() if key != "OMP_NUM_THREADS"}  # accelerate's default: 1 thread
+    runs = {}
+    for name, command in (
+        ("in the launcher", [sys.executable, "-c", NO_SECOND_PROCESS]),
+        ("accelerate launch", [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                               str(launch.CONFIGS / "single.yaml"), "vembed/entrypoints/train.py"]),
+    ):
+        out = tmp_path / name.replace(" ", "_")
+        recipe = _recipe_file(tmp_path, dict(raw, output_dir=str(out)))
+        result = subprocess.run([*command, str(recipe)], cwd=ROOT, env=env, capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = (result.stdout + result.stderr, final_weights(out), json.loads((out / "metrics.json").read_text()))
+    (log, weights, metrics), (reference_log, reference_weights, reference_metrics) = runs.values()
+    assert "(in this process)" in log
+    start_block = [line for line in reference_log.splitlines()
+                   if line.startswith(("strategy ", "device ", "precision "))]
+    assert len(start_block) == 3 and all(line in log for line in start_block), log
+    assert weights.keys() == reference_weights.keys()
+    assert all(torch.equal(weights[key], reference_weights[key]) for key in weights)
+    for split in ("before", "validation", "test"):
+        assert metrics[split] == reference_metrics[split], split
+
+
 def _children(pid: int) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
@@ -90,13 +142,15 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_killing_the_launcher_stops_its_training_process(tiny_clip_recipe, tmp_path):
-    """SIGKILL to run.py alone used to leave its rank training (own session) and writing final/ 8-15 s later."""
+@pytest.mark.parametrize("config", ["single", "ddp_cpu"])
+def test_killing_the_launcher_stops_its_training_process(tiny_clip_recipe, tmp_path, config):
+    """SIGKILL to run.py alone used to leave its rank training (own session) and writing final/ 8-15 s later. A
+    one-process launch now trains in the launcher itself (no child), so the kill stops it outright."""
     raw = dict(tiny_clip_recipe, max_steps=100000, save_steps=None, logging_steps=1000,
                data={"train": tiny_clip_recipe["data"]["train"]})
     out = Path(raw["output_dir"])
     launcher = subprocess.Popen([sys.executable, "run.py", str(_recipe_file(tmp_path, raw)), "--accelerate_config",
-                                 "single"], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                 config], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ranks: list[int] = []
     try:
         deadline = time.monotonic() + 120
@@ -104,7 +158,10 @@ def test_killing_the_launcher_stops_its_training_process(tiny_clip_recipe, tmp_p
             assert launcher.poll() is None and time.monotonic() < deadline, "the run did not start"
             time.sleep(0.2)
         ranks = _children(launcher.pid)
-        assert ranks and all(_alive(pid) for pid in ranks)
+        if config == "single":
+            assert ranks == [], "a one-process launch started a training process instead of training in the launcher"
+        else:
+            assert len(ranks) == 2 and all(_alive(pid) for pid in ranks)
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()
         deadline = time.monotonic() + 10

@@ -75,6 +75,22 @@ def test_gradient_checkpointing_gives_the_same_gradients(build, recipe_for, mode
     checks.checkpointing_keeps_gradients(lambda: build(model_type, **trainable), sides[:4], lora_recipe=lora_recipe)
 
 
+def test_every_module_compile_compiles_runs_when_the_adapter_encodes(build, model_type, sides):
+    """`compile: true` compiles `compiled_modules()` (each one's forward): a module encode never calls through its
+    forward (CLIP's towers behind get_text_features) would be compiled for nothing."""
+    adapter = build(model_type)
+    modules = adapter.compiled_modules()
+    assert modules and all(any(m is module for m in adapter.modules()) for module in modules)
+    called: set[int] = set()
+    hooks = [module.register_forward_hook(lambda mod, args, out: called.add(id(mod))) for module in modules]
+    try:
+        adapter.encode(adapter.preprocess(sides))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert called == {id(module) for module in modules}
+
+
 def test_embedding_dim_for_reads_the_config(build, recipe_for, model_type, checks):
     checks.embedding_dim_for_matches(build(model_type), recipe_for(model_type))
 

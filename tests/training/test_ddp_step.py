@@ -50,8 +50,9 @@ def _ddp_worker(raw_path: str, out_dir: str) -> None:
         {"loss_type": "infonce", "learnable_temperature": True, "symmetric_loss": True},
         {"loss_type": "siglip", "learnable_temperature": True, "temperature": 0.1},
         {"loss_type": "infonce", "mrl_dims": [16, 8]},
+        {"loss_type": "infonce", "learnable_temperature": True, "compile": True},  # towers under torch.compile
     ],
-    ids=["infonce", "siglip", "matryoshka"],
+    ids=["infonce", "siglip", "matryoshka", "compiled"],
 )
 def test_ddp_gradients_match_single_process_full_batch(tiny_clip_recipe, tmp_path, loss_settings):
     raw = dict(tiny_clip_recipe, batch_size=GLOBAL_BATCH // 2, **loss_settings)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 try:
     from vembed.entrypoints import quiet_libraries, run_cli
@@ -15,6 +16,9 @@ except ModuleNotFoundError as missing:  # this file run from a clone whose vembe
     if missing.name != "vembed":
         raise
     sys.exit(f"vembed is not installed for {sys.executable}: run `pip install -e .` in the repository root first")
+
+if TYPE_CHECKING:
+    from vembed.recipe import Recipe
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,17 +40,23 @@ def run(args: argparse.Namespace) -> int:
 
         recipe = load_recipe(args.recipe, args.config_override)
         check_recipe(recipe)  # everything is validated before a model is built or output_dir is created
-        quiet_libraries()
-        from vembed.training.loop import Trainer
-
-        trainer = Trainer(recipe)
-        try:
-            trainer.run()  # returns on every rank together (a barrier after rank 0's last write)
-        finally:
-            trainer.accelerator.end_training()  # tears down the process group; gloo runs can abort without it
-        return 0
+        return train(recipe)
 
     return run_cli(body, args.debug)
+
+
+def train(recipe: "Recipe") -> int:
+    """Train a recipe that has been checked (`check_recipe`), in this process; also what run.py / `vembed train` run
+    when the launch is one plain process."""
+    quiet_libraries()
+    from vembed.training.loop import Trainer
+
+    trainer = Trainer(recipe)
+    try:
+        trainer.run()  # returns on every rank together (a barrier after rank 0's last write)
+    finally:
+        trainer.accelerator.end_training()  # tears down the process group; gloo runs can abort without it
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -216,6 +216,18 @@ class EmbeddingAdapter(nn.Module, ABC):
     def towers(self) -> list[nn.Module]:
         """The transformers models inside; checkpointing and LoRA apply to each of them."""
 
+    def compiled_modules(self) -> list[nn.Module]:
+        """The modules `compile: true` compiles (each one's forward, in place). Default: the towers, for adapters that
+        call their towers' forward; an adapter that reaches a tower through another method (CLIP's
+        `get_text_features`) names the submodules that method runs."""
+        return self.towers()
+
+    def compile_towers(self) -> None:
+        """torch.compile each of `compiled_modules()` in place (`nn.Module.compile`): parameters, state dict and
+        saving are unchanged; the compiled forward replaces the eager one."""
+        for module in self.compiled_modules():
+            module.compile()
+
     def enable_gradient_checkpointing(self) -> None:
         """Turn on (non-reentrant) activation checkpointing in every tower."""
         from vembed.models.hf import enable_checkpointing

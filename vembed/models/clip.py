@@ -129,6 +129,11 @@ class ClipAdapter(TransformersAdapter):
         "vision": ("vision_model", ("visual_projection",)),
     }
 
+    def compiled_modules(self) -> list[nn.Module]:
+        """The text and vision transformers: `encode` reaches them through get_text_features / get_image_features,
+        never CLIPModel.forward (the projections after them are one matmul each)."""
+        return [self.model.get_submodule(tower) for tower, _ in self.flops_parts.values()]
+
     def _weights(self, modality: str) -> tuple[int, int]:
         """(weights applied per token, weights applied per row) of one modality."""
         tower_name, row_names = self.flops_parts[modality]

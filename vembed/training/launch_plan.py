@@ -73,6 +73,7 @@ class LaunchPlan:
     uses_lora: bool = False  # the recipe's use_lora (the planner names LoRA launches apart)
     # DDP searches every step for parameters without gradients (costly) only when some batch can leave a tower idle.
     find_unused_parameters: bool = False
+    compile: bool = False  # torch.compile the adapter's towers (the recipe's compile, where this launch allows it)
 
     @property
     def backend(self) -> str:
@@ -146,8 +147,35 @@ def decide_launch(recipe: "Recipe", env: Mapping[str, str] | None = None) -> Lau
     if recipe.use_fsdp and kind != "fsdp":
         raise RecipeError("use_fsdp", f"is true but this launch is not FSDP; {_fsdp_hint(promise)}")
     grad_cache = choose_gradient_cache(recipe, kind)
+    if recipe.compile:
+        _check_compile(recipe, kind, on_cpu)
     return LaunchPlan(kind=kind, world_size=world_size, on_cpu=on_cpu, promise=promise, grad_cache=grad_cache,
-                      fsdp=fsdp, deepspeed=deepspeed, uses_lora=recipe.use_lora)
+                      fsdp=fsdp, deepspeed=deepspeed, uses_lora=recipe.use_lora, compile=recipe.compile)
+
+
+def _check_compile(recipe: "Recipe", kind: LaunchKind, on_cpu: bool) -> None:
+    """`compile: true` where it is known to train as the eager model does (tests/training/test_compile.py: one
+    process, GradCache and LoRA, to 1e-5; test_ddp_step.py: 2 DDP ranks as one process); one line naming the key
+    and the reason everywhere else."""
+    import shutil
+
+    from vembed.components import model_class
+    from vembed.models.base import EmbeddingAdapter
+
+    if kind in ("fsdp", "deepspeed"):
+        raise RecipeError("compile", f"is not available under {'FSDP' if kind == 'fsdp' else 'DeepSpeed'}: their "
+                                     "hooks gather and free each tower's weights around its forward, which compiled "
+                                     "towers are not verified against; use DDP, or compile: false")
+    if not issubclass(model_class(recipe), EmbeddingAdapter):
+        raise RecipeError("compile", f"model_type {recipe.model_type} names no encoder towers to compile")
+    import torch._dynamo
+
+    if not torch._dynamo.is_dynamo_supported():
+        raise RecipeError("compile", "torch.compile does not support this Python/torch build; use compile: false")
+    compiler = os.environ.get("CXX", "g++")
+    if on_cpu and shutil.which(compiler) is None:
+        raise RecipeError("compile", f"torch.compile on CPU builds C++ kernels, and no C++ compiler ({compiler}) is "
+                                     "installed; install one (e.g. apt-get install g++) or use compile: false")
 
 
 def _cuda_available() -> bool:

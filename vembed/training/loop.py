@@ -130,6 +130,8 @@ class Trainer:
         set_seed(recipe.seed)
         with unsharded_construction(acc, unless_zero3_init=True):
             self.objective = self.task.build_objective()
+        if plan.compile:  # the plan allowed it: an encoder adapter, no FSDP/DeepSpeed
+            self.objective.adapter.compile_towers()
         if plan.fsdp is not None:
             from vembed.training.fsdp import shard_objective
 

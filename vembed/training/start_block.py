@@ -26,6 +26,9 @@ def describe_launch(plan: "LaunchPlan", accelerator: "Accelerator", recipe: "Rec
     if grad_cache_applies:
         chunk = f"{plan.grad_cache.chunk_size} samples per forward" if plan.grad_cache.enabled else "-"
         lines.append(("GradCache", f"{plan.grad_cache.reason}; chunk {chunk}"))
+    if plan.compile:
+        lines.append(("compile", "on: torch.compile of each encoder tower (the first steps, and each new input "
+                                 "shape, compile)"))
     lines += batch_lines
     lines.append(("parameters", f"{trainable:,} trainable / {total:,} total"))
     return "\n".join(f"{label:<20}{value}" for label, value in lines)
