@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
     from accelerate import Accelerator
 
+    from vembed.data.image_cache import ImageCache
     from vembed.data.records import Example
     from vembed.recipe import Recipe
     from vembed.training.stages import Stage
@@ -166,7 +167,16 @@ class ContrastiveTask(Task):
         if self.train_rows is None:
             return self._train_stream(objective), None
         collate = PairCollator(objective.adapter, labels=self.recipe.data.mask_same_label)
-        return PairDataset(self.train_rows), collate
+        return PairDataset(self.train_rows, image_cache=self._image_cache(objective.adapter)), collate
+
+    def _image_cache(self, adapter: EmbeddingAdapter) -> "ImageCache | None":
+        """The training images resized once (data.image_cache), for adapters whose images have one fixed size."""
+        data = self.recipe.data
+        if not data.image_cache or not type(adapter).image_cache or adapter.image_processor is None:
+            return None
+        from vembed.data.image_cache import image_paths, open_image_cache
+
+        return open_image_cache(image_paths(self.train_rows, None), adapter.image_processor, data.image_cache_dir)
 
     def enter_stage(self, objective: "nn.Module", stage: "Stage") -> None:
         """A stage's max_length and image pixel budget (unset: the recipe's; for max_length, unset there too: the
