@@ -4,6 +4,7 @@ undecodable images are skipped and counted as without it."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -129,36 +130,60 @@ def test_a_changed_image_file_or_processor_setting_rebuilds_the_cache(tmp_path, 
     assert torch.equal(_pixels([Side(image=renewed.pixels(paths[2]))], processor), _reference(paths[2:3], processor))
 
 
+_KILLED_BUILD = """
+import os, sys
+import vembed.data.images as images
+from vembed.data import image_cache
+from vembed.models.hf import clip_image_processor
+decode, seen = images.load_image, []
+def dying(path):
+    seen.append(path)
+    if len(seen) == 4:
+        os._exit(3)  # killed half way through the build: no clean-up runs
+    return decode(path)
+images.load_image = dying
+image_cache.open_image_cache(sys.argv[2:], clip_image_processor(32), sys.argv[1])
+"""
+
+
 def test_an_interrupted_build_is_never_read(tmp_path, monkeypatch):
+    import os
+    import subprocess
+    import sys
+
     import vembed.data.images as images
 
     paths, folder = _images(tmp_path / "images"), tmp_path / "cache"
     processor = _processors()["clip"]
-    decode = images.load_image
-    seen = []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    killed = subprocess.run([sys.executable, "-c", _KILLED_BUILD, str(folder), *paths], env=env, timeout=120)
+    assert killed.returncode == 3
+    built = _builds(monkeypatch)
+    cache = ic.open_image_cache(paths, processor, folder)
+    assert built == [len(paths)], "the killed build's file was trusted"
+    assert torch.equal(_pixels([Side(image=cache.pixels(p)) for p in paths], processor), _reference(paths, processor))
+    assert not list(folder.glob("*.tmp-*")), "the killed build's temporary file was left behind"
+
+    decode, seen = images.load_image, []
 
     def stopping(path):
         seen.append(path)
         if len(seen) == 4:
-            raise KeyboardInterrupt  # the process is stopped half way through the build
+            raise KeyboardInterrupt  # stopped half way through the build
         return decode(path)
 
+    cache.file.unlink()  # the index written, the pixels never renamed into place
     monkeypatch.setattr(images, "load_image", stopping)
     with pytest.raises(KeyboardInterrupt):
         ic.open_image_cache(paths, processor, folder)
     assert not list(folder.glob("*.npy")) and not list(folder.glob("*.tmp-*")), "a partial cache was left"
     monkeypatch.setattr(images, "load_image", decode)
-
-    # A cache file cut short at its final name (a crash of a writer that did not rename, a full disk) is rebuilt.
-    built = _builds(monkeypatch)
     cache = ic.open_image_cache(paths, processor, folder)
-    assert built == [len(paths)]
+    assert len(built) == 3
+    # a cache file cut short at its final name (a full disk, a copy cut off) is rebuilt
     cache.file.write_bytes(cache.file.read_bytes()[: cache.file.stat().st_size // 2])
     cache = ic.open_image_cache(paths, processor, folder)
-    assert built == [len(paths)] * 2
-    cache.file.unlink()  # the index written, the pixels never renamed into place
-    cache = ic.open_image_cache(paths, processor, folder)
-    assert built == [len(paths)] * 3
+    assert len(built) == 4
     assert torch.equal(_pixels([Side(image=cache.pixels(p)) for p in paths], processor), _reference(paths, processor))
 
 
@@ -197,6 +222,7 @@ def _rank_opens_the_cache(paths: list[str], folder: str, out: str) -> None:
 
     def marking(file, paths, processor, shape):
         Path(out, f"built-by-{rank}").touch()
+        time.sleep(1)  # a slow build: without the lock the other rank would find no cache and build it too
         return build(file, paths, processor, shape)
 
     ic._build = marking

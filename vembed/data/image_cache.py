@@ -205,6 +205,7 @@ def _build(file: Path, paths: Sequence[str], processor: Any, shape: tuple[int, .
     from vembed.data.images import load_image
 
     start = time.perf_counter()
+    _remove_stale(file)
     suffix = f".tmp-{socket.gethostname()}-{os.getpid()}"
     tmp = file.with_name(file.name + suffix)
     errors: dict[str, tuple[str, str | None]] = {}
@@ -231,6 +232,26 @@ def _build(file: Path, paths: Sequence[str], processor: Any, shape: tuple[int, .
     logger.info("image cache: %d images (%.1f MB) decoded and resized in %.1f s into %s", len(paths),
                 np.prod(shape) / 1e6, time.perf_counter() - start, file)
     return errors
+
+
+def _remove_stale(file: Path) -> None:
+    """Temporary files of a build on this host whose process is gone (killed before its clean-up ran)."""
+    host = socket.gethostname()
+    for name in (file.name, _index_file(file).name):
+        for stale in file.parent.glob(f"{name}.tmp-{host}-*"):
+            pid = stale.name.rsplit("-", 1)[-1]
+            if pid.isdigit() and not _alive(int(pid)):
+                stale.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _free_bytes(folder: Path) -> int:
