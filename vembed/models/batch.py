@@ -92,7 +92,7 @@ def process_images(images: Sequence[Any], image_processor: Any) -> torch.Tensor:
         return image_processor(images=[load_image(image) for image in images], return_tensors="pt")["pixel_values"]
     import numpy as np
 
-    normalised = normalise(torch.from_numpy(np.stack([images[i].pixels for i in cached])), image_processor)
+    normalised = normalise(np.stack([images[i].pixels for i in cached]), image_processor)
     if len(cached) == len(images):
         return normalised
     rest = [i for i, image in enumerate(images) if not isinstance(image, CachedPixels)]
