@@ -69,6 +69,13 @@ def test_cached_batches_get_the_image_processors_pixel_values_bit_for_bit(tmp_pa
     mixed = _pixels([Side(image=cache.pixels(paths[0])), Side(image=load_image(paths[1])),
                      Side(image=cache.pixels(paths[2]))], processor)
     assert torch.equal(mixed, _reference(paths[:3], processor))
+    # DataLoader workers get the cache pickled: its file name, not its pixels, and they map the file again
+    import pickle
+
+    sent = pickle.dumps(cache)
+    assert len(sent) < 4096
+    assert torch.equal(_pixels([Side(image=pickle.loads(sent).pixels(p)) for p in paths], processor),
+                       _reference(paths, processor))
 
 
 def test_a_processor_without_a_fixed_output_size_gets_no_cache(tmp_path):
