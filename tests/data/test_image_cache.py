@@ -259,11 +259,13 @@ def test_the_recipe_key_turns_the_cache_on_for_training_and_batches_stay_the_sam
         data = dict(tiny_clip_recipe["data"], image_cache=image_cache, image_cache_dir=str(tmp_path / "cache"))
         trainer = Trainer(recipe_from_dict(dict(tiny_clip_recipe, data=data)))
         trainer.build()
-        return trainer.dataset, trainer.loader.collate_fn([trainer.dataset[i] for i in range(8)])
+        lines = dict(trainer.task.batch_lines(1))  # the start block
+        return trainer.dataset, trainer.loader.collate_fn([trainer.dataset[i] for i in range(8)]), lines
 
-    cached, with_cache = first_batch(True)
-    plain, without = first_batch(False)
+    cached, with_cache, lines = first_batch(True)
+    plain, without, plain_lines = first_batch(False)
     assert cached.image_cache is not None and plain.image_cache is None
+    assert "built in" in lines["image cache"] and "image cache" not in plain_lines
     assert list((tmp_path / "cache").glob("images-*.npy"))
     for side in ("query", "positive"):
         assert with_cache[side].keys() == without[side].keys()

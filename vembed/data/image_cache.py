@@ -116,6 +116,7 @@ class ImageCache:
         self.file = Path(file)
         self.rows = {path: row for row, path in enumerate(paths)}
         self.errors = errors  # path -> (message, file) of the DataError its decoding raised
+        self.build_seconds: float | None = None  # set when this process built it (None: mapped a built one)
         self._pixels: np.ndarray | None = None
 
     def __contains__(self, path: object) -> bool:
@@ -157,6 +158,7 @@ def open_image_cache(paths: Sequence[str], processor: Any, cache_dir: str | os.P
     shape = (len(paths), 3, height, width)
     from filelock import FileLock
 
+    build_seconds = None
     with FileLock(str(folder / f"images-{key}.lock")):
         errors = _read_complete(file, shape)
         if errors is None:
@@ -165,8 +167,12 @@ def open_image_cache(paths: Sequence[str], processor: Any, cache_dir: str | os.P
                 logger.warning("image cache off: %d images need %.1f GB, %s has %.1f GB free; images are decoded "
                                "every epoch", len(paths), need / 1e9, folder, free / 1e9)
                 return None
+            start = time.perf_counter()
             errors = _build(file, paths, processor, shape)
-    return ImageCache(file, paths, errors)
+            build_seconds = time.perf_counter() - start
+    cache = ImageCache(file, paths, errors)
+    cache.build_seconds = build_seconds
+    return cache
 
 
 def _key(paths: Sequence[str], settings: dict[str, Any]) -> str:

@@ -90,6 +90,7 @@ class ContrastiveObjective(nn.Module):
 class ContrastiveTask(Task):
     name = "contrastive"
     uses_gradient_cache = True
+    image_cache: "ImageCache | None" = None  # the training images resized once, when `train_dataset` opened one
 
     @classmethod
     def check_recipe(cls, recipe: "Recipe", *, for_training: bool = True) -> None:
@@ -146,6 +147,10 @@ class ContrastiveTask(Task):
             applies = MODELS.get(recipe.model_type).length_chunking
             lines.append(("length-aware", f"{recipe.length_chunks} length-sorted padded chunks per text side"
                           if applies else f"off: {recipe.model_type} pools where padding matters"))
+        cache = self.image_cache
+        if cache is not None:
+            how = "mapped" if cache.build_seconds is None else f"built in {cache.build_seconds:.1f} s"
+            lines.append(("image cache", f"{len(cache):,} images resized once, {how}: {cache.file}"))
         return lines
 
     def build_objective(self) -> "nn.Module":
@@ -167,7 +172,8 @@ class ContrastiveTask(Task):
         if self.train_rows is None:
             return self._train_stream(objective), None
         collate = PairCollator(objective.adapter, labels=self.recipe.data.mask_same_label)
-        return PairDataset(self.train_rows, image_cache=self._image_cache(objective.adapter)), collate
+        self.image_cache = self._image_cache(objective.adapter)
+        return PairDataset(self.train_rows, image_cache=self.image_cache), collate
 
     def _image_cache(self, adapter: EmbeddingAdapter) -> "ImageCache | None":
         """The training images resized once (data.image_cache), for adapters whose images have one fixed size."""
