@@ -1,7 +1,8 @@
 """Steady-state training throughput of vembed against its peers, measured side by side in one run.
 
     python bench/throughput.py --scenario text      # vembed vs sentence-transformers (MNRL) vs a minimal loop
-    python bench/throughput.py --scenario clip      # tiny CLIP (the demo's shape): vembed vs a minimal loop
+    python bench/throughput.py --scenario clip      # tiny CLIP (the demo's shape): vembed (image cache on and off)
+                                                    # vs a minimal loop; --batch-size 32 for another batch
     python bench/throughput.py --scenario vit       # a ViT-B/16-sized vision tower: vembed vs a minimal loop
     python bench/throughput.py --scenario clip_compile   # the demo's CLIP, eager vs `compile: true`
     python bench/throughput.py --scenario text_compile   # MiniLM-shaped text model, eager vs `compile: true`
@@ -55,9 +56,10 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     # long tail, capped at 200): vembed with length-aware encoding (4 chunks), vembed padded, sentence-transformers
     "uneven_text": {"systems": ["vembed", "vembed-padded", "sentence-transformers"], "batch_size": 16, "warmup": 2,
                     "steps": 12, "learning_rate": 2e-5, "max_length": 256, "length_chunks": 4},
-    # the demo's CLIP: 2+2 layers, 64 wide, 32-px images in 4-px patches
-    "clip": {"systems": ["vembed", "minimal"], "batch_size": 64, "warmup": 5, "steps": 40, "learning_rate": 1e-3,
-             "max_length": 32},
+    # the demo's CLIP: 2+2 layers, 64 wide, 32-px images in 4-px patches; vembed-no-cache: data.image_cache false
+    # (every image decoded and processed per step, as before the image cache)
+    "clip": {"systems": ["vembed", "vembed-no-cache", "minimal"], "batch_size": 64, "warmup": 5, "steps": 40,
+             "learning_rate": 1e-3, "max_length": 32},
     # ViT-B/16 (12 layers, 768 wide, 16-px patches, 86M parameters) at 64 px so a CPU step takes seconds, not
     # minutes; a 2-layer 64-wide text tower on the other side (composed adapter)
     "vit": {"systems": ["vembed", "minimal"], "batch_size": 8, "warmup": 2, "steps": 12, "learning_rate": 1e-4,
@@ -88,7 +90,7 @@ TINY_VIT = {**VIT_B16, "hidden_size": 32, "num_hidden_layers": 1, "num_attention
 
 
 # --- shared inputs ---------------------------------------------------------------------------------------------------
-def prepare(name: str, work: Path, smoke: bool) -> dict[str, Any]:
+def prepare(name: str, work: Path, smoke: bool, batch_size: int | None = None) -> dict[str, Any]:
     """Write the data, the tokenizer and the initial weights every system starts from; return the run spec."""
     scenario = name
     from vembed.data.tokenizer import special_token_ids, train_tokenizer
@@ -96,6 +98,8 @@ def prepare(name: str, work: Path, smoke: bool) -> dict[str, Any]:
     scenario = SCENARIOS[scenario].get("base", scenario)  # the data and model of another scenario
     spec = {**SCENARIOS[scenario], **SCENARIOS[name], **(SMOKE if smoke else {}), "scenario": scenario,
             "work": str(work)}
+    if batch_size is not None:
+        spec["batch_size"] = batch_size
     n_rows = spec["batch_size"] * (spec["warmup"] + spec["steps"] + 2)
     if scenario in ("text", "uneven_text"):
         rows = ([{"query": f"what is the capital city of region number {i} in the north?",
@@ -230,12 +234,15 @@ def vembed_recipe(spec: dict[str, Any]) -> dict[str, Any]:
         **spec.get("recipe", {}),
         "data": {"train": str(work / "train.jsonl"), "num_hard_negatives": 0},
         "output_dir": str(work / f"vembed-run-{os.getpid()}-chunks{spec.get('length_chunks', 1)}"
-                                 f"{'-compiled' if spec.get('compile') else ''}"),
+                                 f"{'-compiled' if spec.get('compile') else ''}"
+                                 f"{'' if spec.get('image_cache', True) else '-nocache'}"),
         "batch_size": spec["batch_size"], "learning_rate": spec["learning_rate"],
         "max_steps": spec["warmup"] + spec["steps"] + 1, "scheduler_type": "constant", "weight_decay": 0.0,
         "max_grad_norm": None, "temperature": TEMPERATURE, "max_length": spec["max_length"],
         "save_steps": None, "eval_before_training": False, "seed": 0, "compile": spec.get("compile", False),
     }
+    if spec["scenario"] != "text" and spec["scenario"] != "uneven_text":
+        recipe["data"].update(image_cache=spec.get("image_cache", True), image_cache_dir=str(work / "image-cache"))
     if spec["scenario"] in ("text", "uneven_text"):
         recipe.update(model_type="text", model_name=spec["model_dir"], pooling="mean", symmetric_loss=False,
                       length_chunks=spec.get("length_chunks", 1))
@@ -363,8 +370,12 @@ def run_vembed_compiled(spec: dict[str, Any]) -> None:
     run_vembed({**spec, "compile": True})
 
 
+def run_vembed_no_cache(spec: dict[str, Any]) -> None:
+    run_vembed({**spec, "image_cache": False})
+
+
 RUNNERS = {"vembed": run_vembed, "vembed-padded": run_vembed_padded, "vembed-compiled": run_vembed_compiled,
-           "sentence-transformers": run_sentence_transformers,
+           "vembed-no-cache": run_vembed_no_cache, "sentence-transformers": run_sentence_transformers,
            "minimal": run_minimal}
 
 
@@ -394,9 +405,10 @@ def run_in_subprocess(spec_path: Path, system: str) -> dict[str, Any]:
     return json.loads(lines[-1])
 
 
-def compare(scenario: str, rounds: int, smoke: bool, out_dir: Path) -> dict[str, Any]:
+def compare(scenario: str, rounds: int, smoke: bool, out_dir: Path, batch_size: int | None = None
+            ) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix=f"vembed-bench-{scenario}-"))
-    spec = prepare(scenario, work, smoke)
+    spec = prepare(scenario, work, smoke, batch_size)
     spec_path = work / "spec.json"
     spec_path.write_text(json.dumps(spec))
     systems = [s for s in spec["systems"] if available(s)]
@@ -431,8 +443,9 @@ def compare(scenario: str, rounds: int, smoke: bool, out_dir: Path) -> dict[str,
         for peer in systems if peer != "vembed"
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"throughput_{scenario}.json").write_text(json.dumps(summary, indent=2, default=str))
-    plot(summary, out_dir / f"throughput_{scenario}.png")
+    name = f"throughput_{scenario}" + (f"_b{batch_size}" if batch_size is not None else "")
+    (out_dir / f"{name}.json").write_text(json.dumps(summary, indent=2, default=str))
+    plot(summary, out_dir / f"{name}.png")
     return summary
 
 
@@ -466,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenario", choices=[*SCENARIOS, "all"], default="all")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the median is reported)")
     parser.add_argument("--smoke", action="store_true", help="tiny models, one round, in-process: checks it runs")
+    parser.add_argument("--batch-size", type=int, help="instead of the scenario's batch size (results then go to "
+                                                       "throughput_<scenario>_b<size>.json)")
     parser.add_argument("--out", help="where JSON and PNG results go (default: bench/results, or a temporary folder "
                                       "for --smoke)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -477,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
     out = output_dir(args.out, args.smoke)
     for scenario in scenarios:
-        summary = compare(scenario, 1 if args.smoke else args.rounds, args.smoke, out)
+        summary = compare(scenario, 1 if args.smoke else args.rounds, args.smoke, out, args.batch_size)
         ratios = ", ".join(f"{r:.2f}× {peer}" for peer, r in summary["vembed_ratio"].items())
         cpu_ratios = ", ".join(f"{r:.2f}× {peer}" for peer, r in summary["vembed_cpu_ratio"].items())
         print(f"{scenario}: vembed = {ratios} (per CPU second: {cpu_ratios})")

@@ -9,6 +9,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if "VEMBED_IMAGE_CACHE_DIR" not in os.environ:  # the image cache of test runs stays out of the user's ~/.cache
+    import tempfile
+
+    os.environ["VEMBED_IMAGE_CACHE_DIR"] = _IMAGE_CACHE = tempfile.mkdtemp(prefix="vembed-test-image-cache-")
+
+    def pytest_unconfigure(config):
+        import shutil
+
+        shutil.rmtree(_IMAGE_CACHE, ignore_errors=True)
 
 import pytest  # noqa: E402
 

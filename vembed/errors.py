@@ -37,7 +37,7 @@ class DataError(VembedError):
     kind = "data error"
 
     def __init__(self, message: str, file: str | None = None, row: int | None = None):
-        self.file, self.row = file, row
+        self.file, self.row, self.detail = file, row, message
         where = ""
         if file:
             where = f"{file}" + (f", row {row}" if row is not None else "") + ": "

@@ -188,6 +188,11 @@ class DataConfig(_Strict):
     # Rows that are empty or point at missing/corrupt images are skipped and counted; above this share, stop.
     max_bad_fraction: float = Field(default=0.05, ge=0.0, le=1.0)
     num_workers: int = Field(default=0, ge=0)
+    # Training images decoded, resized and cropped once into a memory-mapped uint8 file (one per node, keyed by the
+    # files' path/size/mtime and the processor's settings), normalised per batch: the same pixel values, bit for bit,
+    # without per-image work every epoch. clip, siglip and composed (fixed image size); qwen_vl decodes as before.
+    image_cache: bool = True
+    image_cache_dir: str | None = None  # where the cache files go; unset: $XDG_CACHE_HOME/vembed/images (~/.cache)
     # Read data.train as a stream (vembed/data/streaming.py): WebDataset tar shards, or JSONL/CSV/Parquet files, for
     # corpora larger than a disk or memory. Unset: on exactly when data.train names .tar shards.
     streaming: bool | None = None

@@ -6,6 +6,7 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.data import Dataset, get_worker_info
@@ -13,6 +14,9 @@ from torch.utils.data import Dataset, get_worker_info
 from vembed.data.images import load_image
 from vembed.data.records import Example, Side
 from vembed.errors import DataError
+
+if TYPE_CHECKING:
+    from vembed.data.image_cache import ImageCache
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +42,13 @@ class PairDataset(Dataset):
     the same one. `decode_failures` counts the distinct bad records this process has met (each DataLoader worker
     keeps its own count); `decode_counts()` counts fetches and replacements in every worker, through shared memory.
     `num_negatives`: the hard negatives each record keeps; None keeps what the records hold (`load_rows` has already
-    cut them to one number per source).
+    cut them to one number per source). `image_cache`: image files found there come back as their cached pixels
+    (`CachedPixels`, resized once, see vembed/data/image_cache.py) instead of decoded PIL images; an image that did
+    not decode when the cache was built raises the same error here, so it is replaced and counted as without a cache.
     """
 
-    def __init__(self, examples: Sequence[Example], num_negatives: int | None = None, max_substitutions: int = 64):
+    def __init__(self, examples: Sequence[Example], num_negatives: int | None = None, max_substitutions: int = 64,
+                 image_cache: "ImageCache | None" = None):
         for example in examples if num_negatives is not None else ():
             if len(example.negatives) < num_negatives:
                 raise DataError(
@@ -53,6 +60,7 @@ class PairDataset(Dataset):
         self.examples = examples
         self.num_negatives = num_negatives
         self.max_substitutions = max_substitutions
+        self.image_cache = image_cache
         self._bad: set[int] = set()
         # Per process (row 0: the one that built the dataset; 1+: DataLoader worker id + 1): fetched, replaced, first
         # replaced index + 1. Shared memory, so counts made in forked or spawned workers reach the training loop.
@@ -123,18 +131,24 @@ class PairDataset(Dataset):
 
     def _decoded(self, example: Example) -> Example:
         return Example(
-            query=_decoded_side(example.query),
-            positive=_decoded_side(example.positive),
-            negatives=[_decoded_side(side) for side in example.negatives[: self.num_negatives]],
+            query=self._decoded_side(example.query),
+            positive=self._decoded_side(example.positive),
+            negatives=[self._decoded_side(side) for side in example.negatives[: self.num_negatives]],
             label=example.label,
             row=example.row,
             source=example.source,
             source_name=example.source_name,
         )
 
+    def _decoded_side(self, side: Side) -> Side:
+        if side.image is None:
+            return side
+        load = self._load
+        images = [load(image) for image in side.image] if isinstance(side.image, list) else load(side.image)
+        return dataclasses.replace(side, image=images)
 
-def _decoded_side(side: Side) -> Side:
-    if side.image is None:
-        return side
-    images = [load_image(image) for image in side.image] if isinstance(side.image, list) else load_image(side.image)
-    return dataclasses.replace(side, image=images)
+    def _load(self, image):
+        cache = self.image_cache
+        if cache is not None and isinstance(image, str) and image in cache:
+            return cache.pixels(image)
+        return load_image(image)

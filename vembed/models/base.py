@@ -93,6 +93,10 @@ class EmbeddingAdapter(nn.Module, ABC):
     # Whether padding columns that no row attends change nothing this adapter computes (it pools from the attention
     # mask or at the EOS token), so its texts may be encoded in length-sorted chunks (vembed/models/length_chunks.py).
     length_chunking: ClassVar[bool] = False
+    # Whether its images come out at one fixed size through `vembed.models.batch.make_batch`, so training images may
+    # be resized once into the image cache (data.image_cache; vembed/data/image_cache.py). Not qwen_vl: its image
+    # sizes follow each image (dynamic resolution).
+    image_cache: ClassVar[bool] = False
 
     def __init__(self, settings: AdapterSettings):
         super().__init__()

@@ -78,9 +78,28 @@ def make_batch(
             raise ValueError(
                 "this model embeds text only, but the batch has images; use model_type clip, siglip or composed"
             )
-        pixels = image_processor(images=[load_image(image) for image in images], return_tensors="pt")
-        batch[PIXEL_VALUES] = pixels["pixel_values"]
+        batch[PIXEL_VALUES] = process_images(images, image_processor)
     return batch
+
+
+def process_images(images: Sequence[Any], image_processor: Any) -> torch.Tensor:
+    """pixel_values (n, 3, H, W) of a batch of images: paths and PIL images through the processor, cached pixels
+    (`CachedPixels`, already resized by it) rescaled and normalised as one batched lookup, in batch order."""
+    from vembed.data.image_cache import CachedPixels, normalise
+
+    cached = [i for i, image in enumerate(images) if isinstance(image, CachedPixels)]
+    if not cached:
+        return image_processor(images=[load_image(image) for image in images], return_tensors="pt")["pixel_values"]
+    import numpy as np
+
+    normalised = normalise(np.stack([images[i].pixels for i in cached]), image_processor)
+    if len(cached) == len(images):
+        return normalised
+    rest = [i for i, image in enumerate(images) if not isinstance(image, CachedPixels)]
+    processed = image_processor(images=[load_image(images[i]) for i in rest], return_tensors="pt")["pixel_values"]
+    out = torch.empty((len(images), *normalised.shape[1:]), dtype=normalised.dtype)
+    out[cached], out[rest] = normalised, processed.to(normalised.dtype)
+    return out
 
 
 def text_inputs(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:

@@ -35,6 +35,7 @@ class ClipAdapter(TransformersAdapter):
     default_lora_target_modules = ("q_proj", "k_proj", "v_proj", "out_proj")  # the attention projections, both towers
     text_padding: ClassVar[str] = "longest"  # CLIP pools at the EOS token under a causal mask, so padding is free
     length_chunking: ClassVar[bool] = True
+    image_cache: ClassVar[bool] = True
     # The HF model's own contrastive-loss scalars. The vembed loss owns the temperature, so these get no gradient;
     # DDP (without find_unused_parameters) fails on trainable parameters without a gradient, so they are frozen.
     unused_parameters: ClassVar[tuple[str, ...]] = ("logit_scale",)

@@ -72,6 +72,7 @@ class ComposedAdapter(EmbeddingAdapter):
     Settings: ClassVar[type[ComposedSettings]] = ComposedSettings
     modalities = frozenset({"text", "image"})
     default_lora_target_modules = ATTENTION_PROJECTIONS
+    image_cache = True
 
     def __init__(
         self, text_model: "PreTrainedModel", vision_model: "PreTrainedModel", tokenizer: Any, image_processor: Any,

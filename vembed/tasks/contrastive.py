@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from vembed.data.corpus import CorpusSplit
+    from vembed.data.image_cache import ImageCache
     from vembed.data.records import Example
 
     EvalData = list[Example] | CorpusSplit
@@ -92,6 +93,7 @@ class ContrastiveObjective(nn.Module):
 class ContrastiveTask(Task):
     name = "contrastive"
     uses_gradient_cache = True
+    image_cache: "ImageCache | None" = None  # the training images resized once, when `train_dataset` opened one
 
     def __init__(self, recipe: "Recipe"):
         super().__init__(recipe)
@@ -154,6 +156,10 @@ class ContrastiveTask(Task):
             applies = MODELS.get(recipe.model_type).length_chunking
             lines.append(("length-aware", f"{recipe.length_chunks} length-sorted padded chunks per text side"
                           if applies else f"off: {recipe.model_type} pools where padding matters"))
+        cache = self.image_cache
+        if cache is not None:
+            how = "mapped" if cache.build_seconds is None else f"built in {cache.build_seconds:.1f} s"
+            lines.append(("image cache", f"{len(cache):,} images resized once, {how}: {cache.file}"))
         return lines
 
     def build_objective(self) -> "nn.Module":
@@ -175,7 +181,17 @@ class ContrastiveTask(Task):
         if self.train_rows is None:
             return self._train_stream(objective), None
         collate = PairCollator(objective.adapter, labels=self.recipe.data.mask_same_label)
-        return PairDataset(self.train_rows), collate
+        self.image_cache = self._image_cache(objective.adapter)
+        return PairDataset(self.train_rows, image_cache=self.image_cache), collate
+
+    def _image_cache(self, adapter: EmbeddingAdapter) -> "ImageCache | None":
+        """The training images resized once (data.image_cache), for adapters whose images have one fixed size."""
+        data = self.recipe.data
+        if not data.image_cache or not type(adapter).image_cache or adapter.image_processor is None:
+            return None
+        from vembed.data.image_cache import image_paths, open_image_cache
+
+        return open_image_cache(image_paths(self.train_rows, None), adapter.image_processor, data.image_cache_dir)
 
     def enter_stage(self, objective: "nn.Module", stage: "Stage") -> None:
         """A stage's max_length and image pixel budget (unset: the recipe's; for max_length, unset there too: the
