@@ -94,6 +94,6 @@ def test_two_ranks_each_encoding_a_share_find_what_one_process_finds(tmp_path):
     expected_scores, expected_indices = _reference(encode_sides(model, queries), encode_sides(model, docs), 15)
     out = tmp_path / "found.pt"
     run_on_ranks(_search_on_ranks, str(out), world=2, timeout=120)
-    found = torch.load(out)
+    found = torch.load(out, weights_only=True)
     assert torch.equal(found["indices"], expected_indices)
     assert torch.allclose(found["scores"], expected_scores, atol=1e-6)
