@@ -51,3 +51,32 @@ def tiny_clip_run(data_dir, output_dir, **changes) -> dict:
         "max_steps": 4, "save_steps": 2, "save_total_limit": 2,
     }
     return {**raw, **changes}
+
+
+
+def hashing_encoder():
+    """A stand-in adapter for search and mining tests: a side's embedding is a fixed random projection of its
+    characters (weighted by position), so top-k lists differ between texts; `rows_encoded` counts forwarded rows."""
+    import torch
+
+    class HashingEncoder(torch.nn.Module):
+        embedding_dim = 6
+
+        def __init__(self):
+            super().__init__()
+            generator = torch.Generator().manual_seed(1)
+            self.weight = torch.nn.Parameter(torch.randn(128, self.embedding_dim, generator=generator))
+            self.rows_encoded = 0
+
+        def preprocess(self, sides):
+            codes = torch.zeros(len(sides), 128)
+            for row, side in enumerate(sides):
+                for position, char in enumerate(side.text):
+                    codes[row, ord(char) % 128] += 1.0 / (1 + position)
+            return {"codes": codes}
+
+        def forward(self, inputs):
+            self.rows_encoded += len(inputs["codes"])
+            return inputs["codes"] @ self.weight
+
+    return HashingEncoder()

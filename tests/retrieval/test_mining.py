@@ -11,6 +11,7 @@ from unittest import mock
 import pytest
 import torch
 from ranks import run_on_ranks
+from tiny_models import hashing_encoder
 
 from vembed.data.corpus import CORPUS_FILE, load_corpus_split, write_corpus_folder
 from vembed.retrieval.cache import EmbeddingCache, cache_key
@@ -93,29 +94,6 @@ def test_mining_a_corpus_folder_skips_every_graded_positive_and_measures_against
     assert stats.dropped_by_threshold == 5 and stats.blocks_encoded == 3
 
 
-class _Hashing(torch.nn.Module):
-    """A fixed random embedding per text (as in test_search): enough structure for top-k lists to differ."""
-
-    embedding_dim = 6
-
-    def __init__(self):
-        super().__init__()
-        generator = torch.Generator().manual_seed(1)
-        self.weight = torch.nn.Parameter(torch.randn(128, self.embedding_dim, generator=generator))
-        self.rows_encoded = 0
-
-    def preprocess(self, sides):
-        codes = torch.zeros(len(sides), 128)
-        for row, side in enumerate(sides):
-            for position, char in enumerate(side.text):
-                codes[row, ord(char) % 128] += 1.0 / (1 + position)
-        return {"codes": codes}
-
-    def forward(self, inputs):
-        self.rows_encoded += len(inputs["codes"])
-        return inputs["codes"] @ self.weight
-
-
 def _random_folder(root, changed: str | None = None):
     docs = {f"d{i}": f"document {i} about {'abcdefghij'[i % 10] * (i % 7 + 1)}" for i in range(203)}
     if changed:
@@ -131,7 +109,7 @@ SETTINGS = MiningSettings(range_min=2, range_max=40, max_score_ratio=1.0, num_ne
 
 
 def _mine(folder, **kwargs):
-    model = kwargs.pop("model", None) or _Hashing()
+    model = kwargs.pop("model", None) or hashing_encoder()
     rows, stats = mine_hard_negatives(model, load_corpus_split(folder, "train"), SETTINGS, batch_size=8,
                                       documents_per_block=20, **kwargs)
     return rows, stats, model

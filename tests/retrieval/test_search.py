@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from ranks import run_on_ranks
+from tiny_models import hashing_encoder
 
 from vembed.retrieval.search import TopK, document_blocks, search, top_k
 
@@ -39,27 +40,6 @@ def test_a_corpus_smaller_than_k_leaves_the_rest_empty():
     assert torch.equal(merged.indices, found.indices)
 
 
-class _Hashing(torch.nn.Module):
-    """A stand-in adapter: a side's embedding is a fixed random vector per text (a float per character code)."""
-
-    embedding_dim = 6
-
-    def __init__(self):
-        super().__init__()
-        generator = torch.Generator().manual_seed(1)
-        self.weight = torch.nn.Parameter(torch.randn(128, self.embedding_dim, generator=generator))
-
-    def preprocess(self, sides):
-        codes = torch.zeros(len(sides), 128)
-        for row, side in enumerate(sides):
-            for position, char in enumerate(side.text):
-                codes[row, ord(char) % 128] += 1.0 / (1 + position)
-        return {"codes": codes}
-
-    def forward(self, inputs):
-        return inputs["codes"] @ self.weight
-
-
 def _corpus():
     from vembed.data.records import Side
 
@@ -76,7 +56,7 @@ def _search_on_ranks(out_file: str) -> None:
     accelerator = Accelerator(cpu=True)
     assert accelerator.num_processes == 2
     queries, docs = _corpus()
-    model = _Hashing()
+    model = hashing_encoder()
     query_emb = encode_sides(model, queries, accelerator=accelerator, batch_size=4)
     blocks = list(document_blocks(model, docs, accelerator=accelerator, batch_size=4, documents_per_block=30))
     # Each rank scores only its own share of each block.
@@ -90,7 +70,7 @@ def test_two_ranks_each_encoding_a_share_find_what_one_process_finds(tmp_path):
     from vembed.models.encoding import encode_sides
 
     queries, docs = _corpus()
-    model = _Hashing()
+    model = hashing_encoder()
     expected_scores, expected_indices = _reference(encode_sides(model, queries), encode_sides(model, docs), 15)
     out = tmp_path / "found.pt"
     run_on_ranks(_search_on_ranks, str(out), world=2, timeout=120)
