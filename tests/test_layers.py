@@ -19,7 +19,7 @@ PACKAGE = Path(vembed.__file__).parent
 
 # Lowest first. A module may import its own layer and the layers below. The most specific prefix decides.
 LAYERS: list[tuple[str, ...]] = [
-    ("vembed.errors", "vembed.resources"),  # what everything may use
+    ("vembed.errors", "vembed.resources", "vembed.files"),  # what everything may use
     ("vembed.recipe",),  # the schema: imports nothing of vembed but errors
     ("vembed.registry", "vembed.distributed"),
     ("vembed.data",),  # sources, records, images, collation

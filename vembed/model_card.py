@@ -9,7 +9,6 @@ the run recorded: evaluation adds metrics without this module knowing them.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from collections.abc import Mapping, Sequence
@@ -17,6 +16,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+from vembed.files import replace_atomically
 
 CARD_FILE = "card.json"
 README_FILE = "README.md"
@@ -115,19 +116,10 @@ def write_card(folder: str | Path, card: dict[str, Any], *, plots_from: str | Pa
     text = render_card(card, flavour=flavour, load_path=load_path or str(folder), source_path=source_path)
     if plots_from is not None:
         for name in plots:
-            _replace_atomically(folder / name, lambda tmp, name=name: shutil.copyfile(Path(plots_from, name), tmp))
-    _replace_atomically(folder / CARD_FILE, lambda tmp: tmp.write_text(json.dumps(card, indent=2)))
-    _replace_atomically(folder / README_FILE, lambda tmp: tmp.write_text(text))
+            replace_atomically(folder / name, lambda tmp, name=name: shutil.copyfile(Path(plots_from, name), tmp))
+    replace_atomically(folder / CARD_FILE, lambda tmp: tmp.write_text(json.dumps(card, indent=2)))
+    replace_atomically(folder / README_FILE, lambda tmp: tmp.write_text(text))
     return folder / README_FILE
-
-
-def _replace_atomically(path: Path, write: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def remove_card(folder: str | Path) -> None:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from vembed.data.records import Side
 from vembed.errors import DataError, RecipeError
+from vembed.files import replace_atomically
 
 if TYPE_CHECKING:
     from vembed.recipe import DataConfig
@@ -246,9 +247,7 @@ def write_corpus_folder(folder: str | os.PathLike, documents: dict[str, dict], q
     (root / QRELS_DIR).mkdir(parents=True, exist_ok=True)
 
     def write(path: Path, text: str) -> None:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        replace_atomically(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
     def lines(items: dict[str, dict]) -> str:
         return "".join(json.dumps({"_id": item_id, **row}, ensure_ascii=False) + "\n" for item_id, row in items.items())

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vembed.files import replace_atomically
+
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
@@ -76,7 +78,7 @@ class EmbeddingCache:
                 self.invalidated = current is not None
                 for stale in [*self.folder.glob("docs-*.pt"), *self.folder.glob("*.tmp")]:
                     stale.unlink()
-                _write_atomic(manifest, lambda tmp: tmp.write_text(json.dumps(self.key, indent=1)))
+                replace_atomically(manifest, lambda tmp: tmp.write_text(json.dumps(self.key, indent=1)))
         if accelerator is not None:
             accelerator.wait_for_everyone()
         return self
@@ -96,11 +98,5 @@ class EmbeddingCache:
         return emb if isinstance(emb, torch.Tensor) and len(emb) == stop - start else None
 
     def store(self, start: int, stop: int, emb: torch.Tensor) -> None:
-        _write_atomic(self.path(start, stop), lambda tmp: torch.save(emb.detach().cpu().contiguous(), tmp))
+        replace_atomically(self.path(start, stop), lambda tmp: torch.save(emb.detach().cpu().contiguous(), tmp))
         self.stored += 1
-
-
-def _write_atomic(path: Path, write) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    write(tmp)
-    os.replace(tmp, path)

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from vembed.errors import RecipeError
+from vembed.files import replace_atomically
 from vembed.models.encoding import encode_sides
 from vembed.retrieval.search import DOCUMENTS_PER_BLOCK, TopK, document_blocks, search, top_k
 
@@ -287,9 +288,10 @@ def write_jsonl_atomic(path: str | os.PathLike, rows: Iterable[dict]) -> Path:
     """Rows as JSON lines, written under a temporary name and renamed: a reader never sees half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        for row in rows:
-            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
-    return path
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            for row in rows:
+                handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+    return replace_atomically(path, write)
