@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Mutation testing of one module against its own tests: `make mutate MODULE=vembed/x.py TESTS="tests/test_x.py ..."`.
+# mutmut rewrites the code it mutates, so it runs on a copy of the tree (tracked and untracked files, not ignored ones)
+# in a temporary folder; the working tree is never touched. Prints the score and each surviving mutant's diff.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+module="${1:?usage: scripts/mutate.sh vembed/MODULE.py tests/TEST.py [tests/MORE.py ...]}"
+shift
+[ "$#" -gt 0 ] || { echo "scripts/mutate.sh: name the module's own tests after the module" >&2; exit 2; }
+[ -f "$module" ] || { echo "scripts/mutate.sh: $module is not a file" >&2; exit 2; }
+for test in "$@"; do [ -e "$test" ] || { echo "scripts/mutate.sh: $test does not exist" >&2; exit 2; }; done
+repo=$PWD
+mutmut="$repo/.venv/bin/mutmut"
+[ -x "$mutmut" ] || mutmut=$(command -v mutmut) || { echo "mutmut is not installed: make setup (dev extra)" >&2; exit 2; }
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/vembed-mutate.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+git ls-files -co --exclude-standard -z | tar --null -cf - -T - | tar -xf - -C "$work"
+{
+  printf '\n[tool.mutmut]\nsource_paths = ["vembed"]\nonly_mutate = ["%s"]\n' "$module"
+  printf 'pytest_add_cli_args_test_selection = ['
+  sep=""; for test in "$@"; do printf '%s"%s"' "$sep" "$test"; sep=", "; done
+  printf ']\n'
+} >> "$work/pyproject.toml"
+
+cd "$work"
+export HF_HUB_OFFLINE=1 WANDB_MODE=offline
+"$mutmut" run >"$work/run.log" 2>&1 || true   # exit status says survivors exist; the score below says how many
+"$mutmut" export-cicd-stats >/dev/null
+"$mutmut" results 2>/dev/null | awk -F: '/survived|timeout|suspicious|no tests/ {print $1}' | while read -r name; do
+  "$mutmut" show "$name" 2>/dev/null; echo
+done
+python3 - "$module" mutants/mutmut-cicd-stats.json <<'PY'
+import json, sys
+module, path = sys.argv[1], sys.argv[2]
+s = json.load(open(path))
+total = s["total"] - s["skipped"]
+print(f"{module}: {s['killed']} of {total} mutants killed ({100 * s['killed'] / max(total, 1):.0f}%), "
+      f"{s['survived']} survived, {s['no_tests']} untested, {s['timeout']} timed out")
+PY
