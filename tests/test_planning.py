@@ -192,6 +192,36 @@ def test_model_that_does_not_fit_recommends_fsdp_with_lora():
     assert "does not fit on one device" in plan.reason
 
 
+def test_recommendation_says_gradcache_where_the_run_turns_it_on_by_itself():
+    """One rule decides GradCache (planning.choose_gradient_cache): a >1B model with checkpointing fits under DDP,
+    and the run then switches GradCache on automatically, so the plan must say so rather than plain DDP."""
+    big = {**BERT, "vocab_size": 30522, "max_position_embeddings": 64, "hidden_size": 2048,
+           "intermediate_size": 8192, "num_hidden_layers": 24, "num_attention_heads": 16}
+    recipe = _recipe(model_config=big, batch_size=4, max_length=8, gradient_checkpointing=True)
+    plan = make_plan(recipe, gpus=8, gpu_memory_gib=80)
+    assert plan.model.total > 1_000_000_000
+    assert plan.recommendation == "DDP + GradCache (gradient_cache_chunk_size: 4)"
+    assert "automatic" in plan.reason
+    # turned off in the recipe, the run does plain DDP and so does the plan
+    off = make_plan(_recipe(model_config=big, batch_size=4, max_length=8, gradient_checkpointing=True,
+                            use_gradient_cache=False), gpus=8, gpu_memory_gib=80)
+    assert off.recommendation == "DDP"
+
+
+def test_sharded_recommendation_for_a_gradcache_recipe_says_to_turn_it_off():
+    """FSDP/ZeRO refuse use_gradient_cache: true at launch; recommending them must say what to change."""
+    recipe = _recipe(model_config=BIG_VOCAB, batch_size=1, max_length=4)
+    probe = make_plan(recipe, gpus=8, gpu_memory_gib=80)
+    by_name = {e.strategy.name: e for e in probe.estimates}
+    smallest_ddp = estimate(STRATEGY_BY_NAME["ddp+gradcache"], probe.model, probe.work, False, 1).total(True)
+    memory = _memory_for((by_name["fsdp+lora"].total(True) + smallest_ddp) / 2)
+    plan = make_plan(_recipe(model_config=BIG_VOCAB, batch_size=1, max_length=4, use_gradient_cache=True),
+                     gpus=8, gpu_memory_gib=memory)
+    assert plan.recommendation.startswith("FSDP + LoRA")
+    assert plan.recommendation.endswith("and use_gradient_cache: false")
+    assert "not available under FSDP" in plan.reason
+
+
 def test_nothing_fits_says_so():
     recipe = _recipe(batch_size=64)
     probe = make_plan(recipe, gpus=1, gpu_memory_gib=80)

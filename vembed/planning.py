@@ -52,15 +52,78 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from vembed.errors import RecipeError
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-
     from vembed.models.base import EmbeddingAdapter
     from vembed.recipe import Recipe
+
+
+# --- GradCache on or off: the one rule the run (launch_plan) and `vembed plan` both follow ----------------------------
+
+LaunchKind = Literal["single", "ddp", "fsdp", "deepspeed"]
+
+AUTO_GRADIENT_CACHE_PARAMETERS = 1_000_000_000  # the seeds' rule: checkpointing on a >1B model turns GradCache on
+DEFAULT_GRADIENT_CACHE_CHUNK = 8
+
+
+@dataclass(frozen=True)
+class GradientCacheChoice:
+    enabled: bool
+    chunk_size: int | None  # samples per forward chunk, when enabled
+    reason: str  # why, for the start block
+
+
+def meta_model(recipe: "Recipe"):
+    """This recipe's model on the meta device (shapes only, no weights read), or None when the adapter cannot be
+    built there; the decisions that need it are then made when the real model exists."""
+    from vembed.components import model_class
+
+    try:
+        return model_class(recipe).on_meta(recipe)
+    except NotImplementedError:
+        return None
+
+
+def choose_gradient_cache(recipe: "Recipe", kind: LaunchKind,
+                          num_parameters: int | None = None) -> GradientCacheChoice:
+    """GradCache on or off for this launch, why, and its chunk size (never more than the per-device batch).
+
+    Asked for under FSDP or DeepSpeed it is refused; the automatic rule (gradient checkpointing on a model of more
+    than 1B parameters) does not switch it on there, so a big-model FSDP recipe runs without it. `num_parameters`:
+    the model's size; unset, it is counted on the meta device only when the rule needs it.
+    """
+    unavailable = {
+        "fsdp": "GradCache is not available under FSDP: its cached loss runs outside the sharded forward, where the "
+                "loss's own parameters stay sharded; use DDP + GradCache (with LoRA for big models) or FSDP without it",
+        "deepspeed": "GradCache needs several backward passes per optimizer step, which DeepSpeed's engine counts "
+                     "as separate micro-steps; use DDP + GradCache, or DeepSpeed without it",
+    }.get(kind)
+    if recipe.use_gradient_cache:
+        if unavailable:
+            raise RecipeError("use_gradient_cache", unavailable + " (use_gradient_cache: false)")
+        return GradientCacheChoice(True, _chunk(recipe), "on (use_gradient_cache)")
+    if recipe.use_gradient_cache is False or not recipe.gradient_checkpointing:
+        return GradientCacheChoice(False, None, "off")
+    if unavailable:
+        return GradientCacheChoice(False, None, f"off (not available under {'FSDP' if kind == 'fsdp' else 'DeepSpeed'}"
+                                                "; the >1B + checkpointing rule does not apply)")
+    if num_parameters is None:
+        model = meta_model(recipe)
+        num_parameters = sum(p.numel() for p in model.parameters()) if model is not None else 0
+    if num_parameters <= AUTO_GRADIENT_CACHE_PARAMETERS:
+        return GradientCacheChoice(False, None, "off")
+    return GradientCacheChoice(True, _chunk(recipe), f"on (automatic: gradient_checkpointing with "
+                                                     f"{num_parameters / 1e9:.1f}B parameters; set use_gradient_cache: "
+                                                     "false to turn it off)")
+
+
+def _chunk(recipe: "Recipe") -> int:
+    return min(recipe.gradient_cache_chunk_size or DEFAULT_GRADIENT_CACHE_CHUNK, recipe.batch_size)
+
 
 GIB = 1024**3
 FP32 = 4
@@ -519,8 +582,8 @@ def _gib(value: float) -> str:
     return f"{value / GIB:.1f} GiB"
 
 
-def _recommend(plan: Plan) -> tuple[str, str]:
-    """The decision tree of the distributed-training guide we started from: fits on one device → DDP (single on
+def _recommend(plan: Plan) -> tuple[str | None, str, str]:
+    """(strategy name, recommendation, reason), the name None when nothing fits. The decision tree of the distributed-training guide we started from: fits on one device → DDP (single on
     one GPU); the model fits but not the batch → DDP + GradCache with a chunk that fits; the model does not fit →
     FSDP + LoRA, then ZeRO-3 + LoRA, then CPU offload. Gradient checkpointing is proposed whenever it is what makes a
     plan fit.
@@ -543,7 +606,7 @@ def _recommend(plan: Plan) -> tuple[str, str]:
     if hit:
         total = by_name[base].total(plan.checkpointing or hit[1])
         label = "single device" if base == "single" else "DDP"
-        return with_ckpt(label, hit[1]), (
+        return base, with_ckpt(label, hit[1]), (
             f"the model and a batch of {plan.work.batch_size} fit on one device ({_gib(total)} of {usable})")
 
     for checkpointing in dict.fromkeys((plan.checkpointing, True)):
@@ -551,7 +614,8 @@ def _recommend(plan: Plan) -> tuple[str, str]:
         if chunk is not None:
             label = "GradCache" if plan.gpus == 1 else "DDP + GradCache"
             needs = checkpointing and not plan.checkpointing
-            return with_ckpt(f"{label} (use_gradient_cache: true, gradient_cache_chunk_size: {chunk})", needs), (
+            return "ddp+gradcache", with_ckpt(
+                f"{label} (use_gradient_cache: true, gradient_cache_chunk_size: {chunk})", needs), (
                 f"the model fits but a batch of {plan.work.batch_size} does not; chunks of {chunk} keep the "
                 f"contrastive batch of {plan.work.contrastive_batch}")
 
@@ -565,13 +629,36 @@ def _recommend(plan: Plan) -> tuple[str, str]:
         hit = first_fit(name)
         if hit:
             total = by_name[name].total(plan.checkpointing or hit[1])
-            return with_ckpt(label, hit[1]), (
+            return name, with_ckpt(label, hit[1]), (
                 f"the full model does not fit on one device; sharded over {plan.gpus}{with_lora} it takes "
                 f"{_gib(total)} of {usable}")
     last = "FSDP + LoRA + CPU offload with checkpointing" if plan.model.lora else "ZeRO-3 + CPU offload"
-    return "none fits", (
+    return None, "none fits", (
         f"even {last} needs more than {usable} per device; lower batch_size, use more or larger GPUs, or a smaller "
         "model")
+
+
+def _as_the_run_does_it(recipe: "Recipe", plan: Plan, name: str | None, recommendation: str,
+                        reason: str) -> tuple[str, str]:
+    """The recommendation as the launch will carry it out: GradCache on or off is the run's rule
+    (`choose_gradient_cache`), so the plan asks the same rule instead of recommending what the run would not do."""
+    if name is None:
+        return recommendation, reason
+    strategy = STRATEGY_BY_NAME[name]
+    kind: LaunchKind = ("fsdp" if name.startswith("fsdp") else "deepspeed" if name.startswith("zero")
+                        else "ddp" if plan.gpus > 1 else "single")
+    # the recipe as the recommendation leaves it: checkpointing may be what it proposes (and what turns the rule on)
+    proposed = recipe.model_copy(update={"gradient_checkpointing": True}) if "gradient_checkpointing: true" in \
+        recommendation else recipe
+    try:
+        choice = choose_gradient_cache(proposed, kind, plan.model.total)
+    except RecipeError as refused:
+        return f"{recommendation}, and use_gradient_cache: false", f"{reason}; {refused.message}"
+    if strategy.gradient_cache or not choice.enabled:
+        return recommendation, reason
+    # DDP or one device, and the run turns GradCache on by itself: say so (it only lowers memory, so it still fits)
+    return (f"{recommendation} + GradCache (gradient_cache_chunk_size: {choice.chunk_size})",
+            f"{reason}; GradCache is {choice.reason}")
 
 
 def planned_strategies(model: ModelSize) -> list[Strategy]:
@@ -593,7 +680,8 @@ def make_plan(recipe: "Recipe", gpus: int, gpu_memory_gib: float, recipe_path: s
     if chunk is None:  # no chunk in the recipe: show the one we would recommend (1 when none fits)
         chunk = _largest_fitting_chunk(model, work, recipe.use_lora, plan.usable, recipe.gradient_checkpointing) or 1
     plan.estimates = [estimate(strategy, model, work, recipe.use_lora, chunk) for strategy in planned_strategies(model)]
-    plan.recommendation, plan.reason = _recommend(plan)
+    name, recommendation, reason = _recommend(plan)
+    plan.recommendation, plan.reason = _as_the_run_does_it(recipe, plan, name, recommendation, reason)
     return plan
 
 

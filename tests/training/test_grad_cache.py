@@ -230,7 +230,7 @@ def test_ddp_grad_cache_equals_one_process_on_the_concatenated_batch(tiny_clip_r
 
 
 def test_auto_rule_and_chunk_clamp():
-    from vembed.training.launch_plan import choose_gradient_cache
+    from vembed.planning import choose_gradient_cache
 
     base = {"model_type": "clip", "model_config": TINY_CLIP_CONFIG, "batch_size": 4}
     big = 2_000_000_000

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from vembed.tasks.contrastive import ContrastiveObjective
-    from vembed.training.launch_plan import GradientCacheChoice
+    from vembed.planning import GradientCacheChoice
 
 SIDES = ("query", "positive", "negative")  # the collated batch's sides, in the order chunks are encoded
 

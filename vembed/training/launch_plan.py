@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from vembed.errors import LaunchError, RecipeError
+from vembed.planning import GradientCacheChoice, LaunchKind, choose_gradient_cache, meta_model
 from vembed.training.fsdp import FSDP_ENV, VEMBED_FSDP_ENV, settings_from_launch
 from vembed.training.launcher import LaunchPromise, read_promise
 
@@ -27,21 +28,10 @@ if TYPE_CHECKING:
     from vembed.recipe import Recipe
     from vembed.training.fsdp import FsdpSettings
 
-LaunchKind = Literal["single", "ddp", "fsdp", "deepspeed"]
-
-AUTO_GRADIENT_CACHE_PARAMETERS = 1_000_000_000  # the seeds' rule: checkpointing on a >1B model turns GradCache on
-DEFAULT_GRADIENT_CACHE_CHUNK = 8
 
 
 def _flag(env: Mapping[str, str], name: str) -> bool:
     return env.get(name, "").lower() in ("1", "true", "yes")
-
-
-@dataclass(frozen=True)
-class GradientCacheChoice:
-    enabled: bool
-    chunk_size: int | None  # samples per forward chunk, when enabled
-    reason: str  # why, for the start block
 
 
 @dataclass(frozen=True)
@@ -262,51 +252,3 @@ def _check_model_has_fsdp_blocks(recipe: "Recipe") -> None:
         f"the {recipe.model_type} adapter names no transformer block class to shard with FSDP; use DDP "
         "(accelerate_configs/ddp.yaml) or DeepSpeed ZeRO-3",
     )
-
-
-def meta_model(recipe: "Recipe"):
-    """This recipe's model on the meta device (shapes only, no weights read), or None when the adapter cannot be
-    built there; the decisions that need it are then made when the real model exists."""
-    from vembed.components import model_class
-
-    try:
-        return model_class(recipe).on_meta(recipe)
-    except NotImplementedError:
-        return None
-
-
-def choose_gradient_cache(recipe: "Recipe", kind: LaunchKind,
-                          num_parameters: int | None = None) -> GradientCacheChoice:
-    """GradCache on or off for this launch, why, and its chunk size (never more than the per-device batch).
-
-    Asked for under FSDP or DeepSpeed it is refused; the automatic rule (gradient checkpointing on a model of more
-    than 1B parameters) does not switch it on there, so a big-model FSDP recipe runs without it. `num_parameters`:
-    the model's size; unset, it is counted on the meta device only when the rule needs it.
-    """
-    unavailable = {
-        "fsdp": "GradCache is not available under FSDP: its cached loss runs outside the sharded forward, where the "
-                "loss's own parameters stay sharded; use DDP + GradCache (with LoRA for big models) or FSDP without it",
-        "deepspeed": "GradCache needs several backward passes per optimizer step, which DeepSpeed's engine counts "
-                     "as separate micro-steps; use DDP + GradCache, or DeepSpeed without it",
-    }.get(kind)
-    if recipe.use_gradient_cache:
-        if unavailable:
-            raise RecipeError("use_gradient_cache", unavailable + " (use_gradient_cache: false)")
-        return GradientCacheChoice(True, _chunk(recipe), "on (use_gradient_cache)")
-    if recipe.use_gradient_cache is False or not recipe.gradient_checkpointing:
-        return GradientCacheChoice(False, None, "off")
-    if unavailable:
-        return GradientCacheChoice(False, None, f"off (not available under {'FSDP' if kind == 'fsdp' else 'DeepSpeed'}"
-                                                "; the >1B + checkpointing rule does not apply)")
-    if num_parameters is None:
-        model = meta_model(recipe)
-        num_parameters = sum(p.numel() for p in model.parameters()) if model is not None else 0
-    if num_parameters <= AUTO_GRADIENT_CACHE_PARAMETERS:
-        return GradientCacheChoice(False, None, "off")
-    return GradientCacheChoice(True, _chunk(recipe), f"on (automatic: gradient_checkpointing with "
-                                                     f"{num_parameters / 1e9:.1f}B parameters; set use_gradient_cache: "
-                                                     "false to turn it off)")
-
-
-def _chunk(recipe: "Recipe") -> int:
-    return min(recipe.gradient_cache_chunk_size or DEFAULT_GRADIENT_CACHE_CHUNK, recipe.batch_size)
