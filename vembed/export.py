@@ -44,12 +44,6 @@ def _sentence_transformers():
     return sentence_transformers
 
 
-def exportable(adapter: type[EmbeddingAdapter]) -> bool:
-    """Whether the adapter describes itself to sentence-transformers (overrides the base's refusal)."""
-    owner = next(cls for cls in adapter.__mro__ if "sentence_transformers_modules" in vars(cls))
-    return owner is not EmbeddingAdapter
-
-
 def export_sentence_transformers(
     model_dir: str | Path, out_dir: str | Path, *, verify: bool = True, trust_remote_code: bool = False
 ) -> Path:
@@ -69,8 +63,8 @@ def export_sentence_transformers(
     info = read_adapter_file(model_dir)
     model_type = info["model_type"]
     adapter = MODELS.get(model_type) if model_type in MODELS else None
-    if adapter is None or not exportable(adapter):
-        names = ", ".join(name for name in MODELS.names() if exportable(MODELS.get(name)))
+    if adapter is None or not adapter.has_sentence_transformers_equivalent():
+        names = ", ".join(name for name in MODELS.names() if MODELS.get(name).has_sentence_transformers_equivalent())
         raise ExportError(
             f"model_type {model_type!r} cannot be exported to sentence-transformers; exportable model types: {names}"
         )

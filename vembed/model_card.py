@@ -165,10 +165,8 @@ def _modalities(model_type: str | None) -> frozenset[str]:
 
 
 def _exportable(model_type: str | None) -> bool:
-    from vembed.export import exportable
-
     adapter = _adapter_class(model_type)
-    return adapter is not None and exportable(adapter)
+    return adapter is not None and adapter.has_sentence_transformers_equivalent()
 
 
 def _front_matter(card: Mapping[str, Any], flavour: Flavour) -> str:

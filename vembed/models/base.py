@@ -276,6 +276,12 @@ class EmbeddingAdapter(nn.Module, ABC):
         raise NotImplementedError(f"model_type {cls.model_type!r} has no sentence-transformers equivalent")
 
     @classmethod
+    def has_sentence_transformers_equivalent(cls) -> bool:
+        """Whether this adapter overrides `sentence_transformers_modules` (what `vembed export` and the card ask)."""
+        owner = next(klass for klass in cls.__mro__ if "sentence_transformers_modules" in vars(klass))
+        return owner is not EmbeddingAdapter
+
+    @classmethod
     def transformers_example(cls, path: str, settings: dict[str, Any], texts: list[str]) -> str | None:
         """Python that embeds `texts` as this adapter does with plain transformers from the folder `path` (its saved
         `settings`), ending with an `embeddings` tensor: the model card shows it. None (the default): the embedding
