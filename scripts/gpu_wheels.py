@@ -3,7 +3,7 @@
     make gpu-wheels                      # = python scripts/gpu_wheels.py --out gpu-wheels --python 3.12
 
 The machine, as last seen, has torch, transformers, accelerate, peft, sentence-transformers, timm, pyarrow and
-scikit-learn; so the folder holds vembed's own wheel and the rest of its requirements (their closure here, less the
+scikit-learn; so the folder holds vembed's own wheel, the rest of its requirements and pytest (their closure here, less the
 closure of what the machine has), pinned to the versions installed here, plus open_clip (the speed step's peer).
 The device tool carries the folder (64 MiB at most per run), so its size is checked. bench/gpu_check.py installs
 from it with `--no-deps` only the distributions the machine lacks.
@@ -23,8 +23,9 @@ from packaging.requirements import Requirement
 ROOT = Path(__file__).resolve().parents[1]
 ON_GPU_MACHINE = ("torch", "transformers", "accelerate", "peft", "sentence-transformers", "timm", "pyarrow",
                   "scikit-learn", "numpy", "pillow")
-# Seen missing there although the newer transformers here requires them (so the closure above would leave them out).
-ABSENT_THERE = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection")
+# Carried although the closure of ON_GPU_MACHINE here holds them: pydantic was seen missing there (the newer
+# transformers here requires it, 5.17 there does not); pygments, pytest's, may be. Installed there only if missing.
+ALWAYS_CARRIED = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "pygments")
 # open_clip's own requirements beyond the machine's (torchvision, regex, huggingface-hub come with timm/transformers)
 PEERS = ("open_clip_torch>=3.0", "ftfy", "wcwidth")
 LIMIT_MIB = 60  # under the device tool's 64 MiB, with room for the working tree
@@ -59,8 +60,9 @@ def closure(names: tuple[str, ...]) -> dict[str, str | None]:
 def requirements() -> list[str]:
     """Pinned requirement strings for vembed's dependencies the GPU machine lacks, and the peers."""
     present = closure(ON_GPU_MACHINE)
-    needed = {name: version for name, version in closure(("vembed",)).items()
-              if (name not in present or name in ABSENT_THERE) and name != "vembed"}
+    # pytest runs tests/gpu/ there
+    needed = {name: version for name, version in closure(("vembed", "pytest")).items()
+              if (name not in present or name in ALWAYS_CARRIED) and name != "vembed"}
     missing = sorted(name for name, version in needed.items() if version is None)
     if missing:
         raise SystemExit(f"error: {', '.join(missing)} not installed here: run `make setup` first")

@@ -72,3 +72,11 @@ def test_unknown_step_is_one_line_and_exit_2(tmp_path, capsys):
     assert _load().main(["--out", str(tmp_path), "--steps", "gpu_tests,nope"]) == 2
     assert capsys.readouterr().err.strip() == ("error: --steps: unknown step nope; choose from gpu_tests, clip_speed, "
                                                "qwen_memory, length_encoding")
+
+
+def test_only_missing_distributions_and_vembed_are_installed_from_the_wheel_folder(tmp_path):
+    for name in ("pytest-9.0.0-py3-none-any.whl", "no_such_distribution_here-1.0-py3-none-any.whl",
+                 "vembed-0.1.0-py3-none-any.whl", "Typing_Extensions-4.0-py3-none-any.whl"):
+        (tmp_path / name).write_bytes(b"")
+    assert [w.name for w in _load().missing_wheels(tmp_path)] == [
+        "no_such_distribution_here-1.0-py3-none-any.whl", "vembed-0.1.0-py3-none-any.whl"]
