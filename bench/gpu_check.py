@@ -250,7 +250,8 @@ def clip_speed(ctx: Context) -> dict[str, Any]:
     tokens = config["text_config"]["max_position_embeddings"]  # open_clip's text tower takes exactly its context
     make_dummy_dataset(ctx.work / "data", 32, seed=0, image_size=config["vision_config"]["image_size"])
     config["text_config"].update(special_token_ids(AutoTokenizer.from_pretrained(ctx.work / "data" / "tokenizer")))
-    trainer = _trainer({"model_type": "clip", "model_config": config, "tokenizer_name": str(ctx.work / "data/tokenizer"),
+    trainer = _trainer({"model_type": "clip", "model_config": config,
+                        "tokenizer_name": str(ctx.work / "data/tokenizer"),
                         "data": {"train": str(ctx.work / "data/train.jsonl"), "num_hard_negatives": 0},
                         "output_dir": str(ctx.work / "run"), "batch_size": shape["batch"], "max_length": tokens,
                         "mixed_precision": "no" if ctx.dry_run else "bf16", "attn_implementation": "sdpa",
@@ -281,8 +282,9 @@ def clip_speed(ctx: Context) -> dict[str, Any]:
         raise Skipped(f"{reason} (vembed alone: {vembed_rate:.0f} samples/s)")
     ratio = statistics.median(o / v for v, o in zip(seconds["vembed"], seconds["open_clip"]))
     result["vembed_over_open_clip"] = ratio
-    result["summary"] = (f"vembed {vembed_rate:.0f} samples/s, open_clip {result['open_clip']['samples_per_second']:.0f}"
-                         f" samples/s: {ratio:.2f}x (batch {shape['batch']})")
+    peer_rate = result["open_clip"]["samples_per_second"]
+    result["summary"] = (f"vembed {vembed_rate:.0f} samples/s, open_clip {peer_rate:.0f} samples/s: {ratio:.2f}x "
+                         f"(batch {shape['batch']})")
     return result
 
 
@@ -449,7 +451,7 @@ def length_encoding(ctx: Context) -> dict[str, Any]:
 
 
 def _minilm_folder(ctx: Context, rows: list[dict[str, str]]) -> str:
-    """A sentence-transformers-less BERT folder with MiniLM-L6's shape (bench/configs), random init; toy in a dry run."""
+    """A BERT folder with MiniLM-L6's shape (bench/configs), random init; bench/throughput.py's toy one in a dry run."""
     throughput = _bench_module("throughput")
     return throughput._text_model(ctx.work, rows, smoke=True) if ctx.dry_run else _random_minilm(ctx.work, rows)
 

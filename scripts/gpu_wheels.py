@@ -1,10 +1,11 @@
-"""Prepare gpu-wheels/: what the lent GPU machine (no network) lacks to run bench/gpu_check.py, as wheels for its Python.
+"""Prepare gpu-wheels/: what the lent GPU machine (no network) lacks to run bench/gpu_check.py, as its Python's wheels.
 
     make gpu-wheels                      # = python scripts/gpu_wheels.py --out gpu-wheels --python 3.12
 
 The machine, as last seen, has torch, transformers, accelerate, peft, sentence-transformers, timm, pyarrow and
-scikit-learn; so the folder holds vembed's own wheel, the rest of its requirements and pytest (their closure here, less the
-closure of what the machine has), pinned to the versions installed here, plus open_clip (the speed step's peer).
+scikit-learn; so the folder holds vembed's own wheel, the rest of its requirements and pytest (their closure here,
+less the closure of what the machine has), pinned to the versions installed here, plus open_clip (the speed step's
+peer).
 The device tool carries the folder (64 MiB at most per run), so its size is checked. bench/gpu_check.py installs
 from it with `--no-deps` only the distributions the machine lacks.
 """
