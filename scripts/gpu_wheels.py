@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import subprocess
 import sys
 from importlib.metadata import PackageNotFoundError, distribution
@@ -79,8 +80,11 @@ def download(out: Path, python: str) -> None:
     subprocess.run(command, check=True)
     for old in out.glob("vembed-*.whl"):  # one vembed wheel: this checkout's
         old.unlink()
+    leftovers = [path for path in (ROOT / "build", ROOT / "vembed.egg-info") if not path.exists()]
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
                     str(ROOT)], check=True)
+    for path in leftovers:  # setuptools builds in the checkout; an egg-info there would shadow the installed vembed
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
