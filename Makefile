@@ -1,5 +1,5 @@
 # The two commands README.md opens with. Each sets up .venv first (idempotent, fast when nothing changed).
-.PHONY: demo test setup mutate
+.PHONY: demo test setup mutate gpu-check gpu-wheels
 
 demo:
 	bash scripts/setup.sh demo
@@ -17,3 +17,13 @@ setup:
 mutate:
 	bash scripts/setup.sh dev
 	bash scripts/mutate.sh $(MODULE) $(TESTS)
+
+# The GPU check (README "Checking the GPU paths"): on a GPU machine, results in $(OUT) (default runs/gpu-check).
+OUT ?= runs/gpu-check
+gpu-check:
+	bash scripts/gpu_check.sh --out $(OUT)
+
+# Here, before a GPU run: the wheels the GPU machine lacks, into gpu-wheels/ (gitignored; the device tool carries it).
+gpu-wheels:
+	bash scripts/setup.sh dev
+	.venv/bin/python scripts/gpu_wheels.py --out gpu-wheels --python 3.12

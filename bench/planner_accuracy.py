@@ -62,7 +62,8 @@ def _recipe(keys: dict, batch_size: int, checkpointing: bool):
 
 
 # --- the measured side: one fresh process per case ------------------------------------------------------------------
-def _batch(adapter, modality: str, n: int, tokens: int):
+def synthetic_side(adapter, modality: str, n: int, tokens: int):
+    """One side of `n` rows in the collated layout: `tokens` random token ids (text) or random pixels (image)."""
     import torch
 
     from vembed.models.batch import IMAGE_INDEX, PIXEL_VALUES, TEXT_INDEX
@@ -108,8 +109,8 @@ def measure(keys: dict, batch_size: int, checkpointing: bool) -> dict[str, int]:
     objective = ContrastiveObjective(adapter, build_loss(recipe)).train()
     optimizer = torch.optim.AdamW(parameter_groups(objective, recipe.weight_decay), lr=1e-5)
     tokens = {m: e.tokens for m, e in measure_model(recipe).encoders.items()}
-    batch = {"query": _batch(adapter, query, batch_size, tokens.get(query, 0)),
-             "positive": _batch(adapter, documents, batch_size, tokens.get(documents, 0)), "num_negatives": 0}
+    batch = {"query": synthetic_side(adapter, query, batch_size, tokens.get(query, 0)),
+             "positive": synthetic_side(adapter, documents, batch_size, tokens.get(documents, 0)), "num_negatives": 0}
     built = rss_bytes()
 
     def step() -> None:
