@@ -18,7 +18,8 @@ DEFAULTS = MiningSettings()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_dir", help="a model folder saved by vembed (e.g. runs/x/final)")
+    parser.add_argument("model_dir", help="a model folder saved by vembed (e.g. runs/x/final), by sentence-transformers "
+                                          "or by transformers, or a hub id")
     parser.add_argument("corpus", help="a corpus folder (corpus.jsonl, queries.jsonl, qrels/<split>.tsv)")
     parser.add_argument("--split", default="train", help="the qrels split whose queries are mined (default: train)")
     parser.add_argument("--out", required=True, help="the JSONL training file to write")
@@ -81,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
 
         from vembed.data.corpus import CORPUS_FILE, load_corpus_split
         from vembed.errors import RecipeError
-        from vembed.models.base import load_adapter
+        from vembed.models.foreign import load_embedding_model, model_folder
         from vembed.retrieval.cache import EmbeddingCache, cache_key
         from vembed.retrieval.mining import faiss_available, mine_hard_negatives, write_jsonl_atomic
         from vembed.retrieval.search import DOCUMENTS_PER_BLOCK
@@ -96,8 +97,7 @@ def run(args: argparse.Namespace) -> int:
             raise RecipeError("--out", f"{out} is a folder; name the JSONL file to write")
         if out.exists() and not args.overwrite:
             raise RecipeError("--out", f"{out} exists; pass --overwrite to replace it")
-        if not Path(args.model_dir).is_dir():
-            raise RecipeError("model_dir", f"{args.model_dir} is not a folder; give a model folder saved by vembed")
+        model_dir = model_folder(args.model_dir)
         use_faiss = args.faiss == "yes" or (args.faiss == "auto" and faiss_available())
         if args.faiss == "yes" and not faiss_available():
             raise RecipeError("--faiss", "faiss is not installed: pip install faiss-cpu (or pass --faiss no)")
@@ -106,11 +106,11 @@ def run(args: argparse.Namespace) -> int:
         on_cpu = not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
         accelerator = Accelerator(cpu=on_cpu)
         _check_world_size(accelerator.num_processes)
-        adapter = load_adapter(args.model_dir, trust_remote_code=args.trust_remote_code).to(accelerator.device)
+        adapter = load_embedding_model(model_dir, trust_remote_code=args.trust_remote_code).to(accelerator.device)
         cache = None
         if not args.no_cache:
             folder = args.cache_dir or f"{out}.cache"
-            key = cache_key(args.model_dir, Path(args.corpus) / CORPUS_FILE, image_root=args.image_root)
+            key = cache_key(model_dir, Path(args.corpus) / CORPUS_FILE, image_root=args.image_root)
             cache = EmbeddingCache(folder, key).open(accelerator)
         rows, stats = mine_hard_negatives(
             adapter, split, settings, batch_size=args.batch_size, accelerator=accelerator, cache=cache,
