@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from vembed.retrieval.mining import SAMPLING, MiningSettings
+from vembed.retrieval.mining import FILTER_ORDERS, SAMPLING, MiningSettings
 
 DEFAULTS = MiningSettings()
 
@@ -37,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-negatives", "--num_negatives", type=int, default=DEFAULTS.num_negatives,
                         help=f"negatives per row; queries with fewer left are left out (default "
                              f"{DEFAULTS.num_negatives})")
+    parser.add_argument("--filter-order", "--filter_order", choices=FILTER_ORDERS, default=DEFAULTS.filter_order,
+                        help="window-first: the rank window over all non-relevant candidates, then the threshold "
+                             "inside it; threshold-first: the threshold first, ranks counted among the candidates it "
+                             "keeps (sentence-transformers' mine_hard_negatives with relative_margin; default "
+                             f"{DEFAULTS.filter_order})")
     parser.add_argument("--sampling", choices=SAMPLING, default=DEFAULTS.sampling,
                         help="top: the closest kept candidates; random: a seeded sample of them")
     parser.add_argument("--seed", type=int, default=DEFAULTS.seed)
@@ -68,7 +73,8 @@ def _ratio(text: str) -> float | None:
 
 def settings_of(args: argparse.Namespace) -> MiningSettings:
     return MiningSettings(range_min=args.range_min, range_max=args.range_max, max_score_ratio=args.max_score_ratio,
-                          num_negatives=args.num_negatives, sampling=args.sampling, seed=args.seed)
+                          num_negatives=args.num_negatives, sampling=args.sampling, seed=args.seed,
+                          filter_order=args.filter_order)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -119,7 +125,9 @@ def run(args: argparse.Namespace) -> int:
         if accelerator.is_main_process:
             write_jsonl_atomic(out, rows)
             dropped = (f"{stats.dropped_by_threshold} of {stats.candidates} candidates in ranks "
-                       f"{settings.range_min}-{settings.range_max}")
+                       f"{settings.range_min}-{settings.range_max}" if settings.filter_order == "window-first" else
+                       f"{stats.dropped_by_threshold} of {stats.candidates} candidates before ranks "
+                       f"{settings.range_min}-{settings.range_max} were counted (threshold-first)")
             where = (f"; cache {cache.folder}: {stats.blocks_encoded} block(s) encoded, {stats.blocks_reused} reused"
                      f"{' (emptied: model or corpus changed)' if cache.invalidated else ''}" if cache else "")
             rule = (f"the threshold ({settings.max_score_ratio} x the lowest positive's score) dropped {dropped}"
