@@ -188,9 +188,11 @@ def test_training_on_a_corpus_with_what_mine_wrote_runs_when_mine_left_queries_o
     assert "from 7 of 10 queries" in printed and "3 queries had fewer than 35 negatives left" in printed, printed
     for num_hard_negatives in (None, 35):
         data = {"train": str(folder), "hard_negatives": str(out), "num_hard_negatives": num_hard_negatives}
-        raw = {**text_model_keys(tiny_tokenizer_dir), "data": data, "output_dir": str(tmp_path / f"run{num_hard_negatives}"),
-               "batch_size": 4, "max_steps": 1, "learning_rate": 1e-3, "seed": 0, "eval_before_training": False}
+        raw = {**text_model_keys(tiny_tokenizer_dir), "data": data, "batch_size": 4,
+               "output_dir": str(tmp_path / f"run{num_hard_negatives}"), "max_steps": 1, "learning_rate": 1e-3,
+               "seed": 0, "eval_before_training": False}
         metrics = Trainer(recipe_from_dict(raw)).run().metrics["train"]
         assert metrics["steps"] == 1 and math.isfinite(metrics["final_loss"])
         assert metrics["data"]["num_hard_negatives"] == 35  # unset: what the miner wrote, not 0
-        assert (metrics["data"]["kept"], metrics["data"]["short_of_negatives"], metrics["data"]["skipped"]) == (7, 6, {})
+        report = metrics["data"]
+        assert (report["kept"], report["short_of_negatives"], report["skipped"]) == (7, 6, {})

@@ -46,7 +46,8 @@ def test_sides_are_encoded_in_length_sorted_batches_with_the_embeddings_of_file_
     sorted_order = encode_sides(adapter, sides, batch_size=4)
     torch.testing.assert_close(sorted_order, file_order, atol=1e-6, rtol=0)
     assert counted.rows == len(sides)
-    assert counted.positions < 0.7 * unsorted_positions  # 244 of 384 when written, (counted.positions, unsorted_positions)
+    # 244 of 384 positions when written
+    assert counted.positions < 0.7 * unsorted_positions, (counted.positions, unsorted_positions)
 
 
 def test_adapters_whose_output_depends_on_padding_keep_file_order(build):

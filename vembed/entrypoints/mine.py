@@ -18,8 +18,8 @@ DEFAULTS = MiningSettings()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_dir", help="a model folder saved by vembed (e.g. runs/x/final), by sentence-transformers "
-                                          "or by transformers, or a hub id")
+    parser.add_argument("model_dir", help="a model folder saved by vembed (e.g. runs/x/final), by "
+                                          "sentence-transformers or by transformers, or a hub id")
     parser.add_argument("corpus", help="a corpus folder (corpus.jsonl, queries.jsonl, qrels/<split>.tsv)")
     parser.add_argument("--split", default="train", help="the qrels split whose queries are mined (default: train)")
     parser.add_argument("--out", required=True, help="the JSONL training file to write")
