@@ -53,7 +53,8 @@ def model_folder(name: str | os.PathLike, key: str = "model_dir") -> Path:
             raise RecipeError(key, f"{text} is neither a local folder nor in the hub cache, and HF_HUB_OFFLINE is set; "
                                    "download it while online or pass a local folder") from None
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise RecipeError(key, f"cannot download {text!r} from the hub: {first}") from None
+        raise RecipeError(key, f"{text} is not a local folder, and the hub cannot give it as a model id: "
+                               f"{first}") from None
 
 
 def load_embedding_model(name: str | os.PathLike, *, trust_remote_code: bool = False,
