@@ -80,3 +80,33 @@ def hashing_encoder():
             return inputs["codes"] @ self.weight
 
     return HashingEncoder()
+
+
+def save_transformers_folder(path, tokenizer_dir: str, seed: int = 0) -> str:
+    """A tiny random-init BERT with its tokenizer, saved by transformers alone (no vembed.json, no modules.json)."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from vembed.data.tokenizer import special_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    ids = special_token_ids(tokenizer)
+    torch.manual_seed(seed)
+    config = BertConfig(hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=4,
+                        max_position_embeddings=16, **ids)
+    BertModel(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def save_sentence_transformers_folder(path, transformers_dir: str, pooling: str = "cls", normalize: bool = True,
+                                      max_seq_length: int = 8) -> str:
+    """`transformers_dir` as a sentence-transformers model (Transformer -> Pooling [-> Normalize]) saved at `path`."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Normalize, Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+
+    transformer = Transformer(transformers_dir, max_seq_length=max_seq_length)
+    modules = [transformer, Pooling(32, pooling_mode=pooling), *([Normalize()] if normalize else [])]
+    SentenceTransformer(modules=modules, device="cpu").save(str(path))
+    return str(path)

@@ -163,3 +163,36 @@ def test_a_launch_that_starts_fewer_processes_than_promised_is_one_line(setup, t
     said = "launch error: accelerate launch promised 2 processes (--num_processes 2) but 1 started"
     assert said in done.stderr, done.stderr[-2000:]
     assert not out.exists()
+
+
+def test_training_on_a_corpus_with_what_mine_wrote_runs_when_mine_left_queries_out(tmp_path, tiny_tokenizer_dir,
+                                                                                  capsys):
+    """The miner leaves out queries with fewer than --num-negatives candidates on purpose; training from the corpus
+    folder with its file (data.hard_negatives) leaves those pairs out as short, not as bad data past
+    data.max_bad_fraction, with data.num_hard_negatives unset or the miner's number (issue 22 item 2)."""
+    import math
+
+    from corpora import make_corpus_folder, text_model_keys
+
+    from vembed.components import recipe_from_dict
+    from vembed.models import MODELS
+    from vembed.training.loop import Trainer
+
+    folder = make_corpus_folder(tmp_path / "corpus")
+    MODELS.get("text").from_recipe(recipe_from_dict(text_model_keys(tiny_tokenizer_dir))).save(tmp_path / "model")
+    out = tmp_path / "negatives.jsonl"
+    # 36 documents: a query with 2 relevant ones has 34 candidates, fewer than 35, and is left out.
+    assert main(["mine", str(tmp_path / "model"), str(folder), "--out", str(out), "--range-min", "0", "--range-max",
+                 "35", "--num-negatives", "35", "--max-score-ratio", "none", "--faiss", "no", "--no-cache"]) == 0
+    printed = capsys.readouterr().out
+    assert "from 7 of 10 queries" in printed and "3 queries had fewer than 35 negatives left" in printed, printed
+    for num_hard_negatives in (None, 35):
+        data = {"train": str(folder), "hard_negatives": str(out), "num_hard_negatives": num_hard_negatives}
+        raw = {**text_model_keys(tiny_tokenizer_dir), "data": data, "batch_size": 4,
+               "output_dir": str(tmp_path / f"run{num_hard_negatives}"), "max_steps": 1, "learning_rate": 1e-3,
+               "seed": 0, "eval_before_training": False}
+        metrics = Trainer(recipe_from_dict(raw)).run().metrics["train"]
+        assert metrics["steps"] == 1 and math.isfinite(metrics["final_loss"])
+        assert metrics["data"]["num_hard_negatives"] == 35  # unset: what the miner wrote, not 0
+        report = metrics["data"]
+        assert (report["kept"], report["short_of_negatives"], report["skipped"]) == (7, 6, {})

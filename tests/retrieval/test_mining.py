@@ -215,3 +215,82 @@ def test_settings_that_cannot_work_are_one_error_naming_the_flag():
                            (MiningSettings(num_negatives=0), "--num-negatives")):
         with pytest.raises(RecipeError, match=flag):
             settings.check()
+
+
+RANGE_MIN, RANGE_MAX, NEGATIVES, MARGIN = 3, 15, 4, 0.005
+
+
+@pytest.fixture(scope="module")
+def st_mining_setup(tmp_path_factory, tiny_tokenizer_dir):
+    """A tiny sentence-transformers model saved to disk (vembed reads the same folder, vembed/models/foreign.py), and
+    a corpus folder of 80 distinct documents and 20 queries (every fifth with two positives), as (query, positive)
+    pairs for sentence-transformers."""
+    import itertools
+
+    from tiny_models import save_sentence_transformers_folder, save_transformers_folder
+
+    root = tmp_path_factory.mktemp("st_mining")
+    model = save_sentence_transformers_folder(root / "st", save_transformers_folder(root / "hf", tiny_tokenizer_dir),
+                                              pooling="mean", max_seq_length=16)
+    words = "red blue green yellow black white small empty square circle triangle star lines page digit seven".split()
+    combos = list(itertools.permutations(words, 3))[::37][:80]
+    docs = {f"d{i}": {"text": " ".join(w)} for i, w in enumerate(combos)}
+    queries = {f"q{i}": {"text": " ".join(combos[i * 4][:2])} for i in range(20)}
+    qrels = {f"q{i}": {f"d{i * 4}": 1, **({f"d{i * 4 + 1}": 1} if i % 5 == 0 else {})} for i in range(20)}
+    assert len({q["text"] for q in queries.values()}) == 20  # rows are matched by their texts
+    write_corpus_folder(root / "corpus", docs, queries, {"train": qrels})
+    pairs = [(queries[q]["text"], docs[d]["text"]) for q, judged in qrels.items() for d in judged]
+    return {"model": model, "corpus": root / "corpus", "pairs": pairs, "documents": [d["text"] for d in docs.values()],
+            "root": root}
+
+
+def _vembed_mine(setup, order: str) -> dict:
+    from vembed.cli import main
+
+    out = setup["root"] / f"{order}.jsonl"
+    assert main(["mine", setup["model"], str(setup["corpus"]), "--out", str(out), "--overwrite", "--range-min",
+                 str(RANGE_MIN), "--range-max", str(RANGE_MAX), "--num-negatives", str(NEGATIVES),
+                 "--max-score-ratio", str(1 - MARGIN), "--filter-order", order, "--faiss", "no", "--no-cache"]) == 0
+    return {(row["query"], row["positive"]): row["negatives"] for row in map(json.loads, out.read_text().splitlines())}
+
+
+def _st_mine(setup, **settings) -> list[dict]:
+    st = pytest.importorskip("sentence_transformers")
+    from datasets import Dataset
+    from sentence_transformers.util import mine_hard_negatives
+
+    dataset = Dataset.from_dict({"anchor": [q for q, _ in setup["pairs"]], "positive": [p for _, p in setup["pairs"]]})
+    model = st.SentenceTransformer(setup["model"], device="cpu", local_files_only=True)
+    return list(mine_hard_negatives(dataset, model, corpus=setup["documents"], range_min=RANGE_MIN,
+                                    range_max=RANGE_MAX, sampling_strategy="top", output_format="n-tuple",
+                                    verbose=False, **settings))
+
+
+def test_threshold_first_mines_what_sentence_transformers_relative_margin_mines(st_mining_setup):
+    rows = _st_mine(st_mining_setup, relative_margin=MARGIN, num_negatives=NEGATIVES)
+    theirs = {(r["anchor"], r["positive"]): [r[f"negative_{i + 1}"] for i in range(NEGATIVES)] for r in rows}
+    assert 0 < len(theirs) < len(st_mining_setup["pairs"])  # the threshold leaves some queries short
+    assert _vembed_mine(st_mining_setup, "threshold-first") == theirs
+
+
+def test_window_first_mines_sentence_transformers_window_then_the_same_threshold(st_mining_setup):
+    """vembed's default order, from sentence-transformers' window (no margin: every candidate of ranks
+    range_min..range_max, with scores) with the same relative threshold applied inside it afterwards."""
+    from vembed.retrieval.mining import score_threshold
+
+    window = RANGE_MAX - RANGE_MIN
+    rows = _st_mine(st_mining_setup, num_negatives=window, output_scores=True)
+    lowest_positive: dict[str, float] = {}
+    for row in rows:
+        lowest_positive[row["anchor"]] = min(row["scores"][0], lowest_positive.get(row["anchor"], math.inf))
+    theirs = {}
+    for row in rows:
+        threshold = score_threshold(lowest_positive[row["anchor"]], 1 - MARGIN)
+        kept = [row[f"negative_{i + 1}"] for i in range(window) if row["scores"][i + 1] <= threshold][:NEGATIVES]
+        if len(kept) == NEGATIVES:
+            theirs[(row["anchor"], row["positive"])] = kept
+    ours = _vembed_mine(st_mining_setup, "window-first")
+    assert 0 < len(ours) < len(st_mining_setup["pairs"]) and ours == theirs
+    # The two orders are different rules: on this corpus they disagree on most queries.
+    other = _vembed_mine(st_mining_setup, "threshold-first")
+    assert sum(ours.get(key) != other.get(key) for key in ours.keys() | other.keys()) > len(ours) // 2

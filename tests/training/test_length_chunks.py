@@ -83,6 +83,29 @@ def test_chunks_cut_the_padding_they_report(uneven_texts):
     assert trimmed["input_ids"].shape == (6, 9)  # the column no row attends is cut
 
 
+def test_chunks_encode_only_the_positions_the_loop_reports(uneven_texts):
+    """Measured from what the adapter's encode is given in a training step (issue 23): each length-sorted chunk
+    trimmed to its longest row, as many positions as `padding_counts` (what the loop logs) says, fewer than one
+    padded forward."""
+    from accelerate.utils import send_to_device
+
+    from vembed.models.length_chunks import padding_counts
+    from vembed.training.loop import Trainer
+
+    trainer = Trainer(recipe_from_dict(dict(uneven_texts, length_chunks=3)))
+    trainer.build()
+    batch = send_to_device(trainer.loader.collate_fn([trainer.dataset[i] for i in range(BATCH)]),
+                           trainer.accelerator.device)
+    adapter = trainer.accelerator.unwrap_model(trainer.model).adapter
+    encoded, inner = [], adapter.encode
+    adapter.encode = lambda inputs: encoded.append(inputs["attention_mask"].numel()) or inner(inputs)
+    trainer.train_step(batch)
+    masks = [batch[side]["attention_mask"] for side in ("query", "positive", "negative")]
+    assert len(encoded) == 3 * 3  # three chunks per side
+    assert sum(encoded) == sum(int(padding_counts(mask, 3)[2]) for mask in masks)
+    assert sum(encoded) < sum(mask.numel() for mask in masks)
+
+
 def test_the_loop_logs_padding_before_and_after(uneven_texts):
     from vembed.training.loop import Trainer
 

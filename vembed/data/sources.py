@@ -333,6 +333,9 @@ class DataReport:
     bad_rows: list[BadRow] = field(default_factory=list)  # the first MAX_BAD_ROWS_SHOWN
     num_hard_negatives: int = 0  # negatives per kept record, after truncation
     source: str | None = None  # the named source (data.train: {name: ...}), if any
+    # Rows left out for holding fewer hard negatives than num_hard_negatives. Not bad data (`vembed mine` leaves out
+    # queries it found too few negatives for, on purpose), so not counted against data.max_bad_fraction.
+    short: int = 0
 
     @property
     def key(self) -> str:
@@ -354,7 +357,8 @@ class DataReport:
         text = f"{name}: kept {self.kept} of {self.total} rows from {files}"
         if self.skipped:
             text += " (skipped " + ", ".join(f"{n} {reason}" for reason, n in sorted(self.skipped.items())) + ")"
-        return text + f"; {self.num_hard_negatives} hard negatives per record"
+        text += f"; {self.num_hard_negatives} hard negatives per record"
+        return text + (f" ({self.short} rows with fewer left out)" if self.short else "")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -365,6 +369,7 @@ class DataReport:
             "skipped": dict(self.skipped),
             "bad_rows": [vars(bad).copy() for bad in self.bad_rows],
             "num_hard_negatives": self.num_hard_negatives,
+            "short_of_negatives": self.short,
             **({"source": self.source} if self.source else {}),
         }
 
@@ -402,7 +407,8 @@ def load_rows(
     Rows without query or positive content, or naming an image file that does not exist, are skipped and counted;
     when their share exceeds `data.max_bad_fraction` a `DataError` names the counts and the first bad row.
     `num_hard_negatives` (else `data.num_hard_negatives`, else the smallest count among the kept rows) is the number
-    of negatives each record keeps: longer lists are cut, rows with fewer are skipped as `too_few_negatives`.
+    of negatives each record keeps: longer lists are cut, rows with fewer are left out and counted as `short` (not
+    bad data: they do not count against `data.max_bad_fraction`).
     For evaluation splits pass 0 when negatives are not used. A split of named sources gives their records one
     source after another (`PairRows.source_ranges`), each source checked, counted and given negatives on its own.
     """
@@ -450,16 +456,14 @@ def _load_corpus_pairs(data_cfg: "DataConfig", split: str, corpora: dict, wanted
     if path is not None and not os.path.isfile(path):
         raise RecipeError("data.hard_negatives", f"file {path!r} not found")
     negatives = read_hard_negatives(path, corpus) if path is not None else None
-    if wanted is None:  # the smallest number any pair has, as for pairs files
+    if wanted is None:  # the smallest number the file lists for a query, as for pairs files; pairs it does not list
+        # (queries `vembed mine` found too few negatives for) are left out as short
         counts = [len(found) for found in (negatives or {}).values()]
-        wanted = min(counts) if counts and _every_pair_listed(corpus, negatives) else 0
+        wanted = min(counts) if counts else 0
     pairs = CorpusPairs(corpus, negatives, wanted)
     files = [corpus.folder] + ([path] if path else [])
-    report = DataReport(split=split, files=files, total=pairs.total, kept=len(pairs), num_hard_negatives=wanted)
-    if pairs.too_few:
-        report.skip(path or corpus.folder, 0, "too_few_negatives",
-                    f"{pairs.too_few} (query, positive) pairs have fewer than {wanted} negatives")
-        report.skipped["too_few_negatives"] = pairs.too_few
+    report = DataReport(split=split, files=files, total=pairs.total, kept=len(pairs), num_hard_negatives=wanted,
+                        short=pairs.too_few)
     if not len(pairs):
         raise DataError(f"no (query, relevant document) pair of qrels/{corpus.split}.tsv is usable"
                         + (f" ({pairs.too_few} have fewer than {wanted} hard negatives)" if pairs.too_few else ""),
@@ -467,11 +471,6 @@ def _load_corpus_pairs(data_cfg: "DataConfig", split: str, corpora: dict, wanted
     _check_bad_fraction(report, data_cfg.max_bad_fraction)
     logger.info(report.summary())
     return pairs, report
-
-
-def _every_pair_listed(corpus: Any, negatives: dict) -> bool:
-    return all((q, d) in negatives or (q, None) in negatives
-               for q in corpus.queries.ids for d, grade in corpus.qrels[q].items() if grade > 0)
 
 
 def load_examples(
@@ -525,11 +524,7 @@ def _load_source(value: Any, split: str, format: str, columns: dict[str, str], i
     parts = []
     for reader, table, checks, ok in usable:
         too_few = ok & (checks.negatives < wanted)
-        for position in np.flatnonzero(too_few)[: MAX_BAD_ROWS_SHOWN - len(report.bad_rows)]:
-            detail = f"has {int(checks.negatives[position])} hard negatives, {wanted} required"
-            report.bad_rows.append(BadRow(reader.file, int(position) + 1, "too_few_negatives", detail))
-        if too_few.any():
-            report.skipped["too_few_negatives"] = report.skipped.get("too_few_negatives", 0) + int(too_few.sum())
+        report.short += int(too_few.sum())
         kept = np.flatnonzero(ok & ~too_few)
         parts.append(TablePart(reader, table, kept, _select(checks, kept), wanted))
     rows = PairRows(parts)
@@ -629,6 +624,11 @@ def _check_bad_fraction(report: DataReport, max_bad_fraction: float) -> None:
         raise DataError(f"{report.key} has no rows", file=where)
     first = report.bad_rows[0] if report.bad_rows else None
     counts = ", ".join(f"{n} {reason}" for reason, n in sorted(report.skipped.items()))
+    if report.kept == 0 and first is None:  # every row short of negatives
+        raise DataError(f"no usable rows in {report.key}: all {report.total} have fewer than "
+                        f"{report.num_hard_negatives} hard negatives; {SKIP_FIXES['too_few_negatives']}", file=where)
+    if report.short:
+        counts += f"; {report.short} left out with fewer than {report.num_hard_negatives} hard negatives"
     if report.kept == 0:
         raise DataError(
             f"no usable rows in {report.key}: all {report.total} skipped ({counts}); "

@@ -11,7 +11,8 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_dir", help="a folder saved by vembed (e.g. runs/demo/final)")
+    parser.add_argument("model_dir", help="a model folder saved by vembed (e.g. runs/demo/final), by "
+                                          "sentence-transformers or by transformers, or a hub id")
     parser.add_argument("data", nargs="+", help="JSONL/CSV/Parquet file(s) or a directory of them")
     parser.add_argument("--image-root", help="directory relative image paths are resolved against")
     parser.add_argument("--format", default="auto", choices=["auto", "jsonl", "json", "csv", "parquet", "hf"])
@@ -65,7 +66,7 @@ def _evaluate_corpus(args: argparse.Namespace) -> dict[str, float]:
     from vembed.entrypoints import quiet_libraries
     from vembed.errors import RecipeError
     from vembed.evaluation.corpus import evaluate_corpus
-    from vembed.models.base import load_adapter
+    from vembed.models.foreign import load_embedding_model
 
     for flag, value in (("--mrl-dims", args.mrl_dims), ("--column", args.column)):
         if value:
@@ -73,7 +74,7 @@ def _evaluate_corpus(args: argparse.Namespace) -> dict[str, float]:
     source = CorpusSource(None, args.data[0], args.split or "test", args.image_root, "--split")
     source.check()
     quiet_libraries()
-    adapter = load_adapter(args.model_dir, trust_remote_code=args.trust_remote_code)
+    adapter = load_embedding_model(args.model_dir, trust_remote_code=args.trust_remote_code)
     split = source.load()
     return evaluate_corpus(adapter, split, batch_size=args.batch_size, max_queries=args.max_samples,
                            show_progress=True)
@@ -83,7 +84,7 @@ def _evaluate_pairs(args: argparse.Namespace) -> dict[str, float]:
     from vembed.data.sources import check_data_paths, load_examples
     from vembed.entrypoints import quiet_libraries
     from vembed.errors import RecipeError
-    from vembed.models.base import load_adapter
+    from vembed.models.foreign import load_embedding_model
     from vembed.recipe import ColumnMap, DataConfig
     from vembed.tasks.contrastive import check_images_per_side
 
@@ -100,7 +101,7 @@ def _evaluate_pairs(args: argparse.Namespace) -> dict[str, float]:
         raise RecipeError("--column", str(err).splitlines()[-1]) from None
     check_data_paths(data, ("test",))  # the checks a recipe's data gets
     quiet_libraries()
-    adapter = load_adapter(args.model_dir, trust_remote_code=args.trust_remote_code)
+    adapter = load_embedding_model(args.model_dir, trust_remote_code=args.trust_remote_code)
     too_big = [d for d in args.mrl_dims or () if not 0 < d <= adapter.embedding_dim]
     if too_big:
         raise RecipeError("--mrl-dims", f"{too_big} are not in 1..{adapter.embedding_dim}, the model's "

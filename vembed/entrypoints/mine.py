@@ -12,13 +12,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from vembed.retrieval.mining import SAMPLING, MiningSettings
+from vembed.retrieval.mining import FILTER_ORDERS, SAMPLING, MiningSettings
 
 DEFAULTS = MiningSettings()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_dir", help="a model folder saved by vembed (e.g. runs/x/final)")
+    parser.add_argument("model_dir", help="a model folder saved by vembed (e.g. runs/x/final), by "
+                                          "sentence-transformers or by transformers, or a hub id")
     parser.add_argument("corpus", help="a corpus folder (corpus.jsonl, queries.jsonl, qrels/<split>.tsv)")
     parser.add_argument("--split", default="train", help="the qrels split whose queries are mined (default: train)")
     parser.add_argument("--out", required=True, help="the JSONL training file to write")
@@ -36,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-negatives", "--num_negatives", type=int, default=DEFAULTS.num_negatives,
                         help=f"negatives per row; queries with fewer left are left out (default "
                              f"{DEFAULTS.num_negatives})")
+    parser.add_argument("--filter-order", "--filter_order", choices=FILTER_ORDERS, default=DEFAULTS.filter_order,
+                        help="window-first: the rank window over all non-relevant candidates, then the threshold "
+                             "inside it; threshold-first: the threshold first, ranks counted among the candidates it "
+                             "keeps (sentence-transformers' mine_hard_negatives with relative_margin; default "
+                             f"{DEFAULTS.filter_order})")
     parser.add_argument("--sampling", choices=SAMPLING, default=DEFAULTS.sampling,
                         help="top: the closest kept candidates; random: a seeded sample of them")
     parser.add_argument("--seed", type=int, default=DEFAULTS.seed)
@@ -67,7 +73,8 @@ def _ratio(text: str) -> float | None:
 
 def settings_of(args: argparse.Namespace) -> MiningSettings:
     return MiningSettings(range_min=args.range_min, range_max=args.range_max, max_score_ratio=args.max_score_ratio,
-                          num_negatives=args.num_negatives, sampling=args.sampling, seed=args.seed)
+                          num_negatives=args.num_negatives, sampling=args.sampling, seed=args.seed,
+                          filter_order=args.filter_order)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
 
         from vembed.data.corpus import CORPUS_FILE, load_corpus_split
         from vembed.errors import RecipeError
-        from vembed.models.base import load_adapter
+        from vembed.models.foreign import load_embedding_model, model_folder
         from vembed.retrieval.cache import EmbeddingCache, cache_key
         from vembed.retrieval.mining import faiss_available, mine_hard_negatives, write_jsonl_atomic
         from vembed.retrieval.search import DOCUMENTS_PER_BLOCK
@@ -96,8 +103,7 @@ def run(args: argparse.Namespace) -> int:
             raise RecipeError("--out", f"{out} is a folder; name the JSONL file to write")
         if out.exists() and not args.overwrite:
             raise RecipeError("--out", f"{out} exists; pass --overwrite to replace it")
-        if not Path(args.model_dir).is_dir():
-            raise RecipeError("model_dir", f"{args.model_dir} is not a folder; give a model folder saved by vembed")
+        model_dir = model_folder(args.model_dir)
         use_faiss = args.faiss == "yes" or (args.faiss == "auto" and faiss_available())
         if args.faiss == "yes" and not faiss_available():
             raise RecipeError("--faiss", "faiss is not installed: pip install faiss-cpu (or pass --faiss no)")
@@ -106,11 +112,11 @@ def run(args: argparse.Namespace) -> int:
         on_cpu = not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
         accelerator = Accelerator(cpu=on_cpu)
         _check_world_size(accelerator.num_processes)
-        adapter = load_adapter(args.model_dir, trust_remote_code=args.trust_remote_code).to(accelerator.device)
+        adapter = load_embedding_model(model_dir, trust_remote_code=args.trust_remote_code).to(accelerator.device)
         cache = None
         if not args.no_cache:
             folder = args.cache_dir or f"{out}.cache"
-            key = cache_key(args.model_dir, Path(args.corpus) / CORPUS_FILE, image_root=args.image_root)
+            key = cache_key(model_dir, Path(args.corpus) / CORPUS_FILE, image_root=args.image_root)
             cache = EmbeddingCache(folder, key).open(accelerator)
         rows, stats = mine_hard_negatives(
             adapter, split, settings, batch_size=args.batch_size, accelerator=accelerator, cache=cache,
@@ -119,7 +125,9 @@ def run(args: argparse.Namespace) -> int:
         if accelerator.is_main_process:
             write_jsonl_atomic(out, rows)
             dropped = (f"{stats.dropped_by_threshold} of {stats.candidates} candidates in ranks "
-                       f"{settings.range_min}-{settings.range_max}")
+                       f"{settings.range_min}-{settings.range_max}" if settings.filter_order == "window-first" else
+                       f"{stats.dropped_by_threshold} of {stats.candidates} candidates before ranks "
+                       f"{settings.range_min}-{settings.range_max} were counted (threshold-first)")
             where = (f"; cache {cache.folder}: {stats.blocks_encoded} block(s) encoded, {stats.blocks_reused} reused"
                      f"{' (emptied: model or corpus changed)' if cache.invalidated else ''}" if cache else "")
             rule = (f"the threshold ({settings.max_score_ratio} x the lowest positive's score) dropped {dropped}"

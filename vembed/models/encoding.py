@@ -34,6 +34,16 @@ def _device_of(module: torch.nn.Module) -> torch.device:
     return param.device if param is not None else torch.device("cpu")
 
 
+def length_order(adapter: "EmbeddingAdapter", sides: Sequence["Side"]) -> list[int] | None:
+    """The order to encode `sides` in: longest text first, so each batch pads only to lengths like its own (in file
+    order a real corpus padded to 2.26x the token positions, issue 22); None to keep their order. Only adapters whose
+    output padding columns do not change (`length_chunking`) are reordered, so every embedding is the one file order
+    gives. Characters stand in for tokens, as in sentence-transformers' encode: nothing is tokenised twice."""
+    if not getattr(adapter, "length_chunking", False) or len(sides) < 2:
+        return None
+    return sorted(range(len(sides)), key=lambda i: -len(sides[i].text or ""))
+
+
 def share_bounds(n: int, process_index: int, num_processes: int) -> tuple[int, int]:
     """The contiguous rows `[start, stop)` of `n` that process `process_index` encodes (the last share may be short)."""
     per = math.ceil(n / num_processes) if n else 0
@@ -54,6 +64,7 @@ def encode_sides(
     gather: bool = True,
 ) -> torch.Tensor:
     """Embed `sides` in batches, in eval mode (the previous mode is restored), returning `(len(sides), dim)` float32.
+    Batches are cut from the sides sorted by length (`length_order`); rows come back in the sides' order.
 
     With an `accelerator`, each process encodes a contiguous share and the shares are gathered, so every process
     returns the same full tensor. Every process runs the same number of forward passes (short shares are padded with
@@ -76,6 +87,9 @@ def encode_sides(
     else:
         local, device = list(sides), _device_of(core)
 
+    order = length_order(core, local)
+    if order is not None:
+        local = [local[i] for i in order]
     was_training = adapter.training
     adapter.eval()
     try:
@@ -93,6 +107,10 @@ def encode_sides(
         adapter.train(was_training)
     dim = core.embedding_dim
     embeddings = torch.cat(parts) if parts else torch.empty(0, dim, device=device)
+    if order is not None:  # back to the sides' order
+        from vembed.models.length_chunks import in_batch_order
+
+        embeddings = in_batch_order(embeddings, torch.tensor(order, device=embeddings.device))
     if accelerator is not None and accelerator.num_processes > 1:
         if not gather:
             return embeddings[: len(mine)]

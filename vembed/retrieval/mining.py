@@ -8,15 +8,21 @@ deterministic, so one process and several write the same file.
 
 The two filters, and where their defaults come from:
 - rank window `[range_min, range_max)`, counted among the non-relevant candidates (0 = the closest non-relevant
-  document), as sentence-transformers' `mine_hard_negatives(range_min, range_max)` counts them: the top ranks of a
-  corpus with incomplete judgements hold unjudged positives, so FlagEmbedding's `hn_mine` samples from ranks 10-210
-  (its README) and sentence-transformers' example uses 10-50. Defaults: 10 and 100.
+  document): the top ranks of a corpus with incomplete judgements hold unjudged positives, so FlagEmbedding's
+  `hn_mine` samples from ranks 10-210 (its README) and sentence-transformers' example uses 10-50. Defaults: 10, 100.
 - positive-aware threshold ("TopK-PercPos", NV-Retriever, Moreira et al. 2024, arXiv:2407.15831): drop candidates
-  scoring above `max_score_ratio` x the positive's score; 0.95 was their best setting (sentence-transformers'
-  `relative_margin=0.05` is the same rule). A query with several positives is measured against its lowest-scoring
-  one: a candidate the model rates above a judged-relevant document is as likely an unjudged positive as a
-  negative, and the lowest positive is the one every training row of that query shares, so all its rows get the
-  same negatives.
+  scoring above `max_score_ratio` x the positive's score; 0.95 was their best setting. A query with several positives
+  is measured against its lowest-scoring one: a candidate the model rates above a judged-relevant document is as
+  likely an unjudged positive as a negative, and the lowest positive is the one every training row of that query
+  shares, so all its rows get the same negatives.
+
+Their order (`filter_order`, `vembed mine --filter-order`): by default the window is taken first and the threshold
+drops candidates inside it ("window-first": ranks 10-100 stay the ranks the model gave, and a query whose window is
+mostly above the threshold gets fewer negatives, or none). sentence-transformers' `mine_hard_negatives` with
+`relative_margin=1 - max_score_ratio` applies the same threshold (`score_threshold`) first and then counts the window
+among the candidates it kept ("threshold-first": the window slides down past the dropped ones). With `top` sampling
+the two differ where the threshold drops a candidate ranked above `range_min` (threshold-first then reaches further
+down the ranking); `tests/retrieval/test_mining.py` checks both orders against sentence-transformers.
 """
 
 from __future__ import annotations
@@ -47,6 +53,10 @@ if TYPE_CHECKING:
     from vembed.retrieval.cache import EmbeddingCache
 
 SAMPLING = ("top", "random")
+# Which filter runs first (see the module docstring): the rank window over every non-relevant candidate, then the
+# threshold over the window (vembed's default); or the threshold over every candidate, then the window over the
+# candidates it kept (sentence-transformers' mine_hard_negatives with relative_margin).
+FILTER_ORDERS = ("window-first", "threshold-first")
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,7 @@ class MiningSettings:
     num_negatives: int = 7  # negatives per training row (7 + the positive = BGE's train_group_size 8)
     sampling: str = "top"  # "top": the closest kept candidates; "random": a seeded sample of them (FlagEmbedding)
     seed: int = 0  # for sampling="random"
+    filter_order: str = "window-first"  # one of FILTER_ORDERS
 
     def check(self) -> None:
         """One RecipeError naming the flag for a setting that cannot work."""
@@ -79,6 +90,8 @@ class MiningSettings:
                                                  f"{self.range_max}; widen the range or ask for fewer")
         if self.sampling not in SAMPLING:
             raise RecipeError("--sampling", f"must be one of {', '.join(SAMPLING)}, got {self.sampling!r}")
+        if self.filter_order not in FILTER_ORDERS:
+            raise RecipeError("--filter-order", f"must be one of {', '.join(FILTER_ORDERS)}, got {self.filter_order!r}")
 
 
 @dataclass
@@ -94,7 +107,7 @@ class MiningStats:
     queries: int = 0  # queries with at least one positive
     mined: int = 0  # of those, queries that got num_negatives negatives
     too_few: int = 0  # queries left out: fewer than num_negatives candidates passed the filters
-    candidates: int = 0  # candidates inside the rank window
+    candidates: int = 0  # candidates the threshold saw: inside the rank window (window-first), or all (threshold-first)
     dropped_by_threshold: int = 0  # of those, dropped for scoring above max_score_ratio x the positive
     blocks_encoded: int = 0
     blocks_reused: int = 0
@@ -112,7 +125,8 @@ def select_negatives(found: TopK, positives: Sequence[Iterable[int]], positive_s
                      settings: MiningSettings, stats: MiningStats | None = None) -> list[MinedQuery | None]:
     """Each query's negatives from its ranked candidates `found` (corpus positions), skipping its `positives`
     (corpus positions of every judged-relevant document), keeping ranks `[range_min, range_max)` of the rest and
-    scores at most `score_threshold(positive_scores[q])`. None for a query with fewer than `num_negatives`."""
+    scores at most `score_threshold(positive_scores[q])`, in `settings.filter_order`. None for a query with fewer
+    than `num_negatives`."""
     stats = stats if stats is not None else MiningStats()
     rng = random.Random(settings.seed)
     scores, indices = found.scores.tolist(), found.indices.tolist()
@@ -120,13 +134,16 @@ def select_negatives(found: TopK, positives: Sequence[Iterable[int]], positive_s
     for q, relevant in enumerate(positives):
         relevant = set(relevant)
         candidates = [(i, s) for i, s in zip(indices[q], scores[q]) if i >= 0 and i not in relevant]
-        window = candidates[settings.range_min : settings.range_max]
         threshold = (math.inf if settings.max_score_ratio is None
                      else score_threshold(positive_scores[q], settings.max_score_ratio))
-        kept = [(i, s) for i, s in window if s <= threshold]
+        window_first = settings.filter_order == "window-first"
+        seen = candidates[settings.range_min : settings.range_max] if window_first else candidates
+        below = [(i, s) for i, s in seen if s <= threshold]
+        # threshold-first: ranks counted among the candidates below the threshold
+        kept = below if window_first else below[settings.range_min : settings.range_max]
         stats.queries += 1
-        stats.candidates += len(window)
-        stats.dropped_by_threshold += len(window) - len(kept)
+        stats.candidates += len(seen)
+        stats.dropped_by_threshold += len(seen) - len(below)
         if len(kept) < settings.num_negatives:
             stats.too_few += 1
             mined.append(None)
