@@ -31,7 +31,7 @@ def _stream(train: str, batch_size: int = 4, shuffle_buffer: int = 8, seed: int 
 def _keys_by_slot(stream: ShardStream, epoch: int) -> dict[int, list[str]]:
     stream.start_epoch(epoch)
     errors = []
-    keys = {slot: [f"{Path(r.file).name}:{r.row}" for r in stream.slot_samples(slot, lambda f, e: errors.append(e))]
+    keys = {slot: [f"{Path(r.file).name}:{r.row}" for r in stream.slot_samples(slot, errors.append)]
             for slot in range(stream.layout.slots)}
     assert not errors
     return keys
@@ -85,6 +85,45 @@ def test_corrupt_samples_are_skipped_and_counted_with_their_shard_and_row(tmp_pa
     rows = {(Path(row["file"]).name, row["row"], row["reason"]) for row in position.bad_rows}
     assert ("a-0.tar", 2, "bad_image") in rows and ("a-0.tar", 3, "empty_query") in rows
     assert all(Path(row["file"]).name in ("a-0.tar", "a-2.tar") for row in position.bad_rows)
+
+
+def _truncated(path: Path, keep_bytes: int) -> None:
+    path.write_bytes(path.read_bytes()[:keep_bytes])
+
+
+def test_a_broken_shard_counts_every_sample_it_should_have_held(tmp_path):
+    shards = tmp_path / "shards"
+    for number in range(5):  # 5 shards of 20 listed in sizes.json: 100 samples per epoch
+        write_tar(shards / f"b-{number}.tar", {f"s{number}-{i}": _good() for i in range(20)})
+    _truncated(shards / "b-1.tar", 6700)  # cut inside sample 4's image (2048 bytes a sample): webdataset raises
+    _truncated(shards / "b-3.tar", 10240)  # cut between samples 5 and 6: no error at all
+    (shards / "sizes.json").write_text(json.dumps({f"b-{number}.tar": 20 for number in range(5)}))
+    stream = _stream(str(shards / "b-*.tar"), batch_size=1, shuffle_buffer=1)
+    stream.start_epoch(0)
+    end = SlotPosition.from_dict(list(stream)[-1][0])
+    assert end.skipped == {"bad_shard": 17 + 15}  # what the two shards lost, not one skip per error
+    assert end.drawn == 60 + 3 + 5 and end.lost == 32
+    assert {(Path(row["file"]).name, row["detail"]) for row in end.bad_rows} == {
+        ("b-1.tar", "ReadError: unexpected end of data @ <_io.BufferedReader name='" + str(shards / "b-1.tar")
+         + "'>; gave 3 of the 20 samples sizes.json lists"),
+        ("b-3.tar", "ended early; gave 5 of the 20 samples sizes.json lists")}
+
+    from vembed.data.streaming import StreamReport
+
+    report = StreamReport(split="train", files=stream.files, planned_samples=100)
+    report.merge_positions(0, [end])
+    assert (report.total, report.kept) == (100, 68)
+    with pytest.raises(DataError, match=r"32 of 100 samples .*32 bad_shard; 32.0% > data.max_bad_fraction=0.05"):
+        report.check_bad_fraction(0.05, epoch_done=True)  # one skip per shard would have been 2 %: passed
+
+    (shards / "sizes.json").unlink()  # sizes unknown: the unreadable one counts as 1, and the report says so
+    stream = _stream(str(shards / "b-*.tar"), batch_size=1, shuffle_buffer=1)
+    stream.start_epoch(0)
+    end = SlotPosition.from_dict(list(stream)[-1][0])
+    assert end.skipped == {"bad_shard": 1} and end.unsized_broken == 1
+    report = StreamReport(split="train", files=stream.files)
+    report.merge_positions(0, [end])
+    assert "1 broken shard(s) not in sizes.json, each counted as 1 lost sample" in report.summary()
 
 
 def test_tar_members_and_json_fields_map_to_columns(tmp_path):

@@ -14,7 +14,8 @@ What an epoch is (README "Streaming"):
 Exact resume is replay: the position of a slot is the number of samples it has drawn from its shuffle buffer.
 Resuming rebuilds the slot's stream from (seed, epoch, slot) and drops that many samples without decoding them (the
 tar bytes are read again, images are not decoded; measured in docs/benchmarks.md). Samples whose image does not decode
-or whose text is missing are skipped and counted per slot, like rows of the map-style path.
+or whose text is missing are skipped and counted per slot, like rows of the map-style path; a shard that breaks off
+(or gives fewer samples than `sizes.json` lists) counts every sample it lost, so `max_bad_fraction` sees them.
 
 Why not the libraries' own resume: `datasets.IterableDataset.state_dict()` drops the shuffle buffer on resume (its
 docstring says so), and webdataset has no resume at all; both shuffle deterministically, which is all replay needs.
@@ -37,7 +38,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from vembed.data.records import Example
 from vembed.data.sources import MAX_BAD_ROWS_SHOWN, SKIP_FIXES, BadRow, DataReport
-from vembed.data.stream_samples import READERS, ErrorSink, RawRecord, SampleDecoder, SampleSkipped
+from vembed.data.stream_samples import READERS, RawRecord, SampleDecoder, SampleSkipped
 from vembed.errors import DataError, RecipeError
 
 if TYPE_CHECKING:
@@ -199,6 +200,32 @@ def planned_batches(shards: Sequence[Shard], seed: int, epoch: int, layout: Stre
 # --- positions and skip counts -------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class BrokenShard:
+    """A shard that failed to read, or gave fewer samples than `sizes.json` lists: what it lost counts as skipped."""
+
+    file: str
+    lost: int  # samples it should have given and did not, by sizes.json; 1 for an unreadable shard of unknown size
+    sized: bool  # whether sizes.json gave its size (else `lost` is a floor: what it held is not known)
+    detail: str
+
+
+def broken_shard(shard: Shard, read: int, errors: Sequence[Exception]) -> BrokenShard | None:
+    """What `shard` lost when it gave `read` samples and raised `errors` while read; None when it gave all it lists.
+    A tar cut at a member boundary raises nothing, hence the count against the index."""
+    expected = shard.num_samples
+    short = expected - read if expected is not None else 0
+    if not errors and short <= 0:
+        return None
+    error = errors[0] if errors else None
+    what = f"{type(error).__name__}: {error.args[0] if error.args else error}" if error else "ended early"
+    if expected is None:
+        return BrokenShard(shard.path, 1, False, f"{what}; gave {read} samples and its size is unknown (not in "
+                                                 f"{SIZES_FILE}): counted as 1 lost")
+    return BrokenShard(shard.path, max(short, 1), True,
+                       f"{what}; gave {read} of the {expected} samples {SIZES_FILE} lists")
+
+
 @dataclass
 class SlotPosition:
     """How far one slot is in its epoch: samples drawn from its shuffle buffer (kept or skipped), and the skips."""
@@ -208,20 +235,29 @@ class SlotPosition:
     ended: bool = False  # the slot has read all its shards (its last item, with no batch, said so)
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> count
     bad_rows: list[dict[str, Any]] = field(default_factory=list)  # the first MAX_BAD_ROWS_SHOWN, as BadRow fields
+    lost: int = 0  # samples broken shards should have given (never drawn; also counted as skipped "bad_shard")
+    unsized_broken: int = 0  # broken shards of unknown size, each counted as 1 lost
 
-    def skip(self, file: str, row: int, reason: str, detail: str) -> None:
-        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+    def skip(self, file: str, row: int, reason: str, detail: str, count: int = 1) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + count
         if len(self.bad_rows) < MAX_BAD_ROWS_SHOWN:
             self.bad_rows.append(asdict(BadRow(file, row, reason, detail)))
 
+    def skip_shard(self, broken: BrokenShard) -> None:
+        self.skip(broken.file, 0, "bad_shard", broken.detail, count=broken.lost)
+        self.lost += broken.lost
+        self.unsized_broken += not broken.sized
+
     def to_dict(self) -> dict[str, Any]:
         return {"slot": self.slot, "drawn": self.drawn, "ended": self.ended, "skipped": dict(self.skipped),
-                "bad_rows": [dict(row) for row in self.bad_rows]}
+                "bad_rows": [dict(row) for row in self.bad_rows], "lost": self.lost,
+                "unsized_broken": self.unsized_broken}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "SlotPosition":
         return cls(slot=int(raw["slot"]), drawn=int(raw["drawn"]), ended=bool(raw.get("ended", False)),
-                   skipped=dict(raw.get("skipped", {})), bad_rows=[dict(row) for row in raw.get("bad_rows", [])])
+                   skipped=dict(raw.get("skipped", {})), bad_rows=[dict(row) for row in raw.get("bad_rows", [])],
+                   lost=int(raw.get("lost", 0)), unsized_broken=int(raw.get("unsized_broken", 0)))
 
 
 @dataclass
@@ -232,6 +268,7 @@ class StreamReport(DataReport):
     planned_samples: int | None = None  # samples per epoch, by sizes.json
     batches_per_rank: int | None = None  # in the first epoch, by sizes.json
     epoch: int = 0
+    unsized_broken: int = 0  # broken shards of unknown size in the epoch (each counted as 1 lost sample)
 
     def summary(self) -> str:
         shards = f"{len(self.files)} shard{'s' if len(self.files) != 1 else ''} ({self.backend})"
@@ -243,14 +280,21 @@ class StreamReport(DataReport):
             text += f"; epoch {self.epoch}: kept {self.kept} of {self.total} samples"
         if self.skipped:
             text += " (skipped " + ", ".join(f"{n} {reason}" for reason, n in sorted(self.skipped.items())) + ")"
+        if self.unsized_broken:
+            text += (f"; {self.unsized_broken} broken shard(s) not in {SIZES_FILE}, each counted as 1 lost sample: "
+                     "what they held is unknown")
         return text + f"; {self.num_hard_negatives} hard negatives per record"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), **({"unsized_broken_shards": self.unsized_broken} if self.unsized_broken else {})}
 
     def merge_positions(self, epoch: int, positions: Sequence[SlotPosition | dict[str, Any]]) -> None:
         """Counts of `epoch` from every slot's position (all ranks' positions, once gathered)."""
-        self.epoch, self.total, self.skipped, self.bad_rows = epoch, 0, {}, []
+        self.epoch, self.total, self.skipped, self.bad_rows, self.unsized_broken = epoch, 0, {}, [], 0
         for position in positions:
             position = position if isinstance(position, SlotPosition) else SlotPosition.from_dict(position)
-            self.total += position.drawn
+            self.total += position.drawn + position.lost  # a broken shard's lost samples were due in the epoch too
+            self.unsized_broken += position.unsized_broken
             for reason, count in position.skipped.items():
                 self.skipped[reason] = self.skipped.get(reason, 0) + count
             for row in position.bad_rows:
@@ -349,28 +393,38 @@ class ShardStream(IterableDataset):
         if start is None or not start.ended:
             yield from self._slot_batches(slot, start)
 
-    def slot_samples(self, slot: int, on_error: ErrorSink) -> Iterator[RawRecord]:
-        """The raw samples of `slot` in this epoch, in training order (shuffled through the buffer), undecoded."""
+    def slot_samples(self, slot: int, on_broken: Callable[[BrokenShard], None]) -> Iterator[RawRecord]:
+        """The raw samples of `slot` in this epoch, in training order (shuffled through the buffer), undecoded.
+        Each shard that fails or gives fewer samples than its size goes to `on_broken` once it is read."""
         import webdataset
 
-        files = [s.path for s in shards_of_slot(self.shards, self.seed, self.epoch, slot, self.layout.slots)]
-        records = READERS[self.backend](files, on_error)
+        def records() -> Iterator[RawRecord]:
+            for shard in shards_of_slot(self.shards, self.seed, self.epoch, slot, self.layout.slots):
+                errors: list[Exception] = []
+                read = 0
+                for record in READERS[self.backend]([shard.path], lambda file, exn: errors.append(exn)):
+                    read += 1
+                    yield record
+                broken = broken_shard(shard, read, errors)
+                if broken is not None:
+                    on_broken(broken)
+
         buffer = webdataset.shuffle(bufsize=self.shuffle_buffer, initial=self.shuffle_buffer,
                                     rng=random.Random(mix_seed(self.seed, self.epoch, slot)))
-        return buffer(records)
+        return buffer(records())
 
     def _slot_batches(self, slot: int, start: SlotPosition | None) -> Iterator[tuple[dict[str, Any], Any]]:
         position = SlotPosition.from_dict(start.to_dict()) if start is not None else SlotPosition(slot)
         resume_at = position.drawn
         replaying = resume_at > 0
 
-        def on_error(file: str, exn: Exception) -> None:
-            # During the replay the same shard errors recur; they were counted before the checkpoint.
+        def on_broken(broken: BrokenShard) -> None:
+            # During the replay the same broken shards recur; they were counted before the checkpoint.
             if not replaying:
-                position.skip(file, 0, "bad_shard", f"{type(exn).__name__}: {exn.args[0] if exn.args else exn}")
+                position.skip_shard(broken)
 
         pending: list[Example] = []
-        for drawn, record in enumerate(self.slot_samples(slot, on_error), start=1):
+        for drawn, record in enumerate(self.slot_samples(slot, on_broken), start=1):
             if drawn <= resume_at:  # replay: drawn before the checkpoint, dropped undecoded
                 replaying = drawn < resume_at  # errors met after this point were not counted before
                 continue
