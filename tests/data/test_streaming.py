@@ -56,6 +56,73 @@ def test_slots_read_disjoint_shards_in_an_order_fixed_by_seed_and_epoch(dummy_da
     assert _keys_by_slot(other_seed, epoch=0) != first
 
 
+def test_ranks_are_dealt_equal_shares_of_the_samples():
+    import random
+
+    from vembed.data.streaming import Shard, deal_shards, planned_batches
+
+    layout = StreamLayout(world=2, rank=0, workers=2)
+    equal = [Shard(f"s{i}.tar", 7) for i in range(10)]  # 10 shards for 4 readers: round-robin gave ranks 6 and 4
+    for epoch in range(4):
+        slots = deal_shards(equal, seed=0, epoch=epoch, layout=layout)
+        assert sorted(s.path for slot in slots for s in slot) == sorted(s.path for s in equal)
+        assert [len(slots[0]) + len(slots[1]), len(slots[2]) + len(slots[3])] == [5, 5]
+        assert planned_batches(equal, 0, epoch, layout, batch_size=2) == 10 + 7  # 21 and 14 samples per reader
+
+    sizes = random.Random(0).choices(range(1, 60), k=13)  # unequal: within one shard's size of each other
+    uneven = [Shard(f"u{i}.tar", size) for i, size in enumerate(sizes)]
+    three = StreamLayout(world=3, rank=0, workers=2)
+    for epoch in range(6):
+        slots = deal_shards(uneven, seed=1, epoch=epoch, layout=three)
+        per_rank = [sum(s.num_samples for slot in slots[r * 2:r * 2 + 2] for s in slot) for r in range(3)]
+        assert max(per_rank) - min(per_rank) <= max(sizes), per_rank
+
+
+def _rank_batches(stream: ShardStream, rank: int, epoch: int, take: int) -> list[list[str]]:
+    """What one rank trains on in `epoch`: its workers' batches taken round-robin as its DataLoader does (a worker
+    that has run out is passed over), the first `take` of them (every rank stops at the plan)."""
+    stream.set_layout(StreamLayout(world=stream.layout.world, rank=rank, workers=stream.layout.workers))
+    stream.start_epoch(epoch)
+    per_worker = [[[f"{Path(e.source).name}:{e.row}" for e in batch]
+                   for _, batch in stream._slot_batches(stream.slot_of_worker(worker), None) if batch is not None]
+                  for worker in range(stream.layout.workers)]
+    interleaved = [batches[i] for i in range(max(map(len, per_worker))) for batches in per_worker if i < len(batches)]
+    return interleaved[:take]
+
+
+def test_each_epoch_leaves_only_the_planned_remainder_unread_and_epochs_read_every_sample(tmp_path):
+    from vembed.data.streaming import planned_batches
+
+    shards = tmp_path / "shards"
+    for number in range(10):
+        write_tar(shards / f"e-{number}.tar", {f"k{number}-{i}": _good(f"{number}-{i}") for i in range(7)})
+    (shards / "sizes.json").write_text(json.dumps({f"e-{number}.tar": 7 for number in range(10)}))
+    stream = _stream(str(shards / "e-*.tar"), batch_size=2, shuffle_buffer=4)
+    layout = StreamLayout(world=2, rank=0, workers=2)
+    everything = {f"e-{number}.tar:{i}" for number in range(10) for i in range(1, 8)}
+    seen: set[str] = set()
+    for epoch in range(4):
+        stream.set_layout(layout)
+        take = planned_batches(stream.shards, 0, epoch, layout, 2)
+        read = [key for rank in (0, 1) for batch in _rank_batches(stream, rank, epoch, take) for key in batch]
+        assert len(read) == len(set(read))
+        unread = len(everything) - len(read)
+        assert unread == 70 - 2 * take * 2 == 2  # the readers' incomplete last batches only (it was 16 of 70)
+        seen |= set(read)
+    assert seen == everything  # each epoch leaves another remainder (round-robin dealing left 5 unseen)
+
+
+def test_the_start_line_says_how_many_samples_each_epoch_leaves_unread():
+    from vembed.data.streaming import StreamReport
+
+    report = StreamReport(split="train", files=["a.tar", "b.tar"], planned_samples=70, batches_per_rank=17,
+                          unread_per_epoch=[2, 4, 2])
+    assert "17 batches per rank; 2-4 samples (up to 5.7%) unread per epoch: ranks' surplus" in report.summary()
+    assert report.to_dict()["unread_per_epoch"] == [2, 4, 2]
+    report.unread_per_epoch = [16]
+    assert "; 16 samples (22.9%) unread in epoch 0" in report.summary()
+
+
 def _good(text: str = "a caption") -> dict[str, bytes]:
     return {"png": png_bytes(), "txt": text.encode()}
 

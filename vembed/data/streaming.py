@@ -3,13 +3,15 @@ stream by `datasets`; records are decoded, collated and handed out batch by batc
 
 What an epoch is (README "Streaming"):
 - one pass over every shard (a tar file, or one data file). Each epoch the shard list is shuffled from (seed, epoch)
-  and dealt round-robin to the slots: slot = rank x data.num_workers + worker, so slots read disjoint shards;
+  and dealt to the ranks evenly by samples, each rank's share to its workers the same way (`deal_shards`): slot =
+  rank x data.num_workers + worker, so slots read disjoint shards;
 - each slot reads its shards in that order through a shuffle buffer of `data.shuffle_buffer` samples, seeded from
   (seed, epoch, slot), so the order depends on nothing but those and the shards;
 - each slot collates its own batches of `batch_size`; a rank's DataLoader takes them from its workers round-robin;
 - every rank must take equally many batches (DDP gathers embeddings every step), so all ranks stop the epoch as soon
   as one runs out (vembed/training/streamed.py); the shard sizes in `sizes.json` (open_clip's index file, beside the
-  shards) say in advance how many batches that is, which gives the schedule its length.
+  shards) say in advance how many batches that is, which gives the schedule its length, and how many samples the
+  epoch leaves unread (the ranks' surplus over the smallest, each slot's incomplete last batch; `unread_samples`).
 
 Exact resume is replay: the position of a slot is the number of samples it has drawn from its shuffle buffer.
 Resuming rebuilds the slot's stream from (seed, epoch, slot) and drops that many samples without decoding them (the
@@ -181,9 +183,31 @@ def epoch_shards(shards: Sequence[Shard], seed: int, epoch: int) -> list[Shard]:
     return order
 
 
-def shards_of_slot(shards: Sequence[Shard], seed: int, epoch: int, slot: int, num_slots: int) -> list[Shard]:
-    """The shards slot `slot` reads in `epoch`, in order: the epoch's shuffled list, dealt round-robin."""
-    return epoch_shards(shards, seed, epoch)[slot::num_slots]
+def _deal(order: Sequence[Shard], parts: int) -> list[list[Shard]]:
+    """`order` dealt to `parts` as evenly by samples as whole shards allow: largest first (a stable sort, so equal
+    sizes keep the shuffled order), each to the part holding the fewest samples so far (then fewest shards, then the
+    lowest index); no part ends more than one shard's size above another. Each part reads in `order`'s order.
+    A shard of unknown size weighs the mean of the known ones (all unknown: each weighs 1, dealt like cards)."""
+    known = [shard.num_samples for shard in order if shard.num_samples is not None]
+    mean = sum(known) / len(known) if known else 1
+    weight = [shard.num_samples if shard.num_samples is not None else mean for shard in order]
+    loads = [(0.0, 0)] * parts
+    owner = [0] * len(order)
+    for index in sorted(range(len(order)), key=lambda i: -weight[i]):
+        part = min(range(parts), key=lambda p: (loads[p], p))
+        owner[index] = part
+        loads[part] = (loads[part][0] + weight[index], loads[part][1] + 1)
+    return [[shard for shard, part in zip(order, owner) if part == wanted] for wanted in range(parts)]
+
+
+def deal_shards(shards: Sequence[Shard], seed: int, epoch: int, layout: StreamLayout) -> list[list[Shard]]:
+    """The shards each slot reads in `epoch`, in order, by slot: the epoch's shuffled list dealt to the ranks, each
+    rank's share to its workers, both evenly by samples (`_deal`). Ranks first: a rank's surplus over the smallest
+    rank goes unread (every rank takes as many batches as the one with fewest), a worker's is read by the rank."""
+    slots: list[list[Shard]] = []
+    for rank_shards in _deal(epoch_shards(shards, seed, epoch), layout.world):
+        slots += _deal(rank_shards, layout.workers)
+    return slots
 
 
 def planned_batches(shards: Sequence[Shard], seed: int, epoch: int, layout: StreamLayout,
@@ -192,8 +216,7 @@ def planned_batches(shards: Sequence[Shard], seed: int, epoch: int, layout: Stre
     unknown. Each slot batches its own samples, so each slot's last incomplete batch is dropped."""
     if any(shard.num_samples is None for shard in shards):
         return None
-    order = epoch_shards(shards, seed, epoch)
-    per_slot = [sum(s.num_samples for s in order[slot::layout.slots]) // batch_size for slot in range(layout.slots)]
+    per_slot = [sum(s.num_samples for s in slot) // batch_size for slot in deal_shards(shards, seed, epoch, layout)]
     return min(sum(per_slot[rank * layout.workers:(rank + 1) * layout.workers]) for rank in range(layout.world))
 
 
@@ -269,6 +292,7 @@ class StreamReport(DataReport):
     batches_per_rank: int | None = None  # in the first epoch, by sizes.json
     epoch: int = 0
     unsized_broken: int = 0  # broken shards of unknown size in the epoch (each counted as 1 lost sample)
+    unread_per_epoch: list[int] | None = None  # samples the planned epochs leave unread, by sizes.json
 
     def summary(self) -> str:
         shards = f"{len(self.files)} shard{'s' if len(self.files) != 1 else ''} ({self.backend})"
@@ -276,6 +300,7 @@ class StreamReport(DataReport):
         text = f"{self.split}: streaming {shards}, {size}"
         if self.batches_per_rank is not None and not self.total:
             text += f", {self.batches_per_rank} batches per rank"
+            text += self._unread_text()
         if self.total:
             text += f"; epoch {self.epoch}: kept {self.kept} of {self.total} samples"
         if self.skipped:
@@ -285,8 +310,24 @@ class StreamReport(DataReport):
                      "what they held is unknown")
         return text + f"; {self.num_hard_negatives} hard negatives per record"
 
+    def _unread_text(self) -> str:
+        unread = self.unread_per_epoch
+        if not unread or self.planned_samples is None:
+            return ""
+        low, high = min(unread), max(unread)
+        share = f"{high / max(self.planned_samples, 1):.1%}"
+        if len(unread) == 1:
+            amount = f"{high} samples ({share}) unread in epoch 0"
+        else:
+            amount = f"{low}-{high} samples (up to {share}) unread per epoch"
+        return (f"; {amount}: ranks' surplus over the smallest rank and readers' incomplete last batches, not "
+                "carried over (each epoch deals anew)")
+
     def to_dict(self) -> dict[str, Any]:
-        return {**super().to_dict(), **({"unsized_broken_shards": self.unsized_broken} if self.unsized_broken else {})}
+        extra: dict[str, Any] = {"unsized_broken_shards": self.unsized_broken} if self.unsized_broken else {}
+        if self.unread_per_epoch is not None:
+            extra["unread_per_epoch"] = list(self.unread_per_epoch)
+        return {**super().to_dict(), **extra}
 
     def merge_positions(self, epoch: int, positions: Sequence[SlotPosition | dict[str, Any]]) -> None:
         """Counts of `epoch` from every slot's position (all ranks' positions, once gathered)."""
@@ -399,7 +440,7 @@ class ShardStream(IterableDataset):
         import webdataset
 
         def records() -> Iterator[RawRecord]:
-            for shard in shards_of_slot(self.shards, self.seed, self.epoch, slot, self.layout.slots):
+            for shard in deal_shards(self.shards, self.seed, self.epoch, self.layout)[slot]:
                 errors: list[Exception] = []
                 read = 0
                 for record in READERS[self.backend]([shard.path], lambda file, exn: errors.append(exn)):
