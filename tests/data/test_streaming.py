@@ -226,13 +226,53 @@ def test_shards_without_an_index_need_max_steps(tmp_path):
     check_stream_recipe(cfg, max_steps=None)
 
 
-def test_evaluation_splits_cannot_be_tar_shards(tmp_path):
-    from vembed.data.streaming import check_stream_recipe
+def test_a_validation_split_in_shards_is_read_for_evaluation_up_to_its_bound(tmp_path):
+    from PIL import Image
 
-    write_tar(tmp_path / "s-0.tar", {"k": _good()})
-    cfg = DataConfig(train=str(tmp_path / "s-0.tar"), validation=str(tmp_path / "s-0.tar"))
-    with pytest.raises(RecipeError, match="data.validation"):
-        check_stream_recipe(cfg, max_steps=10)
+    from vembed.data.streaming import held_out_shard_splits, read_held_out_shards
+
+    for number in range(3):
+        write_tar(tmp_path / "val" / f"{number:05d}.tar", {f"{number}{i:04d}": _good(f"val {number} {i}")
+                                                         for i in range(4)})
+    write_tar(tmp_path / "val" / "00001.tar", {"bad": {"png": b"corrupt", "txt": b"x"},
+                                               **{f"1{i:04d}": _good(f"val 1 {i}") for i in range(3)}})
+    write_tar(tmp_path / "train" / "t-0.tar", {"k": _good()})
+    cfg = DataConfig(train=str(tmp_path / "train" / "t-0.tar"), validation=str(tmp_path / "val"),
+                     max_bad_fraction=0.2)
+    assert held_out_shard_splits(cfg) == ["validation"]  # accepted (it was refused)
+
+    examples, report = read_held_out_shards(cfg, "validation", 1)
+    assert [e.query.text for e in examples] == [f"val {n} {i}" for n in range(3) for i in range(4) if (n, i) != (1, 3)]
+    assert isinstance(examples[0].positive.image, Image.Image) and examples[0].positive.image.fp is not None  # lazy
+    assert (report.total, report.kept, report.skipped) == (12, 11, {"bad_image": 1})
+
+    bounded = cfg.model_copy(update={"eval_max_samples": 5})
+    examples, report = read_held_out_shards(bounded, "validation", 1)
+    assert len(examples) == 5 and report.total == 6  # stops reading at the bound
+    with pytest.raises(RecipeError, match="data.test.*not found"):
+        held_out_shard_splits(cfg.model_copy(update={"test": str(tmp_path / "val" / "0000{0..3}.tar")}))
+
+
+def test_img2dataset_stats_give_the_shard_sizes_without_reading_the_shards(tmp_path, capsys):
+    from vembed.cli import main
+    from vembed.data.streaming import index_shards, read_sizes
+
+    shards = tmp_path / "i2d"
+    for number, successes in enumerate((3, 2)):  # img2dataset's layout: 00000.tar, 00000_stats.json, ...
+        write_tar(shards / f"{number:05d}.tar", {f"{number}{i:04d}": _good() for i in range(successes)})
+        (shards / f"{number:05d}_stats.json").write_text(json.dumps(
+            {"count": 4, "successes": successes, "failed_to_download": 4 - successes, "failed_to_resize": 0}))
+    paths = [str(shards / "00000.tar"), str(shards / "00001.tar")]
+    assert read_sizes(paths) == [3, 2]  # no sizes.json needed
+
+    (shards / "00001.tar").write_bytes(b"unreadable")  # the stats are trusted: the shard is not read to count it
+    assert index_shards(paths) == {str(shards): {"00000.tar": 3, "00001.tar": 2}}
+    assert main(["data", "index", str(shards)]) == 0
+    assert json.loads((shards / "sizes.json").read_text()) == {"00000.tar": 3, "00001.tar": 2}
+
+    (shards / "00000_stats.json").write_text("{not json")
+    with pytest.raises(DataError, match=r"00000_stats.json: cannot read the shard's img2dataset stats"):
+        index_shards([str(shards / "00000.tar")])
 
 
 def test_streaming_is_chosen_for_tar_shards_only(tmp_path, dummy_data_dir):

@@ -47,6 +47,11 @@ if TYPE_CHECKING:
     from vembed.recipe import DataConfig
 
 SIZES_FILE = "sizes.json"  # open_clip's index: {"shard-000000.tar": number of samples, ...}, beside the shards
+# img2dataset writes `{shard}_stats.json` beside each `{shard}.tar` ({"count": N, "successes": S, ...}); its tar holds
+# the S samples that downloaded (the failures are in its .parquet only).
+STATS_SUFFIX = "_stats.json"
+# A held-out split given as tar shards is read whole for evaluation, so it is bounded: data.eval_max_samples, or this.
+SHARD_EVAL_MAX_SAMPLES = 10_000
 TAR_EXTENSION = ".tar"
 EXTRA_SKIP_FIXES = {  # reasons a stream meets beside the map-style ones (sources.SKIP_FIXES); bad_text covers both
     "bad_text": "write text as UTF-8 strings (a number or list where text is expected: check data.columns)",
@@ -100,10 +105,12 @@ def wants_streaming(data_cfg: "DataConfig") -> bool:
     return names_tar_shards(data_cfg.train)
 
 
-def find_shards(data_cfg: "DataConfig", key: str = "data.train") -> tuple[str, list[str]]:
-    """(backend, absolute shard paths) of the training split. Backend "webdataset" for tar shards, "datasets" for
-    JSONL/CSV/Parquet files. Absolute paths also keep webdataset from reading a `pipe:` name as a command."""
-    value = data_cfg.train
+def find_shards(data_cfg: "DataConfig", split: str = "train") -> tuple[str, list[str]]:
+    """(backend, absolute shard paths) of a split (the training split, or a held-out split of tar shards). Backend
+    "webdataset" for tar shards, "datasets" for JSONL/CSV/Parquet files. Absolute paths also keep webdataset from
+    reading a `pipe:` name as a command."""
+    key = f"data.{split}"
+    value = getattr(data_cfg, split)
     if value is None:
         raise RecipeError(key, "is required for training; point it at tar shards or JSONL/CSV/Parquet files")
     candidates = expand_sources(value)
@@ -126,9 +133,26 @@ def find_shards(data_cfg: "DataConfig", key: str = "data.train") -> tuple[str, l
     return "datasets", [os.path.abspath(path) for path in files]
 
 
+def stats_size(path: str) -> int | None:
+    """The samples of a tar shard by img2dataset's `{shard}_stats.json` beside it (its "successes"); None without."""
+    if not path.endswith(TAR_EXTENSION):
+        return None
+    stats = path[:-len(TAR_EXTENSION)] + STATS_SUFFIX
+    if not os.path.isfile(stats):
+        return None
+    try:
+        successes = json.loads(open(stats).read())["successes"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise DataError(f"cannot read the shard's img2dataset stats ({type(err).__name__}: {err}); fix or delete it",
+                        file=stats) from None
+    if not isinstance(successes, int) or successes < 0:
+        raise DataError(f'"successes" is {successes!r}, not a count; fix or delete it', file=stats)
+    return successes
+
+
 def read_sizes(paths: Sequence[str]) -> list[int | None]:
-    """Samples per shard from `sizes.json` beside each shard (open_clip's format: file name → count), or, for a Parquet
-    file, from its footer; None where neither says."""
+    """Samples per shard from `sizes.json` beside each shard (open_clip's format: file name → count), else from
+    img2dataset's `{shard}_stats.json`, or, for a Parquet file, from its footer; None where none says."""
     by_dir: dict[str, dict[str, int]] = {}
     sizes: list[int | None] = []
     for path in paths:
@@ -140,6 +164,8 @@ def read_sizes(paths: Sequence[str]) -> list[int | None]:
             except (OSError, ValueError) as err:
                 raise DataError(f"cannot read the shard index: {err}", file=index) from None
         size = by_dir[directory].get(name)
+        if size is None:
+            size = stats_size(path)
         if size is None and path.endswith(".parquet"):
             import pyarrow.parquet as pq
 
@@ -523,21 +549,70 @@ def check_stream_recipe(data_cfg: "DataConfig", max_steps: int | None) -> None:
                                        f"size of every shard ({len(unknown)} of {len(shards)} unknown, e.g. "
                                        f"{unknown[0]!r}); set max_steps, or write the index with "
                                        f"`vembed data index {os.path.dirname(unknown[0])}`")
-    for split in ("validation", "test"):
-        if names_tar_shards(getattr(data_cfg, split)):
-            raise RecipeError(f"data.{split}", "names tar shards, but evaluation reads its split whole; give "
-                                               "JSONL/CSV/Parquet (shards stream for data.train only)")
+
+
+# --- held-out splits in shards --------------------------------------------------------------------------------------
+
+
+def held_out_shard_splits(data_cfg: "DataConfig") -> list[str]:
+    """The held-out splits (validation, test) that name tar shards, checked: the shards exist, webdataset is there."""
+    splits = [split for split in ("validation", "test") if names_tar_shards(getattr(data_cfg, split))]
+    for split in splits:
+        backend, _ = find_shards(data_cfg, split)
+        require_backend(backend)
+    return splits
+
+
+def read_held_out_shards(data_cfg: "DataConfig", split: str,
+                         max_images_per_side: int | None) -> tuple[list[Example], StreamReport]:
+    """A held-out split given as tar shards (img2dataset writes its validation split so), read for evaluation like
+    a JSONL split: the first usable samples in shard order (the same ones every evaluation), at most
+    `data.eval_max_samples` (unset: SHARD_EVAL_MAX_SAMPLES, as the split is read whole). Images are checked once and
+    kept compressed until encoded. Bad samples and broken shards are skipped and counted as in training."""
+    backend, paths = find_shards(data_cfg, split)
+    limit = data_cfg.eval_max_samples or SHARD_EVAL_MAX_SAMPLES
+    decoder = SampleDecoder(data_cfg.columns.model_dump(), data_cfg.image_root, 0, max_images_per_side,
+                            keep_encoded=True)
+    shards = [Shard(path, size) for path, size in zip(paths, read_sizes(paths))]
+    position, examples = SlotPosition(0), []
+    for shard in shards:
+        errors: list[Exception] = []
+        read = 0
+        for record in READERS[backend]([shard.path], lambda file, exn: errors.append(exn)):
+            read += 1
+            position.drawn += 1
+            example = decoder(record, position)
+            if example is not None:
+                examples.append(example)
+            if len(examples) == limit:
+                break
+        else:  # read to its end: did it give what it should?
+            broken = broken_shard(shard, read, errors)
+            if broken is not None:
+                position.skip_shard(broken)
+        if len(examples) == limit:
+            break
+    sizes = [shard.num_samples for shard in shards]
+    report = StreamReport(split=split, files=paths, backend=backend,
+                          planned_samples=None if None in sizes else sum(sizes))
+    report.merge_positions(0, [position])
+    report.check_bad_fraction(data_cfg.max_bad_fraction, epoch_done=True)
+    return examples, report
+
+
+# --- the shard index -----------------------------------------------------------------------------------------------
 
 
 def index_shards(paths: Sequence[str]) -> dict[str, dict[str, int]]:
-    """Count the samples of each shard by reading it once; returns {directory: {file name: count}} for sizes.json."""
+    """Count the samples of each shard, from img2dataset's `_stats.json` where there is one, else by reading the
+    shard once; returns {directory: {file name: count}} for sizes.json."""
     counts: dict[str, dict[str, int]] = {}
     backend = "webdataset" if all(p.endswith(TAR_EXTENSION) for p in paths) else "datasets"
     errors: list[str] = []
     for path in paths:
-        number = 0
-        for _ in READERS[backend]([path], lambda file, exn: errors.append(f"{file}: {exn}")):
-            number += 1
+        number = stats_size(path)
+        if number is None:
+            number = sum(1 for _ in READERS[backend]([path], lambda file, exn: errors.append(f"{file}: {exn}")))
         if errors:
             raise DataError(f"cannot read: {errors[0]}", file=path)
         directory, name = os.path.split(os.path.abspath(path))
