@@ -56,6 +56,26 @@ def test_slots_read_disjoint_shards_in_an_order_fixed_by_seed_and_epoch(dummy_da
     assert _keys_by_slot(other_seed, epoch=0) != first
 
 
+def test_the_shard_order_changes_with_the_epoch(tmp_path):
+    # Issue 23: the test above passes when only the shuffle buffer changes with the epoch. With a buffer of 1 the
+    # samples come in shard order, so here only the epoch's shuffle and dealing of the shards can differ.
+    shards = tmp_path / "shards"
+    for number in range(8):
+        write_tar(shards / f"o-{number}.tar", {f"k{number}-{i}": _good() for i in range(2)})
+    (shards / "sizes.json").write_text(json.dumps({f"o-{number}.tar": 2 for number in range(8)}))
+    stream = _stream(str(shards / "o-*.tar"), batch_size=1, shuffle_buffer=1)
+
+    def shards_read(epoch: int, layout: StreamLayout) -> list[tuple[str, ...]]:
+        stream.set_layout(layout)
+        return [tuple(dict.fromkeys(key.split(":")[0] for key in keys))
+                for keys in _keys_by_slot(stream, epoch).values()]
+
+    one_reader = [shards_read(epoch, StreamLayout(world=1, rank=0, workers=1)) for epoch in range(3)]
+    assert len(set(map(tuple, one_reader))) == 3, one_reader  # the order of the shards differs every epoch
+    four_readers = [shards_read(epoch, StreamLayout(world=2, rank=0, workers=2)) for epoch in range(3)]
+    assert len({tuple(frozenset(slot) for slot in epoch) for epoch in four_readers}) == 3  # and who reads which
+
+
 def test_ranks_are_dealt_equal_shares_of_the_samples():
     import random
 
