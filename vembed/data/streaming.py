@@ -214,16 +214,21 @@ def _deal(order: Sequence[Shard], parts: int) -> list[list[Shard]]:
     sizes keep the shuffled order), each to the part holding the fewest samples so far (then fewest shards, then the
     lowest index); no part ends more than one shard's size above another. Each part reads in `order`'s order.
     A shard of unknown size weighs the mean of the known ones (all unknown: each weighs 1, dealt like cards)."""
+    import heapq
+
     known = [shard.num_samples for shard in order if shard.num_samples is not None]
     mean = sum(known) / len(known) if known else 1
     weight = [shard.num_samples if shard.num_samples is not None else mean for shard in order]
-    loads = [(0.0, 0)] * parts
+    loads = [(0.0, 0, part) for part in range(parts)]  # (samples, shards, part): a heap, the least loaded on top
     owner = [0] * len(order)
     for index in sorted(range(len(order)), key=lambda i: -weight[i]):
-        part = min(range(parts), key=lambda p: (loads[p], p))
+        samples, count, part = loads[0]
         owner[index] = part
-        loads[part] = (loads[part][0] + weight[index], loads[part][1] + 1)
-    return [[shard for shard, part in zip(order, owner) if part == wanted] for wanted in range(parts)]
+        heapq.heapreplace(loads, (samples + weight[index], count + 1, part))
+    dealt: list[list[Shard]] = [[] for _ in range(parts)]
+    for shard, part in zip(order, owner):
+        dealt[part].append(shard)
+    return dealt
 
 
 def deal_shards(shards: Sequence[Shard], seed: int, epoch: int, layout: StreamLayout) -> list[list[Shard]]:
@@ -425,6 +430,7 @@ class ShardStream(IterableDataset):
         self.batch_size, self.seed, self.shuffle_buffer = batch_size, seed, shuffle_buffer
         self.layout = StreamLayout(world=1, rank=0, workers=1)
         self.epoch, self.starts, self.first_worker = 0, {}, 0
+        self._planned: dict[tuple[int, StreamLayout], int | None] = {}  # the plan is asked for often; dealing costs
 
     @property
     def files(self) -> list[str]:
@@ -440,7 +446,10 @@ class ShardStream(IterableDataset):
         self.epoch, self.starts, self.first_worker = epoch, dict(starts or {}), first_worker
 
     def planned_batches(self, epoch: int) -> int | None:
-        return planned_batches(self.shards, self.seed, epoch, self.layout, self.batch_size)
+        key = (epoch, self.layout)
+        if key not in self._planned:
+            self._planned[key] = planned_batches(self.shards, self.seed, epoch, self.layout, self.batch_size)
+        return self._planned[key]
 
     def planned_samples(self) -> int | None:
         sizes = [shard.num_samples for shard in self.shards]
