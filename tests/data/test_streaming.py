@@ -141,6 +141,8 @@ def test_the_start_line_says_how_many_samples_each_epoch_leaves_unread():
     assert report.to_dict()["unread_per_epoch"] == [2, 4, 2]
     report.unread_per_epoch = [16]
     assert "; 16 samples (22.9%) unread in epoch 0" in report.summary()
+    report.unread_per_epoch = [0, 0]
+    assert "17 batches per rank; every sample read each epoch;" in report.summary()
 
 
 def _good(text: str = "a caption") -> dict[str, bytes]:

@@ -346,9 +346,13 @@ class StreamReport(DataReport):
         if not unread or self.planned_samples is None:
             return ""
         low, high = min(unread), max(unread)
+        if high == 0:
+            return "; every sample read each epoch"
         share = f"{high / max(self.planned_samples, 1):.1%}"
         if len(unread) == 1:
             amount = f"{high} samples ({share}) unread in epoch 0"
+        elif low == high:
+            amount = f"{high} samples ({share}) unread per epoch"
         else:
             amount = f"{low}-{high} samples (up to {share}) unread per epoch"
         return (f"; {amount}: ranks' surplus over the smallest rank and readers' incomplete last batches, not "
