@@ -129,7 +129,7 @@ def test_each_epoch_leaves_only_the_planned_remainder_unread_and_epochs_read_eve
         unread = len(everything) - len(read)
         assert unread == 70 - 2 * take * 2 == 2  # the readers' incomplete last batches only (it was 14 of 70)
         seen |= set(read)
-    assert seen == everything  # each epoch leaves another remainder (round-robin dealing left 5 unseen)
+    assert seen == everything  # each epoch leaves another remainder unread, so 4 epochs read all 70
 
 
 def test_the_start_line_says_how_many_samples_each_epoch_leaves_unread():
