@@ -54,7 +54,8 @@ def _check_data_arguments(args: argparse.Namespace) -> None:
 
 
 def _index_command(paths: list[str]) -> int:
-    """sizes.json beside tar shards (or data files) that lack one: each is read once and its samples counted."""
+    """sizes.json beside tar shards (or data files) that lack one: each is read once and its samples counted (an
+    img2dataset shard's `_stats.json` gives its count without reading it)."""
     from vembed.data.streaming import expand_sources, index_shards, write_sizes
     from vembed.errors import RecipeError
 

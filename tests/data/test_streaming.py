@@ -31,7 +31,7 @@ def _stream(train: str, batch_size: int = 4, shuffle_buffer: int = 8, seed: int 
 def _keys_by_slot(stream: ShardStream, epoch: int) -> dict[int, list[str]]:
     stream.start_epoch(epoch)
     errors = []
-    keys = {slot: [f"{Path(r.file).name}:{r.row}" for r in stream.slot_samples(slot, lambda f, e: errors.append(e))]
+    keys = {slot: [f"{Path(r.file).name}:{r.row}" for r in stream.slot_samples(slot, errors.append)]
             for slot in range(stream.layout.slots)}
     assert not errors
     return keys
@@ -54,6 +54,95 @@ def test_slots_read_disjoint_shards_in_an_order_fixed_by_seed_and_epoch(dummy_da
     other_seed = _stream(train, seed=1)
     other_seed.set_layout(stream.layout)
     assert _keys_by_slot(other_seed, epoch=0) != first
+
+
+def test_the_shard_order_changes_with_the_epoch(tmp_path):
+    # Issue 23: the test above passes when only the shuffle buffer changes with the epoch. With a buffer of 1 the
+    # samples come in shard order, so here only the epoch's shuffle and dealing of the shards can differ.
+    shards = tmp_path / "shards"
+    for number in range(8):
+        write_tar(shards / f"o-{number}.tar", {f"k{number}-{i}": _good() for i in range(2)})
+    (shards / "sizes.json").write_text(json.dumps({f"o-{number}.tar": 2 for number in range(8)}))
+    stream = _stream(str(shards / "o-*.tar"), batch_size=1, shuffle_buffer=1)
+
+    def shards_read(epoch: int, layout: StreamLayout) -> list[tuple[str, ...]]:
+        stream.set_layout(layout)
+        return [tuple(dict.fromkeys(key.split(":")[0] for key in keys))
+                for keys in _keys_by_slot(stream, epoch).values()]
+
+    one_reader = [shards_read(epoch, StreamLayout(world=1, rank=0, workers=1)) for epoch in range(3)]
+    assert len(set(map(tuple, one_reader))) == 3, one_reader  # the order of the shards differs every epoch
+    four_readers = [shards_read(epoch, StreamLayout(world=2, rank=0, workers=2)) for epoch in range(3)]
+    assert len({tuple(frozenset(slot) for slot in epoch) for epoch in four_readers}) == 3  # and who reads which
+
+
+def test_ranks_are_dealt_equal_shares_of_the_samples():
+    import random
+
+    from vembed.data.streaming import Shard, deal_shards, planned_batches
+
+    layout = StreamLayout(world=2, rank=0, workers=2)
+    equal = [Shard(f"s{i}.tar", 7) for i in range(10)]  # 10 shards for 4 readers: round-robin gave ranks 6 and 4
+    for epoch in range(4):
+        slots = deal_shards(equal, seed=0, epoch=epoch, layout=layout)
+        assert sorted(s.path for slot in slots for s in slot) == sorted(s.path for s in equal)
+        assert [len(slots[0]) + len(slots[1]), len(slots[2]) + len(slots[3])] == [5, 5]
+        assert planned_batches(equal, 0, epoch, layout, batch_size=2) == 10 + 7  # 21 and 14 samples per reader
+
+    sizes = random.Random(0).choices(range(1, 60), k=13)  # unequal: within one shard's size of each other
+    uneven = [Shard(f"u{i}.tar", size) for i, size in enumerate(sizes)]
+    three = StreamLayout(world=3, rank=0, workers=2)
+    for epoch in range(6):
+        slots = deal_shards(uneven, seed=1, epoch=epoch, layout=three)
+        per_rank = [sum(s.num_samples for slot in slots[r * 2:r * 2 + 2] for s in slot) for r in range(3)]
+        assert max(per_rank) - min(per_rank) <= max(sizes), per_rank
+
+
+def _rank_batches(stream: ShardStream, rank: int, epoch: int, take: int) -> list[list[str]]:
+    """What one rank trains on in `epoch`: its workers' batches taken round-robin as its DataLoader does (a worker
+    that has run out is passed over), the first `take` of them (every rank stops at the plan)."""
+    stream.set_layout(StreamLayout(world=stream.layout.world, rank=rank, workers=stream.layout.workers))
+    stream.start_epoch(epoch)
+    per_worker = [[[f"{Path(e.source).name}:{e.row}" for e in batch]
+                   for _, batch in stream._slot_batches(stream.slot_of_worker(worker), None) if batch is not None]
+                  for worker in range(stream.layout.workers)]
+    interleaved = [batches[i] for i in range(max(map(len, per_worker))) for batches in per_worker if i < len(batches)]
+    return interleaved[:take]
+
+
+def test_each_epoch_leaves_only_the_planned_remainder_unread_and_epochs_read_every_sample(tmp_path):
+    from vembed.data.streaming import planned_batches
+
+    shards = tmp_path / "shards"
+    for number in range(10):
+        write_tar(shards / f"e-{number}.tar", {f"k{number}-{i}": _good(f"{number}-{i}") for i in range(7)})
+    (shards / "sizes.json").write_text(json.dumps({f"e-{number}.tar": 7 for number in range(10)}))
+    stream = _stream(str(shards / "e-*.tar"), batch_size=2, shuffle_buffer=4)
+    layout = StreamLayout(world=2, rank=0, workers=2)
+    everything = {f"e-{number}.tar:{i}" for number in range(10) for i in range(1, 8)}
+    seen: set[str] = set()
+    for epoch in range(4):
+        stream.set_layout(layout)
+        take = planned_batches(stream.shards, 0, epoch, layout, 2)
+        read = [key for rank in (0, 1) for batch in _rank_batches(stream, rank, epoch, take) for key in batch]
+        assert len(read) == len(set(read))
+        unread = len(everything) - len(read)
+        assert unread == 70 - 2 * take * 2 == 2  # the readers' incomplete last batches only (it was 14 of 70)
+        seen |= set(read)
+    assert seen == everything  # each epoch leaves another remainder unread, so 4 epochs read all 70
+
+
+def test_the_start_line_says_how_many_samples_each_epoch_leaves_unread():
+    from vembed.data.streaming import StreamReport
+
+    report = StreamReport(split="train", files=["a.tar", "b.tar"], planned_samples=70, batches_per_rank=17,
+                          unread_per_epoch=[2, 4, 2])
+    assert "17 batches per rank; 2-4 samples (up to 5.7%) unread per epoch: ranks' surplus" in report.summary()
+    assert report.to_dict()["unread_per_epoch"] == [2, 4, 2]
+    report.unread_per_epoch = [16]
+    assert "; 16 samples (22.9%) unread in epoch 0" in report.summary()
+    report.unread_per_epoch = [0, 0]
+    assert "17 batches per rank; every sample read each epoch;" in report.summary()
 
 
 def _good(text: str = "a caption") -> dict[str, bytes]:
@@ -85,6 +174,45 @@ def test_corrupt_samples_are_skipped_and_counted_with_their_shard_and_row(tmp_pa
     rows = {(Path(row["file"]).name, row["row"], row["reason"]) for row in position.bad_rows}
     assert ("a-0.tar", 2, "bad_image") in rows and ("a-0.tar", 3, "empty_query") in rows
     assert all(Path(row["file"]).name in ("a-0.tar", "a-2.tar") for row in position.bad_rows)
+
+
+def _truncated(path: Path, keep_bytes: int) -> None:
+    path.write_bytes(path.read_bytes()[:keep_bytes])
+
+
+def test_a_broken_shard_counts_every_sample_it_should_have_held(tmp_path):
+    shards = tmp_path / "shards"
+    for number in range(5):  # 5 shards of 20 listed in sizes.json: 100 samples per epoch
+        write_tar(shards / f"b-{number}.tar", {f"s{number}-{i}": _good() for i in range(20)})
+    _truncated(shards / "b-1.tar", 6700)  # cut inside sample 4's image (2048 bytes a sample): webdataset raises
+    _truncated(shards / "b-3.tar", 10240)  # cut between samples 5 and 6: no error at all
+    (shards / "sizes.json").write_text(json.dumps({f"b-{number}.tar": 20 for number in range(5)}))
+    stream = _stream(str(shards / "b-*.tar"), batch_size=1, shuffle_buffer=1)
+    stream.start_epoch(0)
+    end = SlotPosition.from_dict(list(stream)[-1][0])
+    assert end.skipped == {"bad_shard": 17 + 15}  # what the two shards lost, not one skip per error
+    assert end.drawn == 60 + 3 + 5 and end.lost == 32
+    assert {(Path(row["file"]).name, row["detail"]) for row in end.bad_rows} == {
+        ("b-1.tar", "ReadError: unexpected end of data @ <_io.BufferedReader name='" + str(shards / "b-1.tar")
+         + "'>; gave 3 of the 20 samples sizes.json lists"),
+        ("b-3.tar", "ended early; gave 5 of the 20 samples sizes.json lists")}
+
+    from vembed.data.streaming import StreamReport
+
+    report = StreamReport(split="train", files=stream.files, planned_samples=100)
+    report.merge_positions(0, [end])
+    assert (report.total, report.kept) == (100, 68)
+    with pytest.raises(DataError, match=r"32 of 100 samples .*32 bad_shard; 32.0% > data.max_bad_fraction=0.05"):
+        report.check_bad_fraction(0.05, epoch_done=True)  # one skip per shard would have been 2 %: passed
+
+    (shards / "sizes.json").unlink()  # sizes unknown: the unreadable one counts as 1, and the report says so
+    stream = _stream(str(shards / "b-*.tar"), batch_size=1, shuffle_buffer=1)
+    stream.start_epoch(0)
+    end = SlotPosition.from_dict(list(stream)[-1][0])
+    assert end.skipped == {"bad_shard": 1} and end.unsized_broken == 1
+    report = StreamReport(split="train", files=stream.files)
+    report.merge_positions(0, [end])
+    assert "1 broken shard(s) not in sizes.json, each counted as 1 lost sample" in report.summary()
 
 
 def test_tar_members_and_json_fields_map_to_columns(tmp_path):
@@ -120,13 +248,53 @@ def test_shards_without_an_index_need_max_steps(tmp_path):
     check_stream_recipe(cfg, max_steps=None)
 
 
-def test_evaluation_splits_cannot_be_tar_shards(tmp_path):
-    from vembed.data.streaming import check_stream_recipe
+def test_a_validation_split_in_shards_is_read_for_evaluation_up_to_its_bound(tmp_path):
+    from PIL import Image
 
-    write_tar(tmp_path / "s-0.tar", {"k": _good()})
-    cfg = DataConfig(train=str(tmp_path / "s-0.tar"), validation=str(tmp_path / "s-0.tar"))
-    with pytest.raises(RecipeError, match="data.validation"):
-        check_stream_recipe(cfg, max_steps=10)
+    from vembed.data.streaming import held_out_shard_splits, read_held_out_shards
+
+    for number in range(3):
+        write_tar(tmp_path / "val" / f"{number:05d}.tar", {f"{number}{i:04d}": _good(f"val {number} {i}")
+                                                         for i in range(4)})
+    write_tar(tmp_path / "val" / "00001.tar", {"bad": {"png": b"corrupt", "txt": b"x"},
+                                               **{f"1{i:04d}": _good(f"val 1 {i}") for i in range(3)}})
+    write_tar(tmp_path / "train" / "t-0.tar", {"k": _good()})
+    cfg = DataConfig(train=str(tmp_path / "train" / "t-0.tar"), validation=str(tmp_path / "val"),
+                     max_bad_fraction=0.2)
+    assert held_out_shard_splits(cfg) == ["validation"]  # accepted (it was refused)
+
+    examples, report = read_held_out_shards(cfg, "validation", 1)
+    assert [e.query.text for e in examples] == [f"val {n} {i}" for n in range(3) for i in range(4) if (n, i) != (1, 3)]
+    assert isinstance(examples[0].positive.image, Image.Image) and examples[0].positive.image.fp is not None  # lazy
+    assert (report.total, report.kept, report.skipped) == (12, 11, {"bad_image": 1})
+
+    bounded = cfg.model_copy(update={"eval_max_samples": 5})
+    examples, report = read_held_out_shards(bounded, "validation", 1)
+    assert len(examples) == 5 and report.total == 6  # stops reading at the bound
+    with pytest.raises(RecipeError, match="data.test.*not found"):
+        held_out_shard_splits(cfg.model_copy(update={"test": str(tmp_path / "val" / "0000{0..3}.tar")}))
+
+
+def test_img2dataset_stats_give_the_shard_sizes_without_reading_the_shards(tmp_path, capsys):
+    from vembed.cli import main
+    from vembed.data.streaming import index_shards, read_sizes
+
+    shards = tmp_path / "i2d"
+    for number, successes in enumerate((3, 2)):  # img2dataset's layout: 00000.tar, 00000_stats.json, ...
+        write_tar(shards / f"{number:05d}.tar", {f"{number}{i:04d}": _good() for i in range(successes)})
+        (shards / f"{number:05d}_stats.json").write_text(json.dumps(
+            {"count": 4, "successes": successes, "failed_to_download": 4 - successes, "failed_to_resize": 0}))
+    paths = [str(shards / "00000.tar"), str(shards / "00001.tar")]
+    assert read_sizes(paths) == [3, 2]  # no sizes.json needed
+
+    (shards / "00001.tar").write_bytes(b"unreadable")  # the stats are trusted: the shard is not read to count it
+    assert index_shards(paths) == {str(shards): {"00000.tar": 3, "00001.tar": 2}}
+    assert main(["data", "index", str(shards)]) == 0
+    assert json.loads((shards / "sizes.json").read_text()) == {"00000.tar": 3, "00001.tar": 2}
+
+    (shards / "00000_stats.json").write_text("{not json")
+    with pytest.raises(DataError, match=r"00000_stats.json: cannot read the shard's img2dataset stats"):
+        index_shards([str(shards / "00000.tar")])
 
 
 def test_streaming_is_chosen_for_tar_shards_only(tmp_path, dummy_data_dir):

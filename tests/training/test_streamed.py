@@ -167,12 +167,15 @@ def test_too_many_corrupt_samples_stop_the_run_naming_the_shard(tiny_clip_recipe
 
 def test_the_webdataset_example_recipe_trains_on_generated_shards(tmp_path):
     from vembed.components import load_recipe
-    from vembed.data.shard_writer import write_webdataset
+    from vembed.data.shard_writer import write_shards, write_webdataset
     from vembed.tasks import check_recipe
 
     made = write_webdataset(tmp_path / "wds", "dummy", num_samples=80, shard_size=8)
+    # The validation split in shards too, as img2dataset users have it: evaluated in the run like a JSONL split.
+    validation = [json.loads(line) for line in Path(made["validation"]).read_text().splitlines() if line.strip()]
+    write_shards(validation, Path(made["validation"]).parent, tmp_path / "wds" / "val", prefix="val", shard_size=4)
     recipe = load_recipe(Path(__file__).resolve().parents[2] / "configs" / "clip_webdataset.yaml", [
-        f"data.train={made['train']}", f"data.validation={made['validation']}", "data.test=null",
+        f"data.train={made['train']}", f"data.validation={tmp_path / 'wds' / 'val'}", "data.test=null",
         f"tokenizer_name={made['tokenizer']}", f"output_dir={tmp_path / 'run'}", "batch_size=8", "epochs=2",
         "data.shuffle_buffer=16"])
     check_recipe(recipe)
@@ -180,3 +183,5 @@ def test_the_webdataset_example_recipe_trains_on_generated_shards(tmp_path):
     result = trainer.run()
     assert trainer.steps_per_epoch == 56 // 8 and result.metrics["train"]["steps"] == 2 * 7
     assert result.metrics["train"]["data"]["total"] == 56 and "q2d/recall@1" in result.metrics["validation"]
+    assert result.metrics["train"]["data"]["unread_per_epoch"] == [0, 0]  # 7 shards of 8, batches of 8, one reader
+    assert trainer.task.split_report("validation")["evaluated"] == len(validation) == 12

@@ -107,7 +107,8 @@ class SampleDecoder:
     """
 
     def __init__(self, columns: dict[str, str], image_root: str | None, num_negatives: int,
-                 max_images_per_side: int | None, defaults: dict[str, str] | None = None):
+                 max_images_per_side: int | None, defaults: dict[str, str] | None = None, keep_encoded: bool = False):
+        self.keep_encoded = keep_encoded  # return images still compressed (checked by one decode): samples held long
         self.columns = columns
         self.image_root = image_root
         self.num_negatives = num_negatives
@@ -122,7 +123,8 @@ class SampleDecoder:
             sides = [example.query, example.positive, *example.negatives]
             if self.max_images_per_side is not None and any(len(s.images) > self.max_images_per_side for s in sides):
                 raise SampleSkipped("too_many_images", f"a side has more than {self.max_images_per_side} image(s)")
-            return _decoded(example)
+            decoded = _decoded(example)
+            return example if self.keep_encoded else decoded
         except SampleSkipped as skip:
             position.skip(record.file, record.row, skip.reason, f"sample {self._name(record)}: {skip.detail}")
         except DataError as err:  # an image that does not decode

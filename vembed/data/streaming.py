@@ -3,18 +3,21 @@ stream by `datasets`; records are decoded, collated and handed out batch by batc
 
 What an epoch is (README "Streaming"):
 - one pass over every shard (a tar file, or one data file). Each epoch the shard list is shuffled from (seed, epoch)
-  and dealt round-robin to the slots: slot = rank x data.num_workers + worker, so slots read disjoint shards;
+  and dealt to the ranks evenly by samples, each rank's share to its workers the same way (`deal_shards`): slot =
+  rank x data.num_workers + worker, so slots read disjoint shards;
 - each slot reads its shards in that order through a shuffle buffer of `data.shuffle_buffer` samples, seeded from
   (seed, epoch, slot), so the order depends on nothing but those and the shards;
 - each slot collates its own batches of `batch_size`; a rank's DataLoader takes them from its workers round-robin;
 - every rank must take equally many batches (DDP gathers embeddings every step), so all ranks stop the epoch as soon
   as one runs out (vembed/training/streamed.py); the shard sizes in `sizes.json` (open_clip's index file, beside the
-  shards) say in advance how many batches that is, which gives the schedule its length.
+  shards) say in advance how many batches that is, which gives the schedule its length, and how many samples the
+  epoch leaves unread (the ranks' surplus over the smallest, each slot's incomplete last batch; `unread_samples`).
 
 Exact resume is replay: the position of a slot is the number of samples it has drawn from its shuffle buffer.
 Resuming rebuilds the slot's stream from (seed, epoch, slot) and drops that many samples without decoding them (the
 tar bytes are read again, images are not decoded; measured in docs/benchmarks.md). Samples whose image does not decode
-or whose text is missing are skipped and counted per slot, like rows of the map-style path.
+or whose text is missing are skipped and counted per slot, like rows of the map-style path; a shard that breaks off
+(or gives fewer samples than `sizes.json` lists) counts every sample it lost, so `max_bad_fraction` sees them.
 
 Why not the libraries' own resume: `datasets.IterableDataset.state_dict()` drops the shuffle buffer on resume (its
 docstring says so), and webdataset has no resume at all; both shuffle deterministically, which is all replay needs.
@@ -37,13 +40,18 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from vembed.data.records import Example
 from vembed.data.sources import MAX_BAD_ROWS_SHOWN, SKIP_FIXES, BadRow, DataReport
-from vembed.data.stream_samples import READERS, ErrorSink, RawRecord, SampleDecoder, SampleSkipped
+from vembed.data.stream_samples import READERS, RawRecord, SampleDecoder, SampleSkipped
 from vembed.errors import DataError, RecipeError
 
 if TYPE_CHECKING:
     from vembed.recipe import DataConfig
 
 SIZES_FILE = "sizes.json"  # open_clip's index: {"shard-000000.tar": number of samples, ...}, beside the shards
+# img2dataset writes `{shard}_stats.json` beside each `{shard}.tar` ({"count": N, "successes": S, ...}); its tar holds
+# the S samples that downloaded (the failures are in its .parquet only).
+STATS_SUFFIX = "_stats.json"
+# A held-out split given as tar shards is read whole for evaluation, so it is bounded: data.eval_max_samples, or this.
+SHARD_EVAL_MAX_SAMPLES = 10_000
 TAR_EXTENSION = ".tar"
 EXTRA_SKIP_FIXES = {  # reasons a stream meets beside the map-style ones (sources.SKIP_FIXES); bad_text covers both
     "bad_text": "write text as UTF-8 strings (a number or list where text is expected: check data.columns)",
@@ -97,10 +105,12 @@ def wants_streaming(data_cfg: "DataConfig") -> bool:
     return names_tar_shards(data_cfg.train)
 
 
-def find_shards(data_cfg: "DataConfig", key: str = "data.train") -> tuple[str, list[str]]:
-    """(backend, absolute shard paths) of the training split. Backend "webdataset" for tar shards, "datasets" for
-    JSONL/CSV/Parquet files. Absolute paths also keep webdataset from reading a `pipe:` name as a command."""
-    value = data_cfg.train
+def find_shards(data_cfg: "DataConfig", split: str = "train") -> tuple[str, list[str]]:
+    """(backend, absolute shard paths) of a split (the training split, or a held-out split of tar shards). Backend
+    "webdataset" for tar shards, "datasets" for JSONL/CSV/Parquet files. Absolute paths also keep webdataset from
+    reading a `pipe:` name as a command."""
+    key = f"data.{split}"
+    value = getattr(data_cfg, split)
     if value is None:
         raise RecipeError(key, "is required for training; point it at tar shards or JSONL/CSV/Parquet files")
     candidates = expand_sources(value)
@@ -123,9 +133,26 @@ def find_shards(data_cfg: "DataConfig", key: str = "data.train") -> tuple[str, l
     return "datasets", [os.path.abspath(path) for path in files]
 
 
+def stats_size(path: str) -> int | None:
+    """The samples of a tar shard by img2dataset's `{shard}_stats.json` beside it (its "successes"); None without."""
+    if not path.endswith(TAR_EXTENSION):
+        return None
+    stats = path[:-len(TAR_EXTENSION)] + STATS_SUFFIX
+    if not os.path.isfile(stats):
+        return None
+    try:
+        successes = json.loads(open(stats).read())["successes"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise DataError(f"cannot read the shard's img2dataset stats ({type(err).__name__}: {err}); fix or delete it",
+                        file=stats) from None
+    if not isinstance(successes, int) or successes < 0:
+        raise DataError(f'"successes" is {successes!r}, not a count; fix or delete it', file=stats)
+    return successes
+
+
 def read_sizes(paths: Sequence[str]) -> list[int | None]:
-    """Samples per shard from `sizes.json` beside each shard (open_clip's format: file name → count), or, for a Parquet
-    file, from its footer; None where neither says."""
+    """Samples per shard from `sizes.json` beside each shard (open_clip's format: file name → count), else from
+    img2dataset's `{shard}_stats.json`, or, for a Parquet file, from its footer; None where none says."""
     by_dir: dict[str, dict[str, int]] = {}
     sizes: list[int | None] = []
     for path in paths:
@@ -137,6 +164,8 @@ def read_sizes(paths: Sequence[str]) -> list[int | None]:
             except (OSError, ValueError) as err:
                 raise DataError(f"cannot read the shard index: {err}", file=index) from None
         size = by_dir[directory].get(name)
+        if size is None:
+            size = stats_size(path)
         if size is None and path.endswith(".parquet"):
             import pyarrow.parquet as pq
 
@@ -180,9 +209,36 @@ def epoch_shards(shards: Sequence[Shard], seed: int, epoch: int) -> list[Shard]:
     return order
 
 
-def shards_of_slot(shards: Sequence[Shard], seed: int, epoch: int, slot: int, num_slots: int) -> list[Shard]:
-    """The shards slot `slot` reads in `epoch`, in order: the epoch's shuffled list, dealt round-robin."""
-    return epoch_shards(shards, seed, epoch)[slot::num_slots]
+def _deal(order: Sequence[Shard], parts: int) -> list[list[Shard]]:
+    """`order` dealt to `parts` as evenly by samples as whole shards allow: largest first (a stable sort, so equal
+    sizes keep the shuffled order), each to the part holding the fewest samples so far (then fewest shards, then the
+    lowest index); no part ends more than one shard's size above another. Each part reads in `order`'s order.
+    A shard of unknown size weighs the mean of the known ones (all unknown: each weighs 1, dealt like cards)."""
+    import heapq
+
+    known = [shard.num_samples for shard in order if shard.num_samples is not None]
+    mean = sum(known) / len(known) if known else 1
+    weight = [shard.num_samples if shard.num_samples is not None else mean for shard in order]
+    loads = [(0.0, 0, part) for part in range(parts)]  # (samples, shards, part): a heap, the least loaded on top
+    owner = [0] * len(order)
+    for index in sorted(range(len(order)), key=lambda i: -weight[i]):
+        samples, count, part = loads[0]
+        owner[index] = part
+        heapq.heapreplace(loads, (samples + weight[index], count + 1, part))
+    dealt: list[list[Shard]] = [[] for _ in range(parts)]
+    for shard, part in zip(order, owner):
+        dealt[part].append(shard)
+    return dealt
+
+
+def deal_shards(shards: Sequence[Shard], seed: int, epoch: int, layout: StreamLayout) -> list[list[Shard]]:
+    """The shards each slot reads in `epoch`, in order, by slot: the epoch's shuffled list dealt to the ranks, each
+    rank's share to its workers, both evenly by samples (`_deal`). Ranks first: a rank's surplus over the smallest
+    rank goes unread (every rank takes as many batches as the one with fewest), a worker's is read by the rank."""
+    slots: list[list[Shard]] = []
+    for rank_shards in _deal(epoch_shards(shards, seed, epoch), layout.world):
+        slots += _deal(rank_shards, layout.workers)
+    return slots
 
 
 def planned_batches(shards: Sequence[Shard], seed: int, epoch: int, layout: StreamLayout,
@@ -191,12 +247,37 @@ def planned_batches(shards: Sequence[Shard], seed: int, epoch: int, layout: Stre
     unknown. Each slot batches its own samples, so each slot's last incomplete batch is dropped."""
     if any(shard.num_samples is None for shard in shards):
         return None
-    order = epoch_shards(shards, seed, epoch)
-    per_slot = [sum(s.num_samples for s in order[slot::layout.slots]) // batch_size for slot in range(layout.slots)]
+    per_slot = [sum(s.num_samples for s in slot) // batch_size for slot in deal_shards(shards, seed, epoch, layout)]
     return min(sum(per_slot[rank * layout.workers:(rank + 1) * layout.workers]) for rank in range(layout.world))
 
 
 # --- positions and skip counts -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BrokenShard:
+    """A shard that failed to read, or gave fewer samples than `sizes.json` lists: what it lost counts as skipped."""
+
+    file: str
+    lost: int  # samples it should have given and did not, by sizes.json; 1 for an unreadable shard of unknown size
+    sized: bool  # whether sizes.json gave its size (else `lost` is a floor: what it held is not known)
+    detail: str
+
+
+def broken_shard(shard: Shard, read: int, errors: Sequence[Exception]) -> BrokenShard | None:
+    """What `shard` lost when it gave `read` samples and raised `errors` while read; None when it gave all it lists.
+    A tar cut at a member boundary raises nothing, hence the count against the index."""
+    expected = shard.num_samples
+    short = expected - read if expected is not None else 0
+    if not errors and short <= 0:
+        return None
+    error = errors[0] if errors else None
+    what = f"{type(error).__name__}: {error.args[0] if error.args else error}" if error else "ended early"
+    if expected is None:
+        return BrokenShard(shard.path, 1, False, f"{what}; gave {read} samples and its size is unknown (not in "
+                                                 f"{SIZES_FILE}): counted as 1 lost")
+    return BrokenShard(shard.path, max(short, 1), True,
+                       f"{what}; gave {read} of the {expected} samples {SIZES_FILE} lists")
 
 
 @dataclass
@@ -208,20 +289,29 @@ class SlotPosition:
     ended: bool = False  # the slot has read all its shards (its last item, with no batch, said so)
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> count
     bad_rows: list[dict[str, Any]] = field(default_factory=list)  # the first MAX_BAD_ROWS_SHOWN, as BadRow fields
+    lost: int = 0  # samples broken shards should have given (never drawn; also counted as skipped "bad_shard")
+    unsized_broken: int = 0  # broken shards of unknown size, each counted as 1 lost
 
-    def skip(self, file: str, row: int, reason: str, detail: str) -> None:
-        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+    def skip(self, file: str, row: int, reason: str, detail: str, count: int = 1) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + count
         if len(self.bad_rows) < MAX_BAD_ROWS_SHOWN:
             self.bad_rows.append(asdict(BadRow(file, row, reason, detail)))
 
+    def skip_shard(self, broken: BrokenShard) -> None:
+        self.skip(broken.file, 0, "bad_shard", broken.detail, count=broken.lost)
+        self.lost += broken.lost
+        self.unsized_broken += not broken.sized
+
     def to_dict(self) -> dict[str, Any]:
         return {"slot": self.slot, "drawn": self.drawn, "ended": self.ended, "skipped": dict(self.skipped),
-                "bad_rows": [dict(row) for row in self.bad_rows]}
+                "bad_rows": [dict(row) for row in self.bad_rows], "lost": self.lost,
+                "unsized_broken": self.unsized_broken}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "SlotPosition":
         return cls(slot=int(raw["slot"]), drawn=int(raw["drawn"]), ended=bool(raw.get("ended", False)),
-                   skipped=dict(raw.get("skipped", {})), bad_rows=[dict(row) for row in raw.get("bad_rows", [])])
+                   skipped=dict(raw.get("skipped", {})), bad_rows=[dict(row) for row in raw.get("bad_rows", [])],
+                   lost=int(raw.get("lost", 0)), unsized_broken=int(raw.get("unsized_broken", 0)))
 
 
 @dataclass
@@ -232,6 +322,8 @@ class StreamReport(DataReport):
     planned_samples: int | None = None  # samples per epoch, by sizes.json
     batches_per_rank: int | None = None  # in the first epoch, by sizes.json
     epoch: int = 0
+    unsized_broken: int = 0  # broken shards of unknown size in the epoch (each counted as 1 lost sample)
+    unread_per_epoch: list[int] | None = None  # samples the planned epochs leave unread, by sizes.json
 
     def summary(self) -> str:
         shards = f"{len(self.files)} shard{'s' if len(self.files) != 1 else ''} ({self.backend})"
@@ -239,18 +331,46 @@ class StreamReport(DataReport):
         text = f"{self.split}: streaming {shards}, {size}"
         if self.batches_per_rank is not None and not self.total:
             text += f", {self.batches_per_rank} batches per rank"
+            text += self._unread_text()
         if self.total:
             text += f"; epoch {self.epoch}: kept {self.kept} of {self.total} samples"
         if self.skipped:
             text += " (skipped " + ", ".join(f"{n} {reason}" for reason, n in sorted(self.skipped.items())) + ")"
+        if self.unsized_broken:
+            text += (f"; {self.unsized_broken} broken shard(s) not in {SIZES_FILE}, each counted as 1 lost sample: "
+                     "what they held is unknown")
         return text + f"; {self.num_hard_negatives} hard negatives per record"
+
+    def _unread_text(self) -> str:
+        unread = self.unread_per_epoch
+        if not unread or self.planned_samples is None:
+            return ""
+        low, high = min(unread), max(unread)
+        if high == 0:
+            return "; every sample read each epoch"
+        share = f"{high / max(self.planned_samples, 1):.1%}"
+        if len(unread) == 1:
+            amount = f"{high} samples ({share}) unread in epoch 0"
+        elif low == high:
+            amount = f"{high} samples ({share}) unread per epoch"
+        else:
+            amount = f"{low}-{high} samples (up to {share}) unread per epoch"
+        return (f"; {amount}: ranks' surplus over the smallest rank and readers' incomplete last batches, not "
+                "carried over (each epoch deals anew)")
+
+    def to_dict(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {"unsized_broken_shards": self.unsized_broken} if self.unsized_broken else {}
+        if self.unread_per_epoch is not None:
+            extra["unread_per_epoch"] = list(self.unread_per_epoch)
+        return {**super().to_dict(), **extra}
 
     def merge_positions(self, epoch: int, positions: Sequence[SlotPosition | dict[str, Any]]) -> None:
         """Counts of `epoch` from every slot's position (all ranks' positions, once gathered)."""
-        self.epoch, self.total, self.skipped, self.bad_rows = epoch, 0, {}, []
+        self.epoch, self.total, self.skipped, self.bad_rows, self.unsized_broken = epoch, 0, {}, [], 0
         for position in positions:
             position = position if isinstance(position, SlotPosition) else SlotPosition.from_dict(position)
-            self.total += position.drawn
+            self.total += position.drawn + position.lost  # a broken shard's lost samples were due in the epoch too
+            self.unsized_broken += position.unsized_broken
             for reason, count in position.skipped.items():
                 self.skipped[reason] = self.skipped.get(reason, 0) + count
             for row in position.bad_rows:
@@ -314,6 +434,7 @@ class ShardStream(IterableDataset):
         self.batch_size, self.seed, self.shuffle_buffer = batch_size, seed, shuffle_buffer
         self.layout = StreamLayout(world=1, rank=0, workers=1)
         self.epoch, self.starts, self.first_worker = 0, {}, 0
+        self._planned: dict[tuple[int, StreamLayout], int | None] = {}  # the plan is asked for often; dealing costs
 
     @property
     def files(self) -> list[str]:
@@ -329,7 +450,10 @@ class ShardStream(IterableDataset):
         self.epoch, self.starts, self.first_worker = epoch, dict(starts or {}), first_worker
 
     def planned_batches(self, epoch: int) -> int | None:
-        return planned_batches(self.shards, self.seed, epoch, self.layout, self.batch_size)
+        key = (epoch, self.layout)
+        if key not in self._planned:
+            self._planned[key] = planned_batches(self.shards, self.seed, epoch, self.layout, self.batch_size)
+        return self._planned[key]
 
     def planned_samples(self) -> int | None:
         sizes = [shard.num_samples for shard in self.shards]
@@ -349,28 +473,38 @@ class ShardStream(IterableDataset):
         if start is None or not start.ended:
             yield from self._slot_batches(slot, start)
 
-    def slot_samples(self, slot: int, on_error: ErrorSink) -> Iterator[RawRecord]:
-        """The raw samples of `slot` in this epoch, in training order (shuffled through the buffer), undecoded."""
+    def slot_samples(self, slot: int, on_broken: Callable[[BrokenShard], None]) -> Iterator[RawRecord]:
+        """The raw samples of `slot` in this epoch, in training order (shuffled through the buffer), undecoded.
+        Each shard that fails or gives fewer samples than its size goes to `on_broken` once it is read."""
         import webdataset
 
-        files = [s.path for s in shards_of_slot(self.shards, self.seed, self.epoch, slot, self.layout.slots)]
-        records = READERS[self.backend](files, on_error)
+        def records() -> Iterator[RawRecord]:
+            for shard in deal_shards(self.shards, self.seed, self.epoch, self.layout)[slot]:
+                errors: list[Exception] = []
+                read = 0
+                for record in READERS[self.backend]([shard.path], lambda file, exn: errors.append(exn)):
+                    read += 1
+                    yield record
+                broken = broken_shard(shard, read, errors)
+                if broken is not None:
+                    on_broken(broken)
+
         buffer = webdataset.shuffle(bufsize=self.shuffle_buffer, initial=self.shuffle_buffer,
                                     rng=random.Random(mix_seed(self.seed, self.epoch, slot)))
-        return buffer(records)
+        return buffer(records())
 
     def _slot_batches(self, slot: int, start: SlotPosition | None) -> Iterator[tuple[dict[str, Any], Any]]:
         position = SlotPosition.from_dict(start.to_dict()) if start is not None else SlotPosition(slot)
         resume_at = position.drawn
         replaying = resume_at > 0
 
-        def on_error(file: str, exn: Exception) -> None:
-            # During the replay the same shard errors recur; they were counted before the checkpoint.
+        def on_broken(broken: BrokenShard) -> None:
+            # During the replay the same broken shards recur; they were counted before the checkpoint.
             if not replaying:
-                position.skip(file, 0, "bad_shard", f"{type(exn).__name__}: {exn.args[0] if exn.args else exn}")
+                position.skip_shard(broken)
 
         pending: list[Example] = []
-        for drawn, record in enumerate(self.slot_samples(slot, on_error), start=1):
+        for drawn, record in enumerate(self.slot_samples(slot, on_broken), start=1):
             if drawn <= resume_at:  # replay: drawn before the checkpoint, dropped undecoded
                 replaying = drawn < resume_at  # errors met after this point were not counted before
                 continue
@@ -428,21 +562,70 @@ def check_stream_recipe(data_cfg: "DataConfig", max_steps: int | None) -> None:
                                        f"size of every shard ({len(unknown)} of {len(shards)} unknown, e.g. "
                                        f"{unknown[0]!r}); set max_steps, or write the index with "
                                        f"`vembed data index {os.path.dirname(unknown[0])}`")
-    for split in ("validation", "test"):
-        if names_tar_shards(getattr(data_cfg, split)):
-            raise RecipeError(f"data.{split}", "names tar shards, but evaluation reads its split whole; give "
-                                               "JSONL/CSV/Parquet (shards stream for data.train only)")
+
+
+# --- held-out splits in shards --------------------------------------------------------------------------------------
+
+
+def held_out_shard_splits(data_cfg: "DataConfig") -> list[str]:
+    """The held-out splits (validation, test) that name tar shards, checked: the shards exist, webdataset is there."""
+    splits = [split for split in ("validation", "test") if names_tar_shards(getattr(data_cfg, split))]
+    for split in splits:
+        backend, _ = find_shards(data_cfg, split)
+        require_backend(backend)
+    return splits
+
+
+def read_held_out_shards(data_cfg: "DataConfig", split: str,
+                         max_images_per_side: int | None) -> tuple[list[Example], StreamReport]:
+    """A held-out split given as tar shards (img2dataset writes its validation split so), read for evaluation like
+    a JSONL split: the first usable samples in shard order (the same ones every evaluation), at most
+    `data.eval_max_samples` (unset: SHARD_EVAL_MAX_SAMPLES, as the split is read whole). Images are checked once and
+    kept compressed until encoded. Bad samples and broken shards are skipped and counted as in training."""
+    backend, paths = find_shards(data_cfg, split)
+    limit = data_cfg.eval_max_samples or SHARD_EVAL_MAX_SAMPLES
+    decoder = SampleDecoder(data_cfg.columns.model_dump(), data_cfg.image_root, 0, max_images_per_side,
+                            keep_encoded=True)
+    shards = [Shard(path, size) for path, size in zip(paths, read_sizes(paths))]
+    position, examples = SlotPosition(0), []
+    for shard in shards:
+        errors: list[Exception] = []
+        read = 0
+        for record in READERS[backend]([shard.path], lambda file, exn: errors.append(exn)):
+            read += 1
+            position.drawn += 1
+            example = decoder(record, position)
+            if example is not None:
+                examples.append(example)
+            if len(examples) == limit:
+                break
+        else:  # read to its end: did it give what it should?
+            broken = broken_shard(shard, read, errors)
+            if broken is not None:
+                position.skip_shard(broken)
+        if len(examples) == limit:
+            break
+    sizes = [shard.num_samples for shard in shards]
+    report = StreamReport(split=split, files=paths, backend=backend,
+                          planned_samples=None if None in sizes else sum(sizes))
+    report.merge_positions(0, [position])
+    report.check_bad_fraction(data_cfg.max_bad_fraction, epoch_done=True)
+    return examples, report
+
+
+# --- the shard index -----------------------------------------------------------------------------------------------
 
 
 def index_shards(paths: Sequence[str]) -> dict[str, dict[str, int]]:
-    """Count the samples of each shard by reading it once; returns {directory: {file name: count}} for sizes.json."""
+    """Count the samples of each shard, from img2dataset's `_stats.json` where there is one, else by reading the
+    shard once; returns {directory: {file name: count}} for sizes.json."""
     counts: dict[str, dict[str, int]] = {}
     backend = "webdataset" if all(p.endswith(TAR_EXTENSION) for p in paths) else "datasets"
     errors: list[str] = []
     for path in paths:
-        number = 0
-        for _ in READERS[backend]([path], lambda file, exn: errors.append(f"{file}: {exn}")):
-            number += 1
+        number = stats_size(path)
+        if number is None:
+            number = sum(1 for _ in READERS[backend]([path], lambda file, exn: errors.append(f"{file}: {exn}")))
         if errors:
             raise DataError(f"cannot read: {errors[0]}", file=path)
         directory, name = os.path.split(os.path.abspath(path))

@@ -108,13 +108,15 @@ class ContrastiveTask(Task):
         if recipe.data.format == "shards":
             raise RecipeError("data.format", f"shards hold teacher embeddings for blip3o_dit; model_type "
                                              f"{recipe.model_type!r} trains on JSONL/CSV/Parquet/hf pairs")
-        from vembed.data.streaming import check_stream_recipe, wants_streaming
+        from vembed.data.streaming import check_stream_recipe, held_out_shard_splits, wants_streaming
 
         streamed = wants_streaming(recipe.data)
         if streamed and for_training:
             _check_not_streamed(recipe)
             check_stream_recipe(recipe.data, recipe.max_steps)
-        check_data_paths(recipe.data, ("validation", "test") if streamed else ("train", "validation", "test"))
+        in_shards = held_out_shard_splits(recipe.data)  # read by load_eval_split from the shards (bounded)
+        check_data_paths(recipe.data, [split for split in ("train", "validation", "test")
+                                       if split not in in_shards and not (split == "train" and streamed)])
         adapter_cls = MODELS.get(recipe.model_type)
         adapter_cls.check_recipe(recipe)
         _check_source_and_stage_keys(recipe, adapter_cls)
@@ -233,10 +235,13 @@ class ContrastiveTask(Task):
         sources, a dict name -> either (evaluated one by one). What was read is kept for the model card."""
         from vembed.data.corpus import corpus_sources
         from vembed.data.sources import load_rows
+        from vembed.data.streaming import names_tar_shards
 
         data = self.recipe.data
         if getattr(data, split) is None:
             return []
+        if names_tar_shards(getattr(data, split)):
+            return self._load_eval_shards(split)
         corpora = corpus_sources(data, split)
         if None in corpora:
             corpus = corpora[None].load()
@@ -270,6 +275,16 @@ class ContrastiveTask(Task):
         if list(per_source) == [None]:
             return per_source[None]
         return {name: per_source[name] for name in getattr(data, split) if name in per_source}  # the recipe's order
+
+    def _load_eval_shards(self, split: str) -> "list[Example]":
+        """A held-out split of tar shards: its first usable samples, up to the bound (vembed/data/streaming.py)."""
+        from vembed.data.streaming import read_held_out_shards
+        from vembed.models import MODELS
+
+        examples, report = read_held_out_shards(self.recipe.data, split,
+                                                MODELS.get(self.recipe.model_type).max_images_per_side)
+        self._split_reports[split] = {**report.to_dict(), "evaluated": len(examples)}
+        return examples
 
     def split_report(self, split: str) -> dict[str, Any] | None:
         """What was read of a held-out split (rows read, kept, skipped, evaluated), for the model card."""

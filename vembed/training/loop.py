@@ -228,6 +228,8 @@ class Trainer:
         self.total_steps = recipe.max_steps or sum(p // recipe.gradient_accumulation_steps for p in planned)
         self.num_epochs = recipe.epochs if recipe.max_steps is None else None  # None: until max_steps
         self.train_report.batches_per_rank = planned[0]
+        if planned[0] is not None:
+            self.train_report.unread_per_epoch = [self.stream.unread_samples(epoch) for epoch in range(epochs)]
 
     def _train_loader(self, stage: "Stage") -> tuple[Any, Any]:
         """The (unprepared) training DataLoader of a stage, and its batch sampler when it needs one: named sources

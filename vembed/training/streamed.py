@@ -59,6 +59,14 @@ class StreamedEpochs:
         planned = self.stream.planned_batches(epoch)
         return None if planned is None else planned - planned % self.group
 
+    def unread_samples(self, epoch: int) -> int | None:
+        """Samples of `epoch` no rank reads by the plan (ranks' surplus over the smallest, readers' incomplete last
+        batches, the batches short of a whole optimizer step); None without an index."""
+        planned, total = self.planned_batches(epoch), self.stream.planned_samples()
+        if planned is None or total is None:
+            return None
+        return total - self.layout.world * planned * self.stream.batch_size
+
     # --- one epoch -------------------------------------------------------------------------------------------------
     def epoch_batches(self, epoch: int, taken: int, saved: dict[str, Any] | None) -> Iterator[dict[str, Any]]:
         """The batches of `epoch` still to train, on the device. `taken`: batches this rank already trained in
