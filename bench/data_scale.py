@@ -279,9 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         # over the 2k-row launch; CPU seconds as well: wall seconds on a shared machine move with other load
         summary["launch_extra_over_2k"] = {kind: {key: runs[f"launch {kind}"][key] - runs["launch 2k"][key]
                                                   for key in runs["launch 2k"]} for kind in ("cold", "warm")}
+        own = {kind: seconds[f"datasets {kind}"] for kind in ("cold", "warm")}  # datasets' own load of the file
         summary["targets"].update({
             f"launch_extra_seconds_{kind}_le_2x_datasets_{kind}_load": {
-                "value": extra[kind] / seconds[f"datasets {kind}"], "met": extra[kind] <= 2 * seconds[f"datasets {kind}"]}
+                "value": extra[kind] / own[kind], "met": extra[kind] <= 2 * own[kind]}
             for kind in ("cold", "warm")})
         if args.rows == 1_000_000:
             summary["targets"]["launch_warm_extra_seconds_le_3s"] = {"value": extra["warm"], "met": extra["warm"] <= 3}
