@@ -51,7 +51,12 @@ if os.environ.get("VEMBED_BENCH_FIRST_STEP"):
         if _profile is not None:
             _profile.disable()
             _profile.dump_stats(os.environ["VEMBED_BENCH_PROFILE"])
-        print("VEMBED_BENCH_FIRST_STEP", flush=True)
+        memory = {}  # peak and current RSS, and its private part, in kB: read by bench/data_scale.py
+        for line in open("/proc/self/status"):
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+                memory[key] = int(value.split()[0])
+        print("VEMBED_BENCH_FIRST_STEP", " ".join(f"{k}={v}" for k, v in memory.items()), flush=True)
         os._exit(0)
 
     class _HookWhenImported(importlib.abc.MetaPathFinder):
@@ -94,9 +99,12 @@ def make_data(work: Path) -> list[str]:
 
 
 def time_to_first_step(command: list[str], work: Path, profile: Path | None = None, timeout: float = 300,
-                       root: Path = ROOT) -> tuple[float, float]:
+                       root: Path = ROOT, env: dict[str, str] | None = None, memory: dict | None = None,
+                       ) -> tuple[float, float]:
     """Wall seconds to the first optimizer step, and CPU seconds (user + system) the launched process and the children
-    it waited for spent on the way: far less sensitive than wall time to other load on a shared machine."""
+    it waited for spent on the way: far less sensitive than wall time to other load on a shared machine. `env`: more
+    environment; `memory`, when given, gets the training process's VmHWM (peak RSS), VmRSS, RssAnon and RssFile in
+    kB at its first step."""
     import resource
 
     def cpu() -> float:
@@ -104,7 +112,8 @@ def time_to_first_step(command: list[str], work: Path, profile: Path | None = No
         return usage.ru_utime + usage.ru_stime
 
     env = dict(os.environ, VEMBED_BENCH_FIRST_STEP="1", PYTHONPATH=f"{work / 'site'}{os.pathsep}{root}",
-               HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", ""))  # as a user runs it: offline only if they set it
+               HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", ""),  # as a user runs it: offline only if they set it
+               **(env or {}))
     if profile is not None:
         env["VEMBED_BENCH_PROFILE"] = str(profile)
     cpu_before, start = cpu(), time.perf_counter()
@@ -115,6 +124,8 @@ def time_to_first_step(command: list[str], work: Path, profile: Path | None = No
         for line in process.stdout:  # type: ignore[union-attr]
             if line.startswith(MARKER):
                 wall = time.perf_counter() - start
+                if memory is not None:
+                    memory.update((k, int(v)) for k, v in (item.split("=") for item in line.split()[1:]))
                 break
         else:
             raise RuntimeError(f"{command} ended (code {process.wait()}) without an optimizer step")

@@ -137,6 +137,30 @@ def test_a_changed_image_file_or_processor_setting_rebuilds_the_cache(tmp_path, 
     assert torch.equal(_pixels([Side(image=renewed.pixels(paths[2]))], processor), _reference(paths[2:3], processor))
 
 
+def test_an_image_rewritten_with_the_same_byte_size_rebuilds_the_cache(tmp_path, monkeypatch):
+    """Only the modification time tells this change apart: an uncompressed BMP of the same dimensions has the same
+    number of bytes whatever its pixels."""
+    import os
+
+    from PIL import Image
+
+    from vembed.models.hf import clip_image_processor
+
+    built = _builds(monkeypatch)
+    folder, processor = tmp_path / "cache", clip_image_processor(32)
+    paths = [str(tmp_path / f"{i}.bmp") for i in range(2)]
+    for path, colour in zip(paths, [(10, 200, 10), (10, 10, 200)]):
+        Image.new("RGB", (40, 40), colour).save(path)
+    first = ic.open_image_cache(paths, processor, folder)
+    size, stat = os.path.getsize(paths[0]), os.stat(paths[0])
+    Image.new("RGB", (40, 40), (250, 250, 0)).save(paths[0])  # other pixels, the same size
+    os.utime(paths[0], ns=(stat.st_atime_ns, stat.st_mtime_ns + 5 * 10**9))  # a clock that ticks coarsely: later
+    assert os.path.getsize(paths[0]) == size
+    renewed = ic.open_image_cache(paths, processor, folder)
+    assert len(built) == 2 and renewed.file != first.file, "a rewritten image kept its stale cached pixels"
+    assert torch.equal(_pixels([Side(image=renewed.pixels(p)) for p in paths], processor), _reference(paths, processor))
+
+
 _KILLED_BUILD = """
 import os, sys
 import vembed.data.images as images
@@ -192,6 +216,53 @@ def test_an_interrupted_build_is_never_read(tmp_path, monkeypatch):
     cache = ic.open_image_cache(paths, processor, folder)
     assert len(built) == 4
     assert torch.equal(_pixels([Side(image=cache.pixels(p)) for p in paths], processor), _reference(paths, processor))
+
+
+def test_a_rebuild_killed_half_way_leaves_nothing_the_next_launch_trusts(tmp_path, monkeypatch):
+    """A complete cache whose pixel file was later cut short keeps its index; the rebuild that follows is killed half
+    way. Pixels written straight to the final name would then sit there at full size, their last rows zeros, beside
+    that index: the next launch must rebuild, not read them."""
+    import os
+
+    import vembed.data.images as ic_images
+
+    paths, folder = _images(tmp_path / "images"), tmp_path / "cache"
+    processor = _processors()["clip"]
+    built = _builds(monkeypatch)
+    cache = ic.open_image_cache(paths, processor, folder)
+    cache.file.write_bytes(cache.file.read_bytes()[:200])  # cut short; its index stays
+    assert ic._index_file(cache.file).is_file()
+    pid = os.fork()  # a child killed half way through the rebuild: no clean-up of any kind runs
+    if pid == 0:
+        try:
+            decode, seen = ic_images.load_image, []
+
+            def dying(path):
+                seen.append(path)
+                if len(seen) == 4:
+                    os._exit(3)
+                return decode(path)
+
+            ic_images.load_image = dying
+            ic.open_image_cache(paths, processor, folder)
+        finally:
+            os._exit(4)  # only reached if the build did not die
+    for _ in range(600):  # bounded wait: at most a minute
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the rebuilding child did not die")
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 3
+    assert len(built) == 1  # the child's build was not counted here
+    again = ic.open_image_cache(paths, processor, folder)
+    assert len(built) == 2, "the killed rebuild's pixels were trusted"
+    pixels = np.load(again.file, mmap_mode="r")
+    assert all(pixels[row].any() for row in range(len(paths))), "a row of the cache is all zeros"
+    assert torch.equal(_pixels([Side(image=again.pixels(p)) for p in paths], processor), _reference(paths, processor))
 
 
 def _example(i: int, image: str) -> Example:

@@ -369,6 +369,16 @@ class CorpusPairs:
     def most_images_per_side(self) -> tuple[int, int | None]:
         return (1, 0) if any(s.image for s in self.split.corpus.sides + self.split.queries.sides) else (0, None)
 
+    def image_paths(self) -> list[str]:
+        """Every image file the records use, once each, sorted: from the queries and documents the pairs refer to,
+        not from one record per pair."""
+        import numpy as np
+
+        queries = [self.split.queries.sides[int(i)] for i in np.unique(self.queries)]
+        documents = [self.split.corpus.sides[int(i)] for i in np.unique(np.concatenate(
+            [self.documents, self.negatives.reshape(-1)]))]
+        return sorted({image for side in queries + documents for image in side.images if isinstance(image, str)})
+
     def duplicate_keys(self) -> tuple[Any, Any]:
         """Per record, ids of the items it holds (query, positive, negatives): equal ids for the same query or document,
         what the no-duplicates sampler compares."""

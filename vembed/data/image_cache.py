@@ -106,7 +106,12 @@ def normalise(pixels: np.ndarray, processor: Any) -> "torch.Tensor":
 
 
 def image_paths(examples: Iterable["Example"], num_negatives: int | None) -> list[str]:
-    """Every image file the records use (query, positive, the negatives they keep), once each, sorted."""
+    """Every image file the records use (query, positive, the negatives they keep), once each, sorted. Records made
+    on fetch (`PairRows`, `CorpusPairs`) say it from their columns without making one (their negatives are already
+    cut); a list of records is walked."""
+    from_columns = getattr(examples, "image_paths", None)
+    if from_columns is not None and num_negatives is None:
+        return from_columns()
     found: set[str] = set()
     for example in examples:
         for side in (example.query, example.positive, *example.negatives[:num_negatives]):

@@ -104,6 +104,13 @@ class PairRows(Sequence):
     def num_negatives(self) -> set[int]:
         return {part.num_negatives for part in self.parts}
 
+    def image_paths(self) -> list[str]:
+        """Every image file the records use (query, positive, the negatives they keep), once each, sorted: read from
+        the image columns (vembed/data/image_columns.py), no record made; none read for a text-only table."""
+        from vembed.data.image_columns import image_paths
+
+        return sorted(set().union(*(image_paths(part) for part in self.parts)))
+
     # --- figures over every record, from the checks (no record is made) --------------------------------------------
 
     def every_record_has(self, modalities: frozenset[str]) -> bool:

@@ -525,8 +525,9 @@ def _load_source(value: Any, split: str, format: str, columns: dict[str, str], i
     for reader, table, checks, ok in usable:
         too_few = ok & (checks.negatives < wanted)
         report.short += int(too_few.sum())
-        kept = np.flatnonzero(ok & ~too_few)
-        parts.append(TablePart(reader, table, kept, _select(checks, kept), wanted))
+        kept = _positions(ok & ~too_few)
+        # Every row kept (the usual case): the checks as they are, not a second copy of them
+        parts.append(TablePart(reader, table, kept, checks if len(kept) == len(ok) else _select(checks, kept), wanted))
     rows = PairRows(parts)
     report.kept, report.num_hard_negatives = len(rows), wanted
     _check_bad_fraction(report, max_bad_fraction)
@@ -544,6 +545,12 @@ def _open_table(file: str, builder: str, split: str, columns: dict[str, str]) ->
     _check_columns(file, list(table.column_names), columns)
     used = [name for name in dict.fromkeys(columns.values()) if name in table.column_names]
     return _undecoded_images(table.select_columns(used), used)
+
+
+def _positions(kept: np.ndarray) -> np.ndarray:
+    """Positions of the kept rows, 4 bytes each where the table allows (a rank holds them for the whole run)."""
+    positions = np.flatnonzero(kept)
+    return positions.astype(np.int32) if len(kept) < 2**31 else positions
 
 
 def _select(checks: "RowChecks", positions: np.ndarray) -> "RowChecks":
