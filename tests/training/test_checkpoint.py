@@ -118,6 +118,42 @@ def test_a_checkpoint_of_another_run_is_refused_naming_what_differs(finished_run
     assert "another run" in message and "learning_rate: 0.001 → 0.0005" in message and "model_config" in message
 
 
+def _make_foreign(checkpoint: Path, **changes) -> None:
+    """Turn `checkpoint` into one of another recipe, as if copied in from that run's folder: whose run a checkpoint
+    is, is what its manifest says (the weights of a same-architecture run would load without complaint)."""
+    from vembed.training.run_dir import fingerprint
+
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["identity"] = {**manifest["identity"], **changes}
+    manifest["run"] = fingerprint(manifest["identity"])
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_resume_auto_refuses_a_newest_checkpoint_of_another_run(finished_run, tmp_path):
+    raw, run = _copy(finished_run, tmp_path)
+    _make_foreign(run / "checkpoint-4", learning_rate=5e-4)
+    with pytest.raises(CheckpointError, match="checkpoint-4 is a checkpoint of another run .*learning_rate"):
+        resolve_resume("auto", run, run_identity(recipe_from_dict(raw)))
+
+
+@pytest.mark.parametrize("folder", ["this run's folder", "an older run's folder without run.json"])
+def test_a_foreign_checkpoint_in_the_folder_stops_a_resume_auto_launch_before_anything_is_written(
+        finished_run, tmp_path, folder):
+    """The folder passes the output_dir check (its run.json, or an older vembed's recipe.yaml, is this recipe's), but
+    its newest checkpoint came from another recipe: `resume_from: auto` must refuse it, not train on from it."""
+    raw, run = _copy(finished_run, tmp_path)
+    shutil.rmtree(run / "final")  # an interrupted run
+    if folder != "this run's folder":
+        (run / "run.json").unlink()  # older vembed wrote only recipe.yaml
+    _make_foreign(run / "checkpoint-4", learning_rate=5e-4, weight_decay=0.5)
+    written = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    with pytest.raises(CheckpointError, match="checkpoint of another run") as info:
+        Trainer(recipe_from_dict(dict(raw, resume_from="auto")))
+    message = str(info.value)
+    assert "\n" not in message and "learning_rate: 0.0005 → 0.001" in message and "weight_decay" in message
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == written
+
+
 def _fill_the_disk_while_saving_step_4(monkeypatch, error: Exception, free: int | None) -> None:
     """accelerate writes the optimizer with torch.save; make that write fail as on a full disk, from step 4 on."""
     import accelerate.checkpointing
