@@ -248,7 +248,8 @@ def test_a_full_disk_while_final_is_written_is_one_line_exit_2_and_keeps_the_pre
     capsys.readouterr()
     assert main([str(recipe)]) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
-    assert len(lines) == 1 and lines[0].startswith("checkpoint error: disk full: could not write the final model"), lines
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("checkpoint error: disk full: could not write the final model"), lines
     assert f"the last complete checkpoint is {run / 'checkpoint-4'}" in lines[0]
     assert not list(run.glob(".tmp-*"))
     after = load_file(str(run / "final" / "model.safetensors"))

@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vembed.errors import CheckpointError
+from vembed.files import write_json_atomic
+from vembed.training.run_dir import fingerprint, identity_differences
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -77,8 +79,6 @@ def file_checksum(path: Path) -> str:
 def write_manifest(directory: Path, step: int, identity: dict[str, Any]) -> None:
     """Every file under `directory` (all ranks' shards and RNG states: call it after a barrier) with its size and
     checksum, and the run's identity. Written last: a checkpoint without it is not finished."""
-    from vembed.training.run_dir import fingerprint
-
     files = {}
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):
         relative = path.relative_to(directory).as_posix()
@@ -131,8 +131,6 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
 
 
 def _check_same_run(path: Path, identity: dict[str, Any] | None) -> None:
-    from vembed.training.run_dir import identity_differences
-
     if identity is None:
         return
     stored = read_manifest(path).get("identity") or {}
@@ -346,9 +344,3 @@ def _free_bytes(directory: Path) -> int | None:
 def is_better(value: float | None, best: float | None) -> bool:
     return value is not None and not math.isnan(value) and (best is None or value > best)
 
-
-def write_json_atomic(path: str | Path, payload: Any) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".tmp-{path.name}")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=False))
-    tmp.replace(path)

@@ -22,9 +22,9 @@ from vembed.training.checkpoint import (
     TrainerState,
     is_better,
     resolve_resume,
-    write_json_atomic,
     writing_checkpoint_files,
 )
+from vembed.files import write_json_atomic
 from vembed.training.profiling import StepProfiler
 from vembed.training.throughput import ThroughputMeter
 
