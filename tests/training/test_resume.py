@@ -97,8 +97,9 @@ def test_two_ranks_resume_with_dropout_to_the_same_weights(tiny_clip_recipe, tmp
     run_on_ranks(_resume_on_two_ranks_worker, str(tmp_path / "raw.json"), world=2)
     expected, actual = _weights(tmp_path / "reference"), _weights(tmp_path / "interrupted")
     assert expected.keys() == actual.keys()
-    for key, value in expected.items():
-        assert (value - actual[key]).abs().max().item() <= 1e-6, key
+    difference = max((value - actual[key]).abs().max().item() for key, value in expected.items())
+    print(f"2 ranks, attention dropout: resumed vs uninterrupted, max weight difference {difference:.1e}")
+    assert difference <= 1e-6
 
 
 def test_checkpoints_are_rotated_and_half_written_ones_ignored(tiny_clip_recipe, tmp_path):
