@@ -295,10 +295,10 @@ class writing_checkpoint_files:  # noqa: N801 - used as a `with` block
         if _disk_full(error, free):
             left = f" ({_human_bytes(free)} left on its file system)" if free is not None else ""
             raise CheckpointError(f"disk full: could not write {self.what} in {self.directory}{left}; {last}; free "
-                                "space and relaunch with resume_from: auto") from error
+                                  "space and relaunch with resume_from: auto") from error
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise CheckpointError(f"could not write {self.what} in {self.directory}: {type(error).__name__}: "
-                            f"{first[:300]}; {last}") from error
+                              f"{first[:300]}; {last}") from error
 
 
 def _write_errors() -> tuple[type[BaseException], ...]:

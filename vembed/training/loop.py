@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vembed.errors import CheckpointError, DataError, TrainingError
+from vembed.files import write_json_atomic
 from vembed.training.checkpoint import (
     CheckpointManager,
     TrainerState,
@@ -24,7 +25,6 @@ from vembed.training.checkpoint import (
     resolve_resume,
     writing_checkpoint_files,
 )
-from vembed.files import write_json_atomic
 from vembed.training.profiling import StepProfiler
 from vembed.training.throughput import ThroughputMeter
 
