@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def replace_atomically(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
@@ -18,3 +20,9 @@ def replace_atomically(path: str | os.PathLike, write: Callable[[Path], object])
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def write_json_atomic(path: str | os.PathLike, payload: Any) -> Path:
+    """`payload` as indented JSON at `path`, written whole (`replace_atomically`): manifests, run.json, metrics."""
+    text = json.dumps(payload, indent=2)  # before anything is written: a payload that is not JSON leaves no file
+    return replace_atomically(path, lambda tmp: tmp.write_text(text))

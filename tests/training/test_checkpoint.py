@@ -11,11 +11,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 from tiny_models import tiny_clip_run
 
 from vembed.components import recipe_from_dict
-from vembed.errors import CheckpointError, TrainingError
+from vembed.errors import CheckpointError
 from vembed.training import checkpoint as checkpoint_module
 from vembed.training.checkpoint import resolve_resume
 from vembed.training.loop import Trainer
@@ -117,6 +118,42 @@ def test_a_checkpoint_of_another_run_is_refused_naming_what_differs(finished_run
     assert "another run" in message and "learning_rate: 0.001 → 0.0005" in message and "model_config" in message
 
 
+def _make_foreign(checkpoint: Path, **changes) -> None:
+    """Turn `checkpoint` into one of another recipe, as if copied in from that run's folder: whose run a checkpoint
+    is, is what its manifest says (the weights of a same-architecture run would load without complaint)."""
+    from vembed.training.run_dir import fingerprint
+
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["identity"] = {**manifest["identity"], **changes}
+    manifest["run"] = fingerprint(manifest["identity"])
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_resume_auto_refuses_a_newest_checkpoint_of_another_run(finished_run, tmp_path):
+    raw, run = _copy(finished_run, tmp_path)
+    _make_foreign(run / "checkpoint-4", learning_rate=5e-4)
+    with pytest.raises(CheckpointError, match="checkpoint-4 is a checkpoint of another run .*learning_rate"):
+        resolve_resume("auto", run, run_identity(recipe_from_dict(raw)))
+
+
+@pytest.mark.parametrize("folder", ["this run's folder", "an older run's folder without run.json"])
+def test_a_foreign_checkpoint_in_the_folder_stops_a_resume_auto_launch_before_anything_is_written(
+        finished_run, tmp_path, folder):
+    """The folder passes the output_dir check (its run.json, or an older vembed's recipe.yaml, is this recipe's), but
+    its newest checkpoint came from another recipe: `resume_from: auto` must refuse it, not train on from it."""
+    raw, run = _copy(finished_run, tmp_path)
+    shutil.rmtree(run / "final")  # an interrupted run
+    if folder != "this run's folder":
+        (run / "run.json").unlink()  # older vembed wrote only recipe.yaml
+    _make_foreign(run / "checkpoint-4", learning_rate=5e-4, weight_decay=0.5)
+    written = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    with pytest.raises(CheckpointError, match="checkpoint of another run") as info:
+        Trainer(recipe_from_dict(dict(raw, resume_from="auto")))
+    message = str(info.value)
+    assert "\n" not in message and "learning_rate: 0.0005 → 0.001" in message and "weight_decay" in message
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == written
+
+
 def _fill_the_disk_while_saving_step_4(monkeypatch, error: Exception, free: int | None) -> None:
     """accelerate writes the optimizer with torch.save; make that write fail as on a full disk, from step 4 on."""
     import accelerate.checkpointing
@@ -146,7 +183,7 @@ def test_a_failed_checkpoint_write_is_one_line_naming_the_last_complete_checkpoi
         dummy_data_dir, tmp_path, monkeypatch, error, free, says):
     raw = _recipe(dummy_data_dir, tmp_path / "run")
     _fill_the_disk_while_saving_step_4(monkeypatch, error, free)
-    with pytest.raises(TrainingError) as info:
+    with pytest.raises(CheckpointError) as info:
         Trainer(recipe_from_dict(raw)).run()
     message = str(info.value)
     assert "\n" not in message and says in message and "checkpoint-4" in message
@@ -169,7 +206,7 @@ def small_tmpfs(tmp_path):
 
 def test_a_really_full_disk_is_one_line_and_the_run_resumes_once_there_is_room(dummy_data_dir, small_tmpfs):
     raw = _recipe(dummy_data_dir, small_tmpfs / "run")
-    with pytest.raises(TrainingError, match="disk full: could not write checkpoint-4") as info:
+    with pytest.raises(CheckpointError, match="disk full: could not write checkpoint-4") as info:
         Trainer(recipe_from_dict(raw)).run()
     assert f"the last complete checkpoint is {small_tmpfs / 'run' / 'checkpoint-2'}" in str(info.value)
     assert not list((small_tmpfs / "run").glob(".tmp-*"))
@@ -177,3 +214,43 @@ def test_a_really_full_disk_is_one_line_and_the_run_resumes_once_there_is_room(d
     result = Trainer(recipe_from_dict(dict(raw, resume_from="auto"))).run()
     assert result.state.global_step == 6 and (small_tmpfs / "run" / "final" / "model.safetensors").is_file()
     assert json.loads((small_tmpfs / "run" / "metrics.json").read_text())["train"]["steps"] == 6
+
+
+def _safetensors_full_disk() -> Exception:
+    """What safetensors' Rust writer raises on a full disk (seen on a full tmpfs): not an OSError, no errno."""
+    from safetensors import SafetensorError
+
+    return SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+@pytest.mark.parametrize("error", [_safetensors_full_disk, lambda: OSError(errno.ENOSPC, "No space left on device")],
+                         ids=["safetensors", "enospc"])
+def test_a_full_disk_while_final_is_written_is_one_line_exit_2_and_keeps_the_previous_final(
+        finished_run, tmp_path, monkeypatch, capsys, error):
+    """final/ goes through the checkpoints' write guard: one line and exit 2 from `vembed train`, the partial
+    `.tmp-final/` removed, and the final/ of the earlier launch untouched (it is replaced only once the new one is
+    whole). safetensors' own error used to pass the guard: a 40-line traceback, `.tmp-final/` left behind."""
+    import transformers.modeling_utils
+    import yaml
+
+    from vembed.entrypoints.train import main
+
+    raw, run = _copy(finished_run, tmp_path)
+    before = load_file(str(run / "final" / "model.safetensors"))
+
+    def full_disk(tensors, filename, *args, **kwargs):
+        Path(filename).write_bytes(b"\0" * 1000)  # a partial file, as the failed write leaves one
+        raise error()
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full_disk)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(dict(raw, resume_from="auto")))  # trains steps 5-6 again, then writes final/
+    capsys.readouterr()
+    assert main([str(recipe)]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("checkpoint error: disk full: could not write the final model"), lines
+    assert f"the last complete checkpoint is {run / 'checkpoint-4'}" in lines[0]
+    assert not list(run.glob(".tmp-*"))
+    after = load_file(str(run / "final" / "model.safetensors"))
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)

@@ -317,3 +317,44 @@ def test_an_infinite_loss_on_one_rank_stops_every_rank_at_the_same_step(tiny_cli
     run_on_ranks(_infinite_loss_on_one_rank_worker, str(tmp_path / "raw.json"), str(tmp_path), world=2, timeout=120)
     for rank in (0, 1):
         assert "the loss became NaN/Inf at step 2" in (tmp_path / f"rank{rank}.txt").read_text()
+
+
+# --- pinned figures --------------------------------------------------------------------------------------------------
+# The tests above compare two ways of computing one thing (A == B); a change that moves both sides alike (the loss, the
+# schedule, the optimizer, how randomness is drawn, the data order, the metrics) passes them all. These are the figures
+# of one small run, pinned, as torchtune's recipe tests pin their loss curves.
+#
+# Re-pinning: when a change moves these figures ON PURPOSE, run
+#     pytest tests/training/test_loop.py -k pinned
+# copy the `actual` dict the failure prints over PINNED_TINY_CLIP_RUN, and say in the commit message why the figures
+# moved (which change, and why the new ones are right). A move nobody can explain is a bug, not a re-pin.
+# Pinned on CPU, torch 2.13.0, transformers 5.24, accelerate 1.15 (1 and 2 torch threads agree to ~1e-7).
+PINNED_TINY_CLIP_RUN = {
+    "loss": [14.461320877075195, 8.754480361938477, 5.240792751312256, 3.638715982437134, 3.582127571105957,
+             4.8679704666137695],
+    "lr": [0.0009330127018922195, 0.00075, 0.0005, 0.0002500000000000001, 6.698729810778065e-05, 0.0],
+    "validation": {
+        "q2d/recall@1": 0.07142857142857142, "q2d/recall@5": 0.42857142857142855, "q2d/recall@10": 0.9285714285714286,
+        "q2d/mrr": 0.24246031746031746, "q2d/ndcg@10": 0.3561594124683013,
+        "d2q/recall@1": 0.21428571428571427, "d2q/recall@5": 0.5, "d2q/recall@10": 1.0,
+        "d2q/mrr": 0.38202947845804985, "d2q/ndcg@10": 0.41598974098431923,
+        "num_queries": 14.0, "num_documents": 14.0,
+    },
+}
+
+
+def test_pinned_loss_curve_and_metrics_of_a_tiny_clip_run(tiny_clip_recipe):
+    """6 steps of tiny CLIP (seed 0, attention dropout 0.1, cosine schedule) on the dummy data, then the validation
+    split: every step's loss and learning rate and every final metric within 1e-4 (relative) of the pinned ones."""
+    config = tiny_clip_recipe["model_config"]
+    towers = {tower: {**config[tower], "attention_dropout": 0.1} for tower in ("text_config", "vision_config")}
+    raw = dict(tiny_clip_recipe, model_config={**config, **towers}, max_steps=6, save_steps=None,
+               data=dict(tiny_clip_recipe["data"], test=None))
+    metrics = Trainer(recipe_from_dict(raw)).run().metrics
+    actual = {"loss": [record["loss"] for record in metrics["loss_history"]],
+              "lr": [record["lr"] for record in metrics["loss_history"]],
+              "validation": metrics["validation"]}
+    pinned, message = PINNED_TINY_CLIP_RUN, f"actual = {actual!r}"
+    assert actual["validation"].keys() == pinned["validation"].keys(), message
+    for part in ("loss", "lr", "validation"):
+        assert actual[part] == pytest.approx(pinned[part], rel=1e-4, abs=1e-9), message

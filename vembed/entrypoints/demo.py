@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         exported = _export(final_dir)
         if exported:
             summary["sentence_transformers_export"] = str(exported)
-        from vembed.training.checkpoint import write_json_atomic
+        from vembed.files import write_json_atomic
 
         write_json_atomic(Path(recipe.output_dir) / "demo_summary.json", summary)
         _print_table(summary, recipe.output_dir)

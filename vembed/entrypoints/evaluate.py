@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         text = json.dumps(metrics, indent=2)
         print(text)
         if args.output:
-            from vembed.training.checkpoint import write_json_atomic
+            from vembed.files import write_json_atomic
 
             Path(args.output).parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(args.output, metrics)

@@ -22,7 +22,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vembed.errors import CheckpointError, TrainingError
+from vembed.errors import CheckpointError
+from vembed.files import write_json_atomic
+from vembed.training.run_dir import fingerprint, identity_differences
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -77,8 +79,6 @@ def file_checksum(path: Path) -> str:
 def write_manifest(directory: Path, step: int, identity: dict[str, Any]) -> None:
     """Every file under `directory` (all ranks' shards and RNG states: call it after a barrier) with its size and
     checksum, and the run's identity. Written last: a checkpoint without it is not finished."""
-    from vembed.training.run_dir import fingerprint
-
     files = {}
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):
         relative = path.relative_to(directory).as_posix()
@@ -131,8 +131,6 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
 
 
 def _check_same_run(path: Path, identity: dict[str, Any] | None) -> None:
-    from vembed.training.run_dir import identity_differences
-
     if identity is None:
         return
     stored = read_manifest(path).get("identity") or {}
@@ -204,7 +202,7 @@ class CheckpointManager:
 
     def save(self, state: TrainerState) -> Path:
         """Collective: every rank must call it. Returns the final checkpoint path. A failed write (a full disk) removes
-        the partial checkpoint and raises one `TrainingError` naming the last complete one."""
+        the partial checkpoint and raises one `CheckpointError` naming the last complete one."""
         acc = self.accelerator
         final = self.output_dir / f"checkpoint-{state.global_step}"
         tmp = self.output_dir / f".tmp-checkpoint-{state.global_step}"
@@ -276,8 +274,10 @@ def _step(path: Path) -> int:
 
 
 class writing_checkpoint_files:  # noqa: N801 - used as a `with` block
-    """Turns a failed write into one `TrainingError`: "disk full" (with where and how much is free) when the disk is
-    full, else the error's first line; removes the partial output first, and names the last complete checkpoint."""
+    """Turns a failed write into one `CheckpointError` (exit 2: the run's environment, not its training, failed):
+    "disk full" (with where and how much is free) when the disk is full, else the error's first line; removes the
+    partial output first, and names the last complete checkpoint. Every write of a run (checkpoints, final/, metrics,
+    the model card) goes through it."""
 
     def __init__(self, what: str, directory: Path, last_good: Path | None, partial: Path | None = None):
         self.what, self.directory, self.last_good, self.partial = what, Path(directory), last_good, partial
@@ -286,7 +286,7 @@ class writing_checkpoint_files:  # noqa: N801 - used as a `with` block
         return None
 
     def __exit__(self, kind, error, traceback) -> bool:
-        if error is None or not isinstance(error, (OSError, RuntimeError)):
+        if error is None or not isinstance(error, _write_errors()):
             return False
         free = _free_bytes(self.directory)  # before the partial files are removed
         if self.partial is not None:
@@ -294,11 +294,19 @@ class writing_checkpoint_files:  # noqa: N801 - used as a `with` block
         last = f"the last complete checkpoint is {self.last_good}" if self.last_good else "no checkpoint was saved yet"
         if _disk_full(error, free):
             left = f" ({_human_bytes(free)} left on its file system)" if free is not None else ""
-            raise TrainingError(f"disk full: could not write {self.what} in {self.directory}{left}; {last}; free "
-                                "space and relaunch with resume_from: auto") from error
+            raise CheckpointError(f"disk full: could not write {self.what} in {self.directory}{left}; {last}; free "
+                                  "space and relaunch with resume_from: auto") from error
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        raise TrainingError(f"could not write {self.what} in {self.directory}: {type(error).__name__}: "
-                            f"{first[:300]}; {last}") from error
+        raise CheckpointError(f"could not write {self.what} in {self.directory}: {type(error).__name__}: "
+                              f"{first[:300]}; {last}") from error
+
+
+def _write_errors() -> tuple[type[BaseException], ...]:
+    """What a failed write raises: OSError; torch's C++ writer a RuntimeError; safetensors' Rust writer (model
+    weights, in checkpoints and final/) its own SafetensorError, which is neither and carries no errno."""
+    from safetensors import SafetensorError
+
+    return OSError, RuntimeError, SafetensorError
 
 
 _FULL_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
@@ -336,9 +344,3 @@ def _free_bytes(directory: Path) -> int | None:
 def is_better(value: float | None, best: float | None) -> bool:
     return value is not None and not math.isnan(value) and (best is None or value > best)
 
-
-def write_json_atomic(path: str | Path, payload: Any) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".tmp-{path.name}")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=False))
-    tmp.replace(path)

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vembed.errors import CheckpointError, DataError, TrainingError
+from vembed.files import write_json_atomic
 from vembed.training.checkpoint import (
     CheckpointManager,
     TrainerState,
     is_better,
     resolve_resume,
-    write_json_atomic,
     writing_checkpoint_files,
 )
 from vembed.training.profiling import StepProfiler
@@ -244,7 +244,11 @@ class Trainer:
                                             no_duplicates=recipe.data.no_duplicates)
         common = dict(collate_fn=self.collate, num_workers=recipe.data.num_workers,
                       persistent_workers=recipe.data.num_workers > 0,  # not re-forked (model and all) every epoch
-                      pin_memory=torch.cuda.is_available())
+                      pin_memory=torch.cuda.is_available(),
+                      # Its own generator: starting an iterator draws the workers' base seed, from the global RNG
+                      # without one, and a resumed run starts one more (to skip batches) after restoring that RNG,
+                      # which shifted every dropout mask after a resume.
+                      generator=torch.Generator().manual_seed(recipe.seed))
         if batch_sampler is not None:
             return DataLoader(self.dataset, batch_sampler=batch_sampler, **common), batch_sampler
         sampler = EpochShuffleSampler(len(self.dataset), seed=recipe.seed)

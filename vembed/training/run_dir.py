@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vembed.errors import LaunchError, RecipeError
+from vembed.files import write_json_atomic
 
 if TYPE_CHECKING:
     from vembed.recipe import Recipe
@@ -121,8 +122,6 @@ def work_in(output_dir: Path) -> list[str]:
 
 
 def write_run_file(output_dir: Path, identity: dict[str, Any]) -> None:
-    from vembed.training.checkpoint import write_json_atomic
-
     write_json_atomic(output_dir / RUN_FILE, {"fingerprint": fingerprint(identity), "identity": identity})
 
 

@@ -145,8 +145,11 @@ def _read_cache(path: Path) -> dict[str, float]:
 
 def _time_matmul(device: torch.device, dtype: torch.dtype, repeats: int = 5) -> float:
     n = _CEILING_SIZE.get(device.type, 4096)
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
+    # Its own generator: the global one drives dropout, and whether (and when) the ceiling is measured depends on
+    # the cache and on timing, so drawing from it would make a run's masks, and resume, depend on them.
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, generator=generator).to(dtype)
+    b = torch.randn(n, n, device=device, generator=generator).to(dtype)
     sync = torch.get_device_module(device.type).synchronize if device.type != "cpu" else (lambda: None)
     a @ b  # warm-up: thread pool, kernel selection
     sync()
