@@ -137,3 +137,37 @@ def test_an_upward_import_is_reported(tmp_path, module, monkeypatch):
     monkeypatch.setattr(Path, "read_text", lambda self, *args, **kwargs: reaching_up)
     above = layer_of("vembed.training")
     assert upward_imports(path) == [f"{module}:2 imports vembed.training.loop (layer {above} > {layer_of(module)})"]
+
+
+def import_cycles() -> list[list[str]]:
+    """Cycles among vembed's modules (lazy imports count; a package's __init__ re-exports are not edges of their own
+    submodules): two modules that import each other have no order to be read in and cannot be moved apart."""
+    graph: dict[str, set[str]] = {}
+    for path in MODULES:
+        module = module_name(path)
+        if path.name == "__init__.py":
+            continue  # packages re-export their modules; what matters is module to module
+        graph[module] = {name for _, name in imported_modules(path.read_text(), module, False)
+                         if name != module and not (PACKAGE.parent / Path(*name.split(".")) / "__init__.py").is_file()}
+    cycles, state = [], {}
+
+    def visit(module: str, stack: list[str]) -> None:
+        state[module] = "open"
+        stack.append(module)
+        for name in sorted(graph.get(module, ())):
+            if state.get(name) == "open":
+                cycles.append(stack[stack.index(name):] + [name])
+            elif name not in state:
+                visit(name, stack)
+        stack.pop()
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])
+    return cycles
+
+
+def test_no_two_modules_import_each_other():
+    cycles = import_cycles()
+    assert not cycles, "\n".join(" -> ".join(cycle) for cycle in cycles)
