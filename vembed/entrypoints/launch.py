@@ -24,6 +24,7 @@ from vembed.entrypoints.train import add_arguments as add_train_arguments
 from vembed.errors import LaunchError
 from vembed.resources import accelerate_configs, package_root
 from vembed.training.launcher import EXPECTED_WORLD_SIZE_ENV, LAUNCHER_ENV, LAUNCHER_PID_ENV
+from vembed.training.threads import USER_THREADS_ENV
 
 # Shipped inside the package, so an installed vembed finds them from any directory (the clone's accelerate_configs/
 # links here). ROOT is what the DeepSpeed YAMLs' relative JSON paths resolve against.
@@ -209,8 +210,10 @@ def run(args: argparse.Namespace) -> int:
         # Held for the whole launch: a second launch into the same output_dir is refused while this one runs.
         with RunLock(recipe.output_dir):
             # What the training processes check they got (vembed/training/launcher.py), and how to phrase hints.
+            # The user's own OMP_NUM_THREADS, as accelerate's launcher puts 1 in its place (vembed/training/threads.py).
             promise = {EXPECTED_WORLD_SIZE_ENV: str(num_processes),
-                       LAUNCHER_ENV: getattr(args, "command_name", "python run.py")}
+                       LAUNCHER_ENV: getattr(args, "command_name", "python run.py"),
+                       USER_THREADS_ENV: os.environ.get("OMP_NUM_THREADS", "")}
             one_process = one_plain_process_env(launch_args)
             if one_process is not None:
                 # accelerate would start one plain process with this environment: train here instead, with the

@@ -59,6 +59,11 @@ def read_promise(env: Mapping[str, str] | None = None) -> LaunchPromise:
     return promise_of_accelerate_launch(arguments)
 
 
+def started_by_accelerate_or_torchrun(env: Mapping[str, str]) -> bool:
+    """This process is a rank that `accelerate launch` or torchrun started (its parent is that launcher)."""
+    return "TORCHELASTIC_RUN_ID" in env or _parent_accelerate_launch_arguments() is not None
+
+
 def _parent_accelerate_launch_arguments() -> list[str] | None:
     """The arguments after `accelerate launch` (or `python -m accelerate.commands.launch`) of our parent process."""
     try:
@@ -128,8 +133,7 @@ def stop_with_launcher(env: Mapping[str, str] | None = None) -> bool:
     if not sys.platform.startswith("linux"):
         return False
     launcher_pid = env.get(LAUNCHER_PID_ENV, "")
-    launched = (launcher_pid.isdigit() or "TORCHELASTIC_RUN_ID" in env
-                or _parent_accelerate_launch_arguments() is not None)
+    launched = launcher_pid.isdigit() or started_by_accelerate_or_torchrun(env)
     if not launched:
         return False
     pr_set_pdeathsig = 1
