@@ -13,6 +13,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 LAUNCHER_ENV = "VEMBED_LAUNCHER"  # set by run.py / `vembed train`: the command the user typed
 EXPECTED_WORLD_SIZE_ENV = "VEMBED_EXPECTED_WORLD_SIZE"  # set by run.py / `vembed train`: processes it launched
@@ -144,3 +148,22 @@ def stop_with_launcher(env: Mapping[str, str] | None = None) -> bool:
     if launcher_pid.isdigit() and os.getppid() != int(launcher_pid):
         os._exit(1)
     return True
+
+
+def command_accelerator() -> "Accelerator":
+    """The Accelerator of a command that any launcher may start (`vembed eval`): on CPU where there is no GPU or the
+    launch asked for CPU, and refused when the launcher promised more processes than started (`accelerate launch --cpu
+    --num_processes 2` starts one, without a word)."""
+    import torch
+    from accelerate import Accelerator
+
+    from vembed.errors import LaunchError
+
+    on_cpu = not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
+    accelerator = Accelerator(cpu=on_cpu)
+    promise = read_promise()
+    if promise.num_processes is not None and promise.num_processes != accelerator.num_processes:
+        raise LaunchError(f"{promise.command} promised {promise.num_processes} processes ({promise.source}) but "
+                          f"{accelerator.num_processes} started; on CPU drop --cpu and launch with a multi-process "
+                          "config (accelerate_configs/ddp_cpu.yaml)")
+    return accelerator
