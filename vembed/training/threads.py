@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-USER_THREADS_ENV = "VEMBED_USER_OMP_NUM_THREADS"  # set by run.py / `vembed train`: the user's value, "" when unset
+USER_THREADS_ENV = "VEMBED_USER_OMP_NUM_THREADS"  # set by run.py, vembed train / eval: the user's value, "" if unset
 
 
 @dataclass(frozen=True)
