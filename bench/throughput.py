@@ -6,6 +6,8 @@
     python bench/throughput.py --scenario vit       # a ViT-B/16-sized vision tower: vembed vs a minimal loop
     python bench/throughput.py --scenario clip_compile   # the demo's CLIP, eager vs `compile: true`
     python bench/throughput.py --scenario text_compile   # MiniLM-shaped text model, eager vs `compile: true`
+    python bench/throughput.py --scenario doors     # the text runs through `vembed train` (accelerate's one-process
+                                                    # launch) vs `python -m` vs sentence-transformers, with threads
     python bench/throughput.py --smoke              # every scenario, tiny, in-process, into a temp folder: does it run?
 
 Every system trains the same model (same initial weights), the same data, batch, steps and learning rate, with no
@@ -22,6 +24,9 @@ Systems:
 - minimal: a hand-written loop over pre-tokenised batches: forward, InfoNCE, backward, fused AdamW. The floor.
 - vembed-compiled: vembed with `compile: true` (its towers under torch.compile). `first_step_seconds` (process start
   of the run to its first optimizer step) minus eager vembed's is what compiling costs at start.
+- vembed-train: the recipe through `vembed train RECIPE --accelerate_config single` (validate, then accelerate's
+  one-process launch, run in that process), the door users type. Every run reports the intra-op threads torch used
+  (`threads`): this door once trained on the one thread accelerate's launcher puts in OMP_NUM_THREADS.
 """
 
 from __future__ import annotations
@@ -70,6 +75,10 @@ SCENARIOS: dict[str, dict[str, Any]] = {
                      "steps": 30, "learning_rate": 1e-3, "max_length": 32},
     "text_compile": {"base": "text", "systems": ["vembed", "vembed-compiled"], "batch_size": 16, "warmup": 6,
                      "steps": 16, "learning_rate": 2e-5, "max_length": 32},
+    # the doors: the text runs through `vembed train` (the reference here), `python -m`, and sentence-transformers
+    "doors": {"base": "text", "systems": ["vembed-train", "vembed", "sentence-transformers"],
+              "reference": "vembed-train", "batch_size": 16, "warmup": 2, "steps": 8, "learning_rate": 2e-5,
+              "max_length": 32},
 }
 SMOKE = {"batch_size": 4, "warmup": 1, "steps": 2, "max_length": 32}  # 32: the tiny models' position limit
 
@@ -189,6 +198,7 @@ class StepClock:
         self.times: list[float] = []
         self.cpu_times: list[float] = []  # process CPU seconds: much less sensitive than wall time to neighbours
         self.peak_rss_mb = 0.0
+        self.threads = 0  # torch's intra-op threads at the last step: what the door gave the training
         self.started = time.perf_counter()
         self._handle = register_optimizer_step_post_hook(self._tick)
 
@@ -197,6 +207,7 @@ class StepClock:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         self.cpu_times.append(usage.ru_utime + usage.ru_stime)
         self.peak_rss_mb = usage.ru_maxrss / 1024
+        self.threads = torch_threads()
 
     def result(self, spec: dict[str, Any]) -> dict[str, Any]:
         self._handle.remove()
@@ -212,7 +223,13 @@ class StepClock:
         return {"samples_per_second": spec["batch_size"] / median_step, "seconds_per_step": median_step,
                 "step_seconds": steps, "samples_per_second_window": spec["batch_size"] * s / seconds,
                 "peak_rss_mb": self.peak_rss_mb, "samples_per_cpu_second": spec["batch_size"] * s / cpu_seconds,
-                "first_step_seconds": self.times[0] - self.started}
+                "first_step_seconds": self.times[0] - self.started, "threads": self.threads}
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def run_vembed(spec: dict[str, Any]) -> None:
@@ -225,6 +242,19 @@ def run_vembed(spec: dict[str, Any]) -> None:
     path.write_text(yaml.safe_dump(vembed_recipe(spec)))
     if train.main([str(path)]) != 0:
         raise RuntimeError("vembed training failed")
+
+
+def run_vembed_train(spec: dict[str, Any]) -> None:
+    import yaml
+
+    from vembed.cli import main as vembed
+
+    recipe = vembed_recipe(spec)
+    recipe["output_dir"] += "-vembed-train"  # not the `python -m` run's folder (a smoke run has both in one process)
+    path = Path(spec["work"]) / f"recipe-{os.getpid()}-vembed-train.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    if vembed(["train", str(path), "--accelerate_config", "single"]) != 0:
+        raise RuntimeError("vembed train failed")
 
 
 def vembed_recipe(spec: dict[str, Any]) -> dict[str, Any]:
@@ -374,9 +404,9 @@ def run_vembed_no_cache(spec: dict[str, Any]) -> None:
     run_vembed({**spec, "image_cache": False})
 
 
-RUNNERS = {"vembed": run_vembed, "vembed-padded": run_vembed_padded, "vembed-compiled": run_vembed_compiled,
-           "vembed-no-cache": run_vembed_no_cache, "sentence-transformers": run_sentence_transformers,
-           "minimal": run_minimal}
+RUNNERS = {"vembed": run_vembed, "vembed-train": run_vembed_train, "vembed-padded": run_vembed_padded,
+           "vembed-compiled": run_vembed_compiled, "vembed-no-cache": run_vembed_no_cache,
+           "sentence-transformers": run_sentence_transformers, "minimal": run_minimal}
 
 
 def worker(spec: dict[str, Any], system: str) -> dict[str, Any]:
@@ -420,7 +450,7 @@ def compare(scenario: str, rounds: int, smoke: bool, out_dir: Path, batch_size: 
             runs[system].append(result)
             print(f"[{scenario} round {round_index + 1}/{rounds}] {system:<22} "
                   f"{result['samples_per_second']:8.1f} samples/s  {result.get('samples_per_cpu_second', 0):8.1f} "
-                  f"per CPU s  peak RSS {result['peak_rss_mb']:7.0f} MB", flush=True)
+                  f"per CPU s  peak RSS {result['peak_rss_mb']:7.0f} MB  {result['threads']} thread(s)", flush=True)
     summary = {
         "scenario": scenario, "rounds": rounds, "smoke": smoke,
         "spec": {k: spec[k] for k in ("batch_size", "warmup", "steps", "learning_rate", "max_length")},
@@ -428,19 +458,21 @@ def compare(scenario: str, rounds: int, smoke: bool, out_dir: Path, batch_size: 
         "systems": {s: {"samples_per_second": statistics.median(r["samples_per_second"] for r in rs),
                         "seconds_per_step": statistics.median(r["seconds_per_step"] for r in rs),
                         "first_step_seconds": statistics.median(r["first_step_seconds"] for r in rs),
-                        "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in rs), "runs": rs}
+                        "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in rs),
+                        "threads": sorted({r["threads"] for r in rs}), "runs": rs}
                     for s, rs in runs.items()},
         "machine": {"cpus": os.cpu_count(), "load_average_after": os.getloadavg()},
     }
+    reference = summary["reference"] = spec.get("reference", "vembed")  # the system the ratios are of
     summary["vembed_cpu_ratio"] = {  # the same, per CPU second: the steadier figure on a loaded machine
         peer: statistics.median(v["samples_per_cpu_second"] / p["samples_per_cpu_second"]
-                                for v, p in zip(runs["vembed"], runs[peer]))
-        for peer in systems if peer != "vembed"
+                                for v, p in zip(runs[reference], runs[peer]))
+        for peer in systems if peer != reference
     }
     summary["vembed_ratio"] = {
         peer: statistics.median(v["samples_per_second"] / p["samples_per_second"]
-                                for v, p in zip(runs["vembed"], runs[peer]))
-        for peer in systems if peer != "vembed"
+                                for v, p in zip(runs[reference], runs[peer]))
+        for peer in systems if peer != reference
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     name = f"throughput_{scenario}" + (f"_b{batch_size}" if batch_size is not None else "")
@@ -495,7 +527,8 @@ def main(argv: list[str] | None = None) -> int:
         summary = compare(scenario, 1 if args.smoke else args.rounds, args.smoke, out, args.batch_size)
         ratios = ", ".join(f"{r:.2f}× {peer}" for peer, r in summary["vembed_ratio"].items())
         cpu_ratios = ", ".join(f"{r:.2f}× {peer}" for peer, r in summary["vembed_cpu_ratio"].items())
-        print(f"{scenario}: vembed = {ratios} (per CPU second: {cpu_ratios})")
+        threads = ", ".join(f"{name} {'/'.join(map(str, v['threads']))}" for name, v in summary["systems"].items())
+        print(f"{scenario}: {summary['reference']} = {ratios} (per CPU second: {cpu_ratios}); threads: {threads}")
     print(f"results in {out}")
     return 0
 

@@ -127,7 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv[1:]  # the command's own arguments: what `vembed eval --accelerate_config` hands its processes
     return args.func(args)
 
 

@@ -61,6 +61,19 @@ def test_throughput_bench_smoke_compares_every_system(smoke_dir):
 
 
 @pytest.mark.slow
+def test_throughput_bench_smoke_runs_the_vembed_train_door_and_reports_its_threads(smoke_dir):
+    """The door users type (`vembed train`, accelerate's one-process launch) once trained on one thread: the bench
+    measures it beside `python -m` and says how many threads each run had."""
+    bench = _load("throughput")
+    assert bench.main(["--smoke", "--scenario", "doors"]) == 0
+    summary = json.loads(_written(smoke_dir, "throughput_doors.json").read_text())
+    assert summary["reference"] == "vembed-train" and {"vembed-train", "vembed"} <= set(summary["systems"])
+    for result in summary["systems"].values():
+        assert result["samples_per_second"] > 0 and result["threads"] and min(result["threads"]) >= 1
+    assert summary["systems"]["vembed-train"]["threads"] == summary["systems"]["vembed"]["threads"]
+
+
+@pytest.mark.slow
 def test_startup_bench_smoke_reaches_the_first_optimizer_step(smoke_dir, capsys):
     assert _load("startup").main(["--smoke"]) == 0
     assert "to the first optimizer step" in capsys.readouterr().out

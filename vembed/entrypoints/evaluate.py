@@ -1,13 +1,22 @@
 """Evaluate a saved model on a data file: `vembed eval MODEL_DIR DATA [--image-root DIR] [--output metrics.json]`;
 or on a corpus folder (corpus.jsonl, queries.jsonl, qrels/): `vembed eval MODEL_DIR FOLDER --split test` searches every
-judged query against the whole corpus and reports nDCG@10, recall@1/10/100, MAP@100 and MRR@10 (`corpus/...`)."""
+judged query against the whole corpus and reports nDCG@10, recall@1/10/100, MAP@100 and MRR@10 (`corpus/...`).
+
+`--accelerate_config NAME|FILE` (and `--num_processes N`) launch the evaluation on several processes as `vembed train`
+does (vembed/entrypoints/launch.py); under any launcher each process encodes its share of the corpus and rank 0
+prints and writes the metrics, once."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", help="write the metrics as JSON here")
     parser.add_argument("--trust-remote-code", "--trust_remote_code", action="store_true",
                         help="let the model folder run Python code it ships (only for folders you trust)")
+    parser.add_argument("--accelerate_config", "--accelerate-config",
+                        help="launch with this accelerate config, as `vembed train` does: one of ours by name (e.g. "
+                             "ddp_cpu) or a file; each process encodes its share of the corpus")
+    parser.add_argument("--num_processes", "--num-processes", type=int, help="override the config's process count")
     parser.add_argument("--debug", action="store_true")
 
 
@@ -40,28 +53,70 @@ def run(args: argparse.Namespace) -> int:
                 raise RecipeError(flag, f"must be at least 1, got {value}")
         if args.output:
             _check_output_file(Path(args.output))
-        from vembed.data.corpus import is_corpus_folder
+        corpus = _is_corpus(args)
+        if not corpus and args.split is not None:
+            raise RecipeError("--split", f"names a qrels split of a corpus folder; {' '.join(args.data)} is not "
+                                         "one (a corpus folder holds corpus.jsonl, queries.jsonl and qrels/)")
+        if _asks_for_a_launch(args):
+            return _launch(args, corpus)
+        return _evaluate(args, corpus)
 
-        if len(args.data) == 1 and is_corpus_folder(args.data[0]):
-            metrics = _evaluate_corpus(args)
-        else:
-            if args.split is not None:
-                raise RecipeError("--split", f"names a qrels split of a corpus folder; {' '.join(args.data)} is not "
-                                             "one (a corpus folder holds corpus.jsonl, queries.jsonl and qrels/)")
-            metrics = _evaluate_pairs(args)
-        text = json.dumps(metrics, indent=2)
-        print(text)
+    return run_cli(body, args.debug)
+
+
+def _asks_for_a_launch(args: argparse.Namespace) -> bool:
+    """--accelerate_config / --num_processes launch processes, except in a process a launch started (they see the
+    same arguments)."""
+    from vembed.training.launcher import LAUNCHER_PID_ENV, started_by_accelerate_or_torchrun
+
+    asked = args.accelerate_config is not None or args.num_processes is not None
+    return asked and not (os.environ.get(LAUNCHER_PID_ENV) or started_by_accelerate_or_torchrun(os.environ))
+
+
+def _launch(args: argparse.Namespace, corpus: bool) -> int:
+    """`accelerate launch -m vembed.entrypoints.evaluate ARGS` with the config and process count `vembed train` would
+    use (the same machinery); one plain process evaluates here."""
+    from vembed.entrypoints.launch import accelerate_arguments, plan_launch, start
+    from vembed.errors import LaunchError
+
+    argv = getattr(args, "argv", None)  # the command line as typed, which each process parses again
+    if argv is None:
+        raise LaunchError("--accelerate_config: launching needs the command line; run `vembed eval` or "
+                          "vembed.entrypoints.evaluate.main(argv)")
+    config, num_processes = plan_launch(args.accelerate_config, args.num_processes)
+    launch_args = accelerate_arguments(config, num_processes, ["-m", "vembed.entrypoints.evaluate", *argv])
+    return start(launch_args, num_processes, config, "vembed eval", lambda: _evaluate(args, corpus))
+
+
+def _is_corpus(args: argparse.Namespace) -> bool:
+    """DATA is one corpus folder (corpus.jsonl, queries.jsonl, qrels/), not pair files."""
+    from vembed.data.corpus import is_corpus_folder
+
+    return len(args.data) == 1 and is_corpus_folder(args.data[0])
+
+
+def _evaluate(args: argparse.Namespace, corpus: bool) -> int:
+    """Evaluate in this process, one of the processes a launch started or the only one; rank 0 reports."""
+    from vembed.training.launcher import command_accelerator, stop_with_launcher
+    from vembed.training.threads import use_threads
+
+    stop_with_launcher()  # a process `vembed eval` launched never outlives it
+    use_threads()
+    accelerator = command_accelerator()
+    metrics = _evaluate_corpus(args, accelerator) if corpus else _evaluate_pairs(args, accelerator)
+    if accelerator.is_main_process:
+        print(json.dumps(metrics, indent=2))
         if args.output:
             from vembed.files import write_json_atomic
 
             Path(args.output).parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(args.output, metrics)
-        return 0
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # tears the process group down together (gloo can abort otherwise)
+    return 0
 
-    return run_cli(body, args.debug)
 
-
-def _evaluate_corpus(args: argparse.Namespace) -> dict[str, float]:
+def _evaluate_corpus(args: argparse.Namespace, accelerator: "Accelerator") -> dict[str, float]:
     from vembed.data.corpus import CorpusSource
     from vembed.entrypoints import quiet_libraries
     from vembed.errors import RecipeError
@@ -76,11 +131,11 @@ def _evaluate_corpus(args: argparse.Namespace) -> dict[str, float]:
     quiet_libraries()
     adapter = load_embedding_model(args.model_dir, trust_remote_code=args.trust_remote_code)
     split = source.load()
-    return evaluate_corpus(adapter, split, batch_size=args.batch_size, max_queries=args.max_samples,
-                           show_progress=True)
+    return evaluate_corpus(adapter.to(accelerator.device), split, batch_size=args.batch_size,
+                           max_queries=args.max_samples, show_progress=True, accelerator=accelerator)
 
 
-def _evaluate_pairs(args: argparse.Namespace) -> dict[str, float]:
+def _evaluate_pairs(args: argparse.Namespace, accelerator: "Accelerator") -> dict[str, float]:
     from vembed.data.sources import check_data_paths, load_examples
     from vembed.entrypoints import quiet_libraries
     from vembed.errors import RecipeError
@@ -112,8 +167,8 @@ def _evaluate_pairs(args: argparse.Namespace) -> dict[str, float]:
         examples = examples[: args.max_samples]
     from vembed.evaluation.retrieval import evaluate_retrieval
 
-    return evaluate_retrieval(adapter, examples, batch_size=args.batch_size, mrl_dims=args.mrl_dims,
-                              show_progress=True)
+    return evaluate_retrieval(adapter.to(accelerator.device), examples, batch_size=args.batch_size,
+                              mrl_dims=args.mrl_dims, show_progress=True, accelerator=accelerator)
 
 
 def _check_output_file(path: Path) -> None:
@@ -132,7 +187,10 @@ def _check_output_file(path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vembed eval", description=__doc__)
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    args.argv = argv  # for --accelerate_config: the processes it launches parse the same command line
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ process (its `launch_command`, what `accelerate launch` calls): torch and accele
 second interpreter importing them again cost ~2 s of every start. When that launcher would start one plain process
 (single.yaml, or any config that comes to one process without DeepSpeed/FSDP), the training runs in this process
 instead, in the environment accelerate would have given it, with the recipe already checked: no second interpreter at
-all (~2.5 s of torch and transformers imports saved).
+all (~2.5 s of torch and transformers imports saved). `vembed eval --accelerate_config` launches through the same
+functions (plan_launch, accelerate_arguments, start).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from vembed.entrypoints import run_cli
@@ -24,6 +26,7 @@ from vembed.entrypoints.train import add_arguments as add_train_arguments
 from vembed.errors import LaunchError
 from vembed.resources import accelerate_configs, package_root
 from vembed.training.launcher import EXPECTED_WORLD_SIZE_ENV, LAUNCHER_ENV, LAUNCHER_PID_ENV
+from vembed.training.threads import USER_THREADS_ENV
 
 # Shipped inside the package, so an installed vembed finds them from any directory (the clone's accelerate_configs/
 # links here). ROOT is what the DeepSpeed YAMLs' relative JSON paths resolve against.
@@ -185,47 +188,69 @@ def run(args: argparse.Namespace) -> int:
         recipe = load_recipe(args.recipe, args.config_override)
         check_recipe(recipe)
         check_output_dir(recipe)  # before any process starts: output_dir writable, and not another run's
-        config, forced = choose_config(args.accelerate_config, recipe.use_fsdp)
-        num_processes = args.num_processes
-        if num_processes is None:
-            num_processes = forced or _config_num_processes(config)
-        if num_processes < 1:
-            raise LaunchError(f"--num_processes {num_processes}: pass a positive number of processes")
-        _check_launcher_installed(config)
-        config = _with_ddp_launcher_for_several_processes(config, num_processes)
-        config = _with_absolute_deepspeed_file(config)
-        launch_args = ["--config_file", str(config), "--num_processes", str(num_processes)]
-        if num_processes > 1:
-            launch_args += ["--main_process_port", str(_free_port())]
-        launch_args += [str(TRAIN_SCRIPT), args.recipe]
+        config, num_processes = plan_launch(args.accelerate_config, args.num_processes, recipe.use_fsdp)
+        target = [str(TRAIN_SCRIPT), args.recipe]
         if args.config_override:
-            launch_args += ["--config_override", *args.config_override]
+            target += ["--config_override", *args.config_override]
         if args.debug:
-            launch_args.append("--debug")
+            target.append("--debug")
+        launch_args = accelerate_arguments(config, num_processes, target)
         if args.dry_run:
             print(f"launching {num_processes} process(es) with {config}", file=sys.stderr)
             print(" ".join(["accelerate", "launch", *launch_args]))
             return 0
+
+        def here() -> int:
+            from vembed.entrypoints.train import train
+
+            return train(recipe)
+
         # Held for the whole launch: a second launch into the same output_dir is refused while this one runs.
         with RunLock(recipe.output_dir):
-            # What the training processes check they got (vembed/training/launcher.py), and how to phrase hints.
-            promise = {EXPECTED_WORLD_SIZE_ENV: str(num_processes),
-                       LAUNCHER_ENV: getattr(args, "command_name", "python run.py")}
-            one_process = one_plain_process_env(launch_args)
-            if one_process is not None:
-                # accelerate would start one plain process with this environment: train here instead, with the
-                # recipe already checked, and save a second interpreter's imports (~2.5 s of every start).
-                print(f"launching {num_processes} process(es) with {config} (in this process)", file=sys.stderr)
-                with _environment({**one_process, **promise}):
-                    from vembed.entrypoints.train import train
-
-                    return train(recipe)
-            print(f"launching {num_processes} process(es) with {config}", file=sys.stderr)
-            os.environ.update(promise)
-            os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # each rank dies with this process (stop_with_launcher)
-            return launch_in_process(launch_args, num_processes)
+            return start(launch_args, num_processes, config, getattr(args, "command_name", "python run.py"), here)
 
     return run_cli(body, args.debug)
+
+
+def plan_launch(accelerate_config: str | None, num_processes: int | None, use_fsdp: bool = False
+                ) -> tuple[Path, int]:
+    """The accelerate config file to launch with (a copy where ours must be adjusted) and the process count, checked
+    before any process starts. Shared by every command that launches itself (`vembed train`, `vembed eval`)."""
+    config, forced = choose_config(accelerate_config, use_fsdp)
+    if num_processes is None:
+        num_processes = forced or _config_num_processes(config)
+    if num_processes < 1:
+        raise LaunchError(f"--num_processes {num_processes}: pass a positive number of processes")
+    _check_launcher_installed(config)
+    config = _with_ddp_launcher_for_several_processes(config, num_processes)
+    return _with_absolute_deepspeed_file(config), num_processes
+
+
+def accelerate_arguments(config: Path, num_processes: int, target: list[str]) -> list[str]:
+    """`accelerate launch`'s arguments for `target` (a script and its arguments, or `-m MODULE ...`)."""
+    launch_args = ["--config_file", str(config), "--num_processes", str(num_processes)]
+    if num_processes > 1:
+        launch_args += ["--main_process_port", str(_free_port())]
+    return launch_args + target
+
+
+def start(launch_args: list[str], num_processes: int, config: Path, command_name: str,
+          here: Callable[[], int]) -> int:
+    """`accelerate launch LAUNCH_ARGS`; when that starts one plain process, `here()` runs in this process instead, in
+    the environment accelerate would give that process (a second interpreter's imports, ~2.5 s, saved)."""
+    # What the launched processes check they got (vembed/training/launcher.py), how to phrase hints, and the user's
+    # own OMP_NUM_THREADS, as accelerate's launcher puts 1 in its place (vembed/training/threads.py).
+    promise = {EXPECTED_WORLD_SIZE_ENV: str(num_processes), LAUNCHER_ENV: command_name,
+               USER_THREADS_ENV: os.environ.get("OMP_NUM_THREADS", "")}
+    one_process = one_plain_process_env(launch_args)
+    if one_process is not None:
+        print(f"launching {num_processes} process(es) with {config} (in this process)", file=sys.stderr)
+        with _environment({**one_process, **promise}):
+            return here()
+    print(f"launching {num_processes} process(es) with {config}", file=sys.stderr)
+    os.environ.update(promise)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # each rank dies with this process (stop_with_launcher)
+    return launch_in_process(launch_args, num_processes)
 
 
 def one_plain_process_env(launch_args: list[str]) -> dict[str, str] | None:

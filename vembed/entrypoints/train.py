@@ -50,8 +50,10 @@ def train(recipe: "Recipe") -> int:
     when the launch is one plain process."""
     quiet_libraries()
     from vembed.training.loop import Trainer
+    from vembed.training.threads import use_threads
 
-    trainer = Trainer(recipe)
+    # Every door trains through here: threads follow the cores, not the 1 a launcher put in OMP_NUM_THREADS.
+    trainer = Trainer(recipe, threads=use_threads())
     try:
         trainer.run()  # returns on every rank together (a barrier after rank 0's last write)
     finally:

@@ -13,6 +13,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 LAUNCHER_ENV = "VEMBED_LAUNCHER"  # set by run.py / `vembed train`: the command the user typed
 EXPECTED_WORLD_SIZE_ENV = "VEMBED_EXPECTED_WORLD_SIZE"  # set by run.py / `vembed train`: processes it launched
@@ -57,6 +61,11 @@ def read_promise(env: Mapping[str, str] | None = None) -> LaunchPromise:
     if arguments is None:
         return LaunchPromise(None, None)
     return promise_of_accelerate_launch(arguments)
+
+
+def started_by_accelerate_or_torchrun(env: Mapping[str, str]) -> bool:
+    """This process is a rank that `accelerate launch` or torchrun started (its parent is that launcher)."""
+    return "TORCHELASTIC_RUN_ID" in env or _parent_accelerate_launch_arguments() is not None
 
 
 def _parent_accelerate_launch_arguments() -> list[str] | None:
@@ -128,8 +137,7 @@ def stop_with_launcher(env: Mapping[str, str] | None = None) -> bool:
     if not sys.platform.startswith("linux"):
         return False
     launcher_pid = env.get(LAUNCHER_PID_ENV, "")
-    launched = (launcher_pid.isdigit() or "TORCHELASTIC_RUN_ID" in env
-                or _parent_accelerate_launch_arguments() is not None)
+    launched = launcher_pid.isdigit() or started_by_accelerate_or_torchrun(env)
     if not launched:
         return False
     pr_set_pdeathsig = 1
@@ -140,3 +148,22 @@ def stop_with_launcher(env: Mapping[str, str] | None = None) -> bool:
     if launcher_pid.isdigit() and os.getppid() != int(launcher_pid):
         os._exit(1)
     return True
+
+
+def command_accelerator() -> "Accelerator":
+    """The Accelerator of a command that any launcher may start (`vembed eval`): on CPU where there is no GPU or the
+    launch asked for CPU, and refused when the launcher promised more processes than started (`accelerate launch --cpu
+    --num_processes 2` starts one, without a word)."""
+    import torch
+    from accelerate import Accelerator
+
+    from vembed.errors import LaunchError
+
+    on_cpu = not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
+    accelerator = Accelerator(cpu=on_cpu)
+    promise = read_promise()
+    if promise.num_processes is not None and promise.num_processes != accelerator.num_processes:
+        raise LaunchError(f"{promise.command} promised {promise.num_processes} processes ({promise.source}) but "
+                          f"{accelerator.num_processes} started; on CPU drop --cpu and launch with a multi-process "
+                          "config (accelerate_configs/ddp_cpu.yaml)")
+    return accelerator

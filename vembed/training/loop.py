@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
     from vembed.recipe import Recipe
     from vembed.training.stages import Stage
+    from vembed.training.threads import ThreadChoice
 
 logger = logging.getLogger("vembed")
 
@@ -67,13 +68,15 @@ class TrainResult:
 class Trainer:
     """Holds what the loop needs; `run()` trains, evaluates and exports. One instance per launch."""
 
-    def __init__(self, recipe: "Recipe", accelerator: "Accelerator | None" = None):
+    def __init__(self, recipe: "Recipe", accelerator: "Accelerator | None" = None,
+                 threads: "ThreadChoice | None" = None):
         from vembed.tasks import task_for
         from vembed.training.accelerator import build_accelerator, check_accelerator_matches
         from vembed.training.launch_plan import decide_launch
         from vembed.training.run_dir import check_output_dir, run_identity
 
         self.recipe = recipe
+        self.threads = threads  # the entrypoint's choice of intra-op threads (None: the caller's torch setting)
         self.output_dir = Path(recipe.output_dir)
         self.identity = run_identity(recipe)  # stored with every checkpoint: whose run it is
         # Before anything is read or built: a folder that cannot be written, or holds another run's work, stops here.
@@ -333,7 +336,7 @@ class Trainer:
         self.launch = launch_record(self.plan, acc, recipe, trainable, total,
                                     contrastive=self.task.uses_gradient_cache)  # for the model card
         acc.print(describe_launch(self.plan, acc, recipe, trainable, total, self.task.batch_lines(self.plan.world_size),
-                                  grad_cache_applies=self.task.uses_gradient_cache))
+                                  grad_cache_applies=self.task.uses_gradient_cache, threads=self.threads))
         if acc.is_main_process:
             # The planner's meta-device model must not go through ZeRO-3's (collective) construction hook.
             with unsharded_construction(acc):

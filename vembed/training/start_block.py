@@ -10,16 +10,23 @@ if TYPE_CHECKING:
 
     from vembed.recipe import Recipe
     from vembed.training.launch_plan import LaunchPlan
+    from vembed.training.threads import ThreadChoice
 
 
 def describe_launch(plan: "LaunchPlan", accelerator: "Accelerator", recipe: "Recipe", trainable: int, total: int,
-                    batch_lines: list[tuple[str, str]], *, grad_cache_applies: bool = True) -> str:
+                    batch_lines: list[tuple[str, str]], *, grad_cache_applies: bool = True,
+                    threads: "ThreadChoice | None" = None) -> str:
     """`batch_lines`: the task's (label, value) lines on its batch; `grad_cache_applies`: the task can use GradCache
-    (a flow-matching run has no contrastive batch to cache)."""
+    (a flow-matching run has no contrastive batch to cache); `threads`: how the entrypoint chose the thread count."""
+    import torch
+
     world = plan.world_size
+    # What torch uses now, not what was asked: a count set elsewhere after the choice shows here.
+    why = f" ({threads.reason})" if threads is not None and threads.count == torch.get_num_threads() else ""
     lines = [
         ("strategy", f"{plan.strategy} ({world} process{'es' if world > 1 else ''})"),
         ("device", str(accelerator.device)),
+        ("threads", f"{torch.get_num_threads()} intra-op per process{why}"),
         ("precision", str(accelerator.mixed_precision)),
         ("per-device batch", str(recipe.batch_size)),
     ]

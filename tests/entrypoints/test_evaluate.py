@@ -1,0 +1,82 @@
+"""`vembed eval` launched like `vembed train` (--accelerate_config NAME|FILE): one plain process evaluates in the
+launcher; several processes each encode their share of the corpus and give the metrics of one process, printed and
+written once (rank 0)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from corpora import make_corpus_folder, text_model_keys
+
+from vembed.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model_and_corpus(tmp_path_factory, tiny_tokenizer_dir):
+    """A tiny random-init text model saved by vembed, and the 36-document corpus folder of tests/corpora.py."""
+    from vembed.components import recipe_from_dict
+    from vembed.models import MODELS
+
+    root = tmp_path_factory.mktemp("eval")
+    MODELS.get("text").from_recipe(recipe_from_dict(text_model_keys(tiny_tokenizer_dir))).save(root / "model")
+    return root / "model", make_corpus_folder(root / "corpus")
+
+
+def _metrics_printed(text: str) -> int:
+    return text.count('"corpus/ndcg@10"')
+
+
+def test_a_one_process_config_evaluates_in_the_launcher_and_prints_once(model_and_corpus, tmp_path, capsys):
+    model, corpus = model_and_corpus
+    plain, launched = tmp_path / "plain.json", tmp_path / "launched.json"
+    assert main(["eval", str(model), str(corpus), "--output", str(plain)]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(model), str(corpus), "--output", str(launched), "--accelerate_config", "single"]) == 0
+    out, err = capsys.readouterr()
+    assert "launching 1 process(es) with" in err and "(in this process)" in err
+    assert _metrics_printed(out) == 1
+    assert json.loads(launched.read_text()) == json.loads(plain.read_text())
+
+
+def test_a_process_a_launch_started_does_not_launch_again(monkeypatch):
+    import argparse
+
+    from vembed.entrypoints import evaluate
+    from vembed.training.launcher import LAUNCHER_PID_ENV
+
+    monkeypatch.setattr("vembed.training.launcher._parent_accelerate_launch_arguments", lambda: None)
+    monkeypatch.delenv(LAUNCHER_PID_ENV, raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    args = argparse.Namespace(accelerate_config="ddp_cpu", num_processes=None)
+    assert evaluate._asks_for_a_launch(args)
+    assert not evaluate._asks_for_a_launch(argparse.Namespace(accelerate_config=None, num_processes=None))
+    monkeypatch.setenv(LAUNCHER_PID_ENV, str(os.getppid()))
+    assert not evaluate._asks_for_a_launch(args)
+
+
+@pytest.mark.slow
+def test_two_processes_give_one_process_metrics_printed_once(model_and_corpus, tmp_path):
+    from deadline import limit, run_with_deadline
+    from launching import ENV, LAUNCH_TIMEOUT
+
+    model, corpus = model_and_corpus
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    assert main(["eval", str(model), str(corpus), "--batch-size", "4", "--output", str(one)]) == 0
+    command = [sys.executable, "-m", "vembed", "eval", str(model), str(corpus), "--batch-size", "4", "--output",
+               str(two), "--accelerate_config", "ddp_cpu"]
+    done = run_with_deadline(command, cwd=ROOT, env=ENV, timeout=limit(LAUNCH_TIMEOUT), log_dir=tmp_path / "logs")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "launching 2 process(es)" in done.stderr
+    assert _metrics_printed(done.stdout) == 1, done.stdout
+    expected, got = json.loads(one.read_text()), json.loads(two.read_text())
+    assert set(got) == set(expected) and expected["num_queries"] > 1
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, abs=1e-6), key
+    assert json.loads(done.stdout[done.stdout.index("{"):done.stdout.rindex("}") + 1]) == got
