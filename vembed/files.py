@@ -1,4 +1,5 @@
-"""Writing a file so that a reader never sees half of it: under a temporary name beside it, then renamed."""
+"""Writing a file so that a reader never sees half of it (under a temporary name beside it, then renamed), and the one
+rule for when a command may replace an output that is already there."""
 
 from __future__ import annotations
 
@@ -18,3 +19,19 @@ def replace_atomically(path: str | os.PathLike, write: Callable[[Path], object])
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+OVERWRITE_FLAG = "--overwrite"
+
+
+def check_replaceable(path: str | os.PathLike, overwrite: bool, key: str = "--out") -> None:
+    """The one rule for a command's named output (`vembed export --out`, `vembed mine --out`): an existing file, or a
+    folder with anything in it, is replaced only when the user passed --overwrite; otherwise one line names it.
+    Called before any work, so a refusal costs nothing."""
+    from vembed.errors import RecipeError
+
+    path = Path(path)
+    if not path.exists() or (path.is_dir() and not any(path.iterdir())):
+        return
+    if not overwrite:
+        raise RecipeError(key, f"{path} exists; pass {OVERWRITE_FLAG} to replace it, or choose another {key}")

@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
         from vembed.data.corpus import CORPUS_FILE, load_corpus_split
         from vembed.errors import RecipeError
+        from vembed.files import check_replaceable
         from vembed.models.base import load_adapter
         from vembed.retrieval.cache import EmbeddingCache, cache_key
         from vembed.retrieval.mining import faiss_available, mine_hard_negatives, write_jsonl_atomic
@@ -94,8 +95,7 @@ def run(args: argparse.Namespace) -> int:
         out = Path(args.out)
         if out.is_dir():
             raise RecipeError("--out", f"{out} is a folder; name the JSONL file to write")
-        if out.exists() and not args.overwrite:
-            raise RecipeError("--out", f"{out} exists; pass --overwrite to replace it")
+        check_replaceable(out, args.overwrite)
         if not Path(args.model_dir).is_dir():
             raise RecipeError("model_dir", f"{args.model_dir} is not a folder; give a model folder saved by vembed")
         use_faiss = args.faiss == "yes" or (args.faiss == "auto" and faiss_available())
