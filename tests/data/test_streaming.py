@@ -175,3 +175,24 @@ def test_report_stops_a_run_whose_epoch_cannot_stay_under_max_bad_fraction():
     with pytest.raises(DataError, match="data.max_bad_fraction=0.1"):
         report.check_bad_fraction(0.1, epoch_done=True)  # 60 % of what the epoch read
     assert Counter(report.skipped) == Counter({"bad_image": 6})
+
+
+def test_webdataset_command_never_deletes_shards_it_did_not_write(tmp_path, capsys):
+    from vembed.cli import main
+
+    out = tmp_path / "wds"
+    args = ["data", "webdataset", "--out", str(out), "--source", "dummy", "--num-samples", "40", "--shard-size", "8"]
+    shards = out / "shards"
+    shards.mkdir(parents=True)
+    write_tar(shards / "train-00007.tar", {"mine": _good()})  # the user's own shard, in the folder it writes to
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(shards) in err[0] and "train-00007.tar, not written by vembed" in err[0]
+    assert (shards / "train-00007.tar").is_file() and sorted(p.name for p in shards.iterdir()) == ["train-00007.tar"]
+
+    (shards / "train-00007.tar").unlink()
+    assert main(args) == 0
+    (shards / "notes.txt").write_text("mine")
+    assert main([*args[:-1], "16"]) == 0  # a rerun replaces its own shards (4 of 8 become 2 of 16), nothing else
+    assert sorted(p.name for p in shards.glob("train-*.tar")) == ["train-00000.tar", "train-00001.tar"]
+    assert (shards / "notes.txt").read_text() == "mine"

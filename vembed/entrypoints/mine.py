@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         from vembed.errors import RecipeError
         from vembed.files import check_replaceable
         from vembed.models.base import load_adapter
-        from vembed.retrieval.cache import EmbeddingCache, cache_key
+        from vembed.retrieval.cache import EmbeddingCache, cache_key, check_cache_folder
         from vembed.retrieval.mining import faiss_available, mine_hard_negatives, write_jsonl_atomic
         from vembed.retrieval.search import DOCUMENTS_PER_BLOCK
 
@@ -101,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
         use_faiss = args.faiss == "yes" or (args.faiss == "auto" and faiss_available())
         if args.faiss == "yes" and not faiss_available():
             raise RecipeError("--faiss", "faiss is not installed: pip install faiss-cpu (or pass --faiss no)")
+        if not args.no_cache:
+            check_cache_folder(args.cache_dir or f"{out}.cache")
         split = load_corpus_split(args.corpus, args.split, image_root=args.image_root, key="--split")
         quiet_libraries()
         on_cpu = not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
