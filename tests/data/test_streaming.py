@@ -4,6 +4,7 @@ column mapping of tar samples, the shard index, and the recipe checks."""
 from __future__ import annotations
 
 import json
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -196,3 +197,22 @@ def test_webdataset_command_never_deletes_shards_it_did_not_write(tmp_path, caps
     assert main([*args[:-1], "16"]) == 0  # a rerun replaces its own shards (4 of 8 become 2 of 16), nothing else
     assert sorted(p.name for p in shards.glob("train-*.tar")) == ["train-00000.tar", "train-00001.tar"]
     assert (shards / "notes.txt").read_text() == "mine"
+
+
+def test_data_index_names_a_missing_path_and_the_missing_extra_in_one_line(tmp_path, capsys, monkeypatch):
+    from vembed.cli import main
+
+    write_tar(tmp_path / "s-0.tar", {"k": _good()})
+    (tmp_path / "empty").mkdir()
+    for given, says in ((tmp_path / "s-9.tar", f"{tmp_path / 's-9.tar'} not found"),
+                        (tmp_path / "empty", "empty holds no .tar shards"),
+                        (tmp_path / "t-*.tar", "t-*.tar matches no files")):
+        # the missing one is named, even beside a good shard (it was dropped, and the good one indexed alone)
+        assert main(["data", "index", str(tmp_path / "s-0.tar"), str(given)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
+    assert not (tmp_path / "sizes.json").exists()
+    monkeypatch.setitem(sys.modules, "webdataset", None)  # the streaming extra not installed
+    assert main(["data", "index", str(tmp_path / "s-0.tar")]) == 2
+    assert capsys.readouterr().err.strip() == ("recipe error: vembed data index: reads tar shards through the "
+                                               "webdataset package; pip install 'vembed[streaming]'")

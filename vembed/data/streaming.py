@@ -285,13 +285,15 @@ class StreamReport(DataReport):
         )
 
 
-def require_backend(backend: str) -> None:
+def require_backend(backend: str, key: str = "data.train") -> None:
     """Both backends shuffle through webdataset's buffer; tar shards are also parsed by it."""
     import importlib.util
 
     if importlib.util.find_spec("webdataset") is None:
         what = "names tar shards, which stream" if backend == "webdataset" else "streams"
-        raise RecipeError("data.train", f"{what} through the webdataset package; pip install 'vembed[streaming]'")
+        if key != "data.train":
+            what = "reads tar shards"
+        raise RecipeError(key, f"{what} through the webdataset package; pip install 'vembed[streaming]'")
 
 
 # --- the stream ----------------------------------------------------------------------------------------------------
