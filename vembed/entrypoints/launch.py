@@ -90,22 +90,46 @@ def _uses_cpu(path: Path) -> bool:
     return bool(_read_config(path).get("use_cpu"))
 
 
-def _with_absolute_deepspeed_file(path: Path) -> Path:
-    """Our DeepSpeed configs name their JSON relative to the repository; a copy with the absolute path lets the
-    launch start from any directory. (accelerate's --deepspeed_config_file flag cannot do it: it makes the launcher
-    export settings that then conflict with the file.)"""
+def _derived_config(data: dict, like: Path, folder: Path | None) -> Path:
+    """`data` written as a config named after `like` in `folder` (the launch's scratch folder, removed when the launch
+    ends); without one, a new file in $TMPDIR that the caller removes."""
     import tempfile
 
     import yaml
 
+    with tempfile.NamedTemporaryFile("w", suffix=f"-{like.name}", dir=folder, delete=False) as handle:
+        yaml.safe_dump(data, handle)
+    return Path(handle.name)
+
+
+@contextlib.contextmanager
+def _scratch_folder(keep: bool):
+    """Where a launch writes the configs it derives; removed with everything in it when the launch ends (they were
+    left in $TMPDIR, one per DeepSpeed or multi-CPU launch). `keep`: a dry run prints a command that names them."""
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="vembed-launch-"))
+    try:
+        yield folder
+    finally:
+        if keep and any(folder.iterdir()):
+            print(f"note: the derived config stays in {folder} for the command above; remove it when done",
+                  file=sys.stderr)
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _with_absolute_deepspeed_file(path: Path, folder: Path | None = None) -> Path:
+    """Our DeepSpeed configs name their JSON relative to the repository; a copy with the absolute path lets the
+    launch start from any directory. (accelerate's --deepspeed_config_file flag cannot do it: it makes the launcher
+    export settings that then conflict with the file.)"""
     data = _read_config(path)
     named = (data.get("deepspeed_config") or {}).get("deepspeed_config_file")
     if not named or Path(named).is_absolute() or not (ROOT / named).is_file():
         return path
     data["deepspeed_config"]["deepspeed_config_file"] = str(ROOT / named)
-    with tempfile.NamedTemporaryFile("w", suffix=f"-{path.name}", delete=False) as handle:
-        yaml.safe_dump(data, handle)
-    return Path(handle.name)
+    return _derived_config(data, path, folder)
 
 
 def _check_launcher_installed(config: Path) -> None:
@@ -117,14 +141,11 @@ def _check_launcher_installed(config: Path) -> None:
                           "or pick another --accelerate_config (ddp, fsdp)")
 
 
-def _with_ddp_launcher_for_several_processes(config: Path, num_processes: int) -> Path:
+def _with_ddp_launcher_for_several_processes(config: Path, num_processes: int, folder: Path | None = None) -> Path:
     """A config accelerate would start as ONE process although more were asked for (distributed_type MULTI_CPU
     needs mpirun; NO is single-process), as a copy that uses the DDP launcher (MULTI_GPU; `use_cpu` on CPU), which
     starts real ranks: what accelerate_configs/ddp_cpu.yaml does."""
-    import tempfile
-
     import torch
-    import yaml
 
     data = _read_config(config)
     kind = data.get("distributed_type")
@@ -134,9 +155,7 @@ def _with_ddp_launcher_for_several_processes(config: Path, num_processes: int) -
     data.update(distributed_type="MULTI_GPU", use_cpu=on_cpu, num_processes=num_processes)
     print(f"note: accelerate starts a {kind} config as one process; launching {num_processes} "
           f"{'CPU ' if on_cpu else ''}processes with its DDP launcher instead", file=sys.stderr)
-    with tempfile.NamedTemporaryFile("w", suffix=f"-{config.name}", delete=False) as handle:
-        yaml.safe_dump(data, handle)
-    return Path(handle.name)
+    return _derived_config(data, config, folder)
 
 
 def _read_config(path: Path) -> dict:
@@ -192,38 +211,41 @@ def run(args: argparse.Namespace) -> int:
         if num_processes < 1:
             raise LaunchError(f"--num_processes {num_processes}: pass a positive number of processes")
         _check_launcher_installed(config)
-        config = _with_ddp_launcher_for_several_processes(config, num_processes)
-        config = _with_absolute_deepspeed_file(config)
-        launch_args = ["--config_file", str(config), "--num_processes", str(num_processes)]
-        if num_processes > 1:
-            launch_args += ["--main_process_port", str(_free_port())]
-        launch_args += [str(TRAIN_SCRIPT), args.recipe]
-        if args.config_override:
-            launch_args += ["--config_override", *args.config_override]
-        if args.debug:
-            launch_args.append("--debug")
-        if args.dry_run:
-            print(f"launching {num_processes} process(es) with {config}", file=sys.stderr)
-            print(" ".join(["accelerate", "launch", *launch_args]))
-            return 0
-        # Held for the whole launch: a second launch into the same output_dir is refused while this one runs.
-        with RunLock(recipe.output_dir):
-            # What the training processes check they got (vembed/training/launcher.py), and how to phrase hints.
-            promise = {EXPECTED_WORLD_SIZE_ENV: str(num_processes),
-                       LAUNCHER_ENV: getattr(args, "command_name", "python run.py")}
-            one_process = one_plain_process_env(launch_args)
-            if one_process is not None:
-                # accelerate would start one plain process with this environment: train here instead, with the
-                # recipe already checked, and save a second interpreter's imports (~2.5 s of every start).
-                print(f"launching {num_processes} process(es) with {config} (in this process)", file=sys.stderr)
-                with _environment({**one_process, **promise}):
-                    from vembed.entrypoints.train import train
+        # Configs derived for this launch live in a scratch folder that goes when the launch ends.
+        with _scratch_folder(keep=args.dry_run) as scratch:
+            config = _with_ddp_launcher_for_several_processes(config, num_processes, scratch)
+            config = _with_absolute_deepspeed_file(config, scratch)
+            launch_args = ["--config_file", str(config), "--num_processes", str(num_processes)]
+            if num_processes > 1:
+                launch_args += ["--main_process_port", str(_free_port())]
+            launch_args += [str(TRAIN_SCRIPT), args.recipe]
+            if args.config_override:
+                launch_args += ["--config_override", *args.config_override]
+            if args.debug:
+                launch_args.append("--debug")
+            if args.dry_run:
+                print(f"launching {num_processes} process(es) with {config}", file=sys.stderr)
+                print(" ".join(["accelerate", "launch", *launch_args]))
+                return 0
+            # Held for the whole launch: a second launch into the same output_dir is refused while this one runs.
+            with RunLock(recipe.output_dir):
+                # What the training processes check they got (vembed/training/launcher.py), and how to phrase hints.
+                promise = {EXPECTED_WORLD_SIZE_ENV: str(num_processes),
+                           LAUNCHER_ENV: getattr(args, "command_name", "python run.py")}
+                one_process = one_plain_process_env(launch_args)
+                if one_process is not None:
+                    # accelerate would start one plain process with this environment: train here instead, with the
+                    # recipe already checked, and save a second interpreter's imports (~2.5 s of every start).
+                    print(f"launching {num_processes} process(es) with {config} (in this process)",
+                          file=sys.stderr)
+                    with _environment({**one_process, **promise}):
+                        from vembed.entrypoints.train import train
 
-                    return train(recipe)
-            print(f"launching {num_processes} process(es) with {config}", file=sys.stderr)
-            os.environ.update(promise)
-            os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # each rank dies with this process (stop_with_launcher)
-            return launch_in_process(launch_args, num_processes)
+                        return train(recipe)
+                print(f"launching {num_processes} process(es) with {config}", file=sys.stderr)
+                os.environ.update(promise)
+                os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # ranks die with this process (stop_with_launcher)
+                return launch_in_process(launch_args, num_processes)
 
     return run_cli(body, args.debug)
 
