@@ -216,3 +216,27 @@ def test_data_index_names_a_missing_path_and_the_missing_extra_in_one_line(tmp_p
     assert main(["data", "index", str(tmp_path / "s-0.tar")]) == 2
     assert capsys.readouterr().err.strip() == ("recipe error: vembed data index: reads tar shards through the "
                                                "webdataset package; pip install 'vembed[streaming]'")
+
+
+def test_a_dual_encoders_stream_skips_samples_that_would_leave_a_tower_idle(tmp_path, tiny_clip_recipe):
+    """2-rank CLIP runs on tar shards set DDP's find_unused_parameters (an extra graph pass every step) although no
+    parameter went unused: the stream's records were unknown. The decoder now insists on text and an image."""
+    from vembed.models import MODELS
+    from vembed.tasks.contrastive import ContrastiveTask
+
+    write_tar(tmp_path / "s-0.tar", {"k0": _good(), "k1": {"txt": b"text only", "json": b'{"positive": "doc"}'}})
+    cfg = DataConfig(train=str(tmp_path / "s-0.tar"))
+    backend, shards = open_stream(cfg)
+    decoder = SampleDecoder(cfg.columns.model_dump(), None, 0, 1, required_modalities=frozenset({"text", "image"}))
+    stream = ShardStream(backend, shards, decoder, list, batch_size=1, seed=0, shuffle_buffer=1)
+    stream.start_epoch(0)
+    items = list(stream)
+    position = SlotPosition.from_dict(items[-1][0])
+    assert [batch[0].query.text for _, batch in items if batch] == ["a caption"]
+    assert position.skipped == {"missing_modality": 1} and "has no image" in position.bad_rows[0]["detail"]
+
+    task = ContrastiveTask(recipe_from_dict(dict(tiny_clip_recipe, data={"train": str(tmp_path / "s-*.tar")},
+                                                 max_steps=2)))
+    task.train_rows = None  # streamed
+    assert MODELS.get("clip").modalities_per_record == {"text", "image"}
+    assert task.every_step_uses_every_parameter()  # so DDP is built without the search

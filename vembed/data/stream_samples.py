@@ -107,7 +107,9 @@ class SampleDecoder:
     """
 
     def __init__(self, columns: dict[str, str], image_root: str | None, num_negatives: int,
-                 max_images_per_side: int | None, defaults: dict[str, str] | None = None):
+                 max_images_per_side: int | None, defaults: dict[str, str] | None = None,
+                 required_modalities: frozenset[str] = frozenset()):
+        self.required_modalities = required_modalities  # the adapter's modalities_per_record
         self.columns = columns
         self.image_root = image_root
         self.num_negatives = num_negatives
@@ -122,6 +124,11 @@ class SampleDecoder:
             sides = [example.query, example.positive, *example.negatives]
             if self.max_images_per_side is not None and any(len(s.images) > self.max_images_per_side for s in sides):
                 raise SampleSkipped("too_many_images", f"a side has more than {self.max_images_per_side} image(s)")
+            fed = {"text"} if any(s.text for s in sides) else set()
+            fed |= {"image"} if any(s.image is not None for s in sides) else set()
+            missing = sorted(self.required_modalities - fed)
+            if missing:
+                raise SampleSkipped("missing_modality", f"has no {' or '.join(missing)}")
             return _decoded(example)
         except SampleSkipped as skip:
             position.skip(record.file, record.row, skip.reason, f"sample {self._name(record)}: {skip.detail}")

@@ -50,6 +50,7 @@ EXTRA_SKIP_FIXES = {  # reasons a stream meets beside the map-style ones (source
     "bad_json": "make every .json member one valid JSON object",
     "bad_shard": "check the shard: it is missing, truncated or not a tar / data file",
     "too_many_images": "give one image per side (only qwen_vl embeds several)",
+    "missing_modality": "give every sample text and an image (a dual encoder trains both towers every step)",
 }
 STREAM_SKIP_FIXES = {**SKIP_FIXES, **EXTRA_SKIP_FIXES}
 
