@@ -23,6 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                         "queries; the corpus stays whole)")
     parser.add_argument("--split", help="a corpus folder's qrels split (qrels/<split>.tsv; default: test)")
     parser.add_argument("--output", help="write the metrics as JSON here")
+    parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     parser.add_argument("--trust-remote-code", "--trust_remote_code", action="store_true",
                         help="let the model folder run Python code it ships (only for folders you trust)")
     parser.add_argument("--debug", action="store_true")
@@ -38,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
             if value is not None and value < 1:
                 raise RecipeError(flag, f"must be at least 1, got {value}")
         if args.output:
-            _check_output_file(Path(args.output))
+            _check_output_file(Path(args.output), args.overwrite)
         from vembed.data.corpus import is_corpus_folder
 
         if len(args.data) == 1 and is_corpus_folder(args.data[0]):
@@ -115,9 +116,11 @@ def _evaluate_pairs(args: argparse.Namespace) -> dict[str, float]:
                               show_progress=True)
 
 
-def _check_output_file(path: Path) -> None:
-    """--output can be written: its folder exists (or can be made) and it is not itself a folder."""
+def _check_output_file(path: Path, overwrite: bool) -> None:
+    """--output can be written: its folder exists (or can be made), it is not itself a folder, and a file already
+    there (metrics of an earlier run, or a data file named by mistake) is replaced only with --overwrite."""
     from vembed.errors import RecipeError
+    from vembed.files import check_replaceable
 
     if path.is_dir():
         raise RecipeError("--output", f"{path} is a folder; name a JSON file")
@@ -126,6 +129,7 @@ def _check_output_file(path: Path) -> None:
         parent = parent.parent
     if not parent.is_dir():
         raise RecipeError("--output", f"{path} cannot be written: {parent} is a file")
+    check_replaceable(path, overwrite, key="--output")
 
 
 def main(argv: list[str] | None = None) -> int:
