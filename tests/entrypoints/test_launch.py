@@ -85,6 +85,8 @@ def test_configs_derived_for_a_launch_are_removed_when_it_ends(tiny_clip_recipe,
         return 0
 
     monkeypatch.setattr(launch, "launch_in_process", launched)
+    for promised in (launch.EXPECTED_WORLD_SIZE_ENV, launch.LAUNCHER_ENV, launch.LAUNCHER_PID_ENV):
+        monkeypatch.delenv(promised, raising=False)  # the launch sets them for its ranks: gone after this test
     recipe = _recipe_file(tmp_path, tiny_clip_recipe)
     assert launch.main([str(recipe), "--accelerate_config", config, "--num_processes", str(processes)]) == 0
     [(config_file, existed)] = seen
