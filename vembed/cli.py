@@ -51,6 +51,11 @@ def _check_data_arguments(args: argparse.Namespace) -> None:
         raise RecipeError("--image-size", f"must be at least {MIN_IMAGE_SIZE} pixels, got {args.image_size}")
     if args.kind == "webdataset" and args.shard_size < 1:
         raise RecipeError("--shard-size", f"must be at least 1, got {args.shard_size}")
+    existing = os.path.abspath(args.out)  # the folder, or the nearest one above it that exists, must be a folder
+    while not os.path.exists(existing) and existing != os.path.dirname(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise RecipeError("--out", f"{args.out} cannot be a folder: {existing} is a file; name a folder")
 
 
 def _index_command(paths: list[str]) -> int:

@@ -182,6 +182,19 @@ def test_the_cli_helpers_answer_out_of_range_arguments_in_one_line(tmp_path, cap
     assert not out.exists()
 
 
+@pytest.mark.parametrize("kind", ["dummy", "digits", "webdataset"])
+def test_data_out_that_is_a_file_is_one_line(tmp_path, capsys, kind):
+    from vembed.cli import main
+
+    taken = tmp_path / "taken.txt"
+    taken.write_text("x")
+    for out in (taken, taken / "data"):  # was a FileExistsError / NotADirectoryError traceback
+        assert main(["data", kind, "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"--out: {out} cannot be a folder: {taken} is a file" in err and "\n" not in err, err
+    assert taken.read_text() == "x"
+
+
 def test_eval_and_export_arguments_out_of_range_are_one_line(tmp_path, capsys, dummy_data_dir):
     from vembed.cli import main
 
