@@ -141,7 +141,8 @@ def test_an_image_cache_dir_that_is_a_file_or_not_writable_is_refused_before_any
         return real_mkstemp(*args, dir=dir, **kwargs)
 
     monkeypatch.setattr("vembed.training.run_dir.tempfile.mkstemp", read_only)
-    with pytest.raises(RecipeError, match="data.image_cache_dir: cannot write in .*Read-only file system"):
+    with pytest.raises(RecipeError, match=r"data.image_cache_dir: cannot write in .*Read-only file system; choose a "
+                                          r"writable data.image_cache_dir \(or set data.image_cache: false\)"):
         Trainer(recipe_from_dict(_recipe(dummy_data_dir, tmp_path / "run")))
     raw = _recipe(dummy_data_dir, tmp_path / "run", data={"train": str(dummy_data_dir / "train.jsonl"),
                                                            "image_cache": False})

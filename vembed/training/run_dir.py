@@ -153,7 +153,7 @@ def check_output_dir(recipe: "Recipe") -> None:
         _check_writable(Path(recipe.persistent_dir), "persistent_dir")
     image_cache = image_cache_folder(recipe)
     if image_cache is not None:  # else found out once the model is built, when the cache is opened
-        _check_writable(image_cache, "data.image_cache_dir")
+        _check_writable(image_cache, "data.image_cache_dir", or_else=" (or set data.image_cache: false)")
     if recipe.overwrite_output_dir and recipe.resume_from is not None:
         raise RecipeError("overwrite_output_dir", "and resume_from both set: overwrite_output_dir starts the run "
                                                   "again from scratch; remove one of them")
@@ -189,7 +189,7 @@ def image_cache_folder(recipe: "Recipe") -> Path | None:
     return Path(data.image_cache_dir) if data.image_cache_dir else default_cache_dir()
 
 
-def _check_writable(folder: Path, key: str) -> None:
+def _check_writable(folder: Path, key: str, or_else: str = "") -> None:
     """`folder`, or the folder it would be created in, accepts a file: tried with a probe file, since permission bits
     say nothing of read-only mounts and full quotas (and root ignores them)."""
     existing = folder
@@ -197,11 +197,12 @@ def _check_writable(folder: Path, key: str) -> None:
         existing = existing.parent
     if existing.exists() and not existing.is_dir():
         where = "is a file" if existing == folder else f"cannot be created: {existing} is a file"
-        raise RecipeError(key, f"{folder} {where}; choose a folder")
+        raise RecipeError(key, f"{folder} {where}; choose a folder{or_else}")
     try:
         handle, probe = tempfile.mkstemp(prefix=".vembed-write-test-", dir=existing)
     except OSError as error:
-        raise RecipeError(key, f"cannot write in {existing}: {error.strerror}; choose a writable {key}") from None
+        raise RecipeError(key, f"cannot write in {existing}: {error.strerror}; choose a writable {key}{or_else}") \
+            from None
     os.close(handle)
     os.unlink(probe)
 
