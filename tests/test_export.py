@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from vembed.api import Embedder
+from vembed.errors import RecipeError
 from vembed.export import ExportError, export_sentence_transformers
 
 st = pytest.importorskip("sentence_transformers")
@@ -111,8 +112,25 @@ def test_output_folder_rules(saved, tmp_path):
     out = tmp_path / "st"
     export_sentence_transformers(model_dir, out)
     (out / "stale.txt").write_text("from an older export")
-    export_sentence_transformers(model_dir, out)  # a previous export is replaced, not merged into
+    with pytest.raises(RecipeError, match="st exists; pass --overwrite to replace it"):  # as `vembed mine --out`
+        export_sentence_transformers(model_dir, out)
+    assert (out / "stale.txt").exists()
+    export_sentence_transformers(model_dir, out, overwrite=True)  # a previous export is replaced, not merged into
     assert not (out / "stale.txt").exists() and (out / "modules.json").is_file()
+
+
+def test_export_cli_refuses_an_existing_export_without_overwrite(saved, tmp_path, capsys):
+    from vembed.cli import main
+
+    model_dir, out = saved("text"), tmp_path / "st"
+    assert main(["export", model_dir, "--out", str(out)]) == 0
+    before = (out / "modules.json").stat().st_mtime_ns
+    capsys.readouterr()
+    assert main(["export", model_dir, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"recipe error: --out: {out} exists; pass --overwrite to replace it, or choose another --out"]
+    assert (out / "modules.json").stat().st_mtime_ns == before
+    assert main(["export", model_dir, "--out", str(out), "--overwrite"]) == 0
 
 
 def test_a_mismatching_export_fails_and_leaves_nothing(saved, tmp_path, monkeypatch):

@@ -51,17 +51,35 @@ def _check_data_arguments(args: argparse.Namespace) -> None:
         raise RecipeError("--image-size", f"must be at least {MIN_IMAGE_SIZE} pixels, got {args.image_size}")
     if args.kind == "webdataset" and args.shard_size < 1:
         raise RecipeError("--shard-size", f"must be at least 1, got {args.shard_size}")
+    existing = os.path.abspath(args.out)  # the folder, or the nearest one above it that exists, must be a folder
+    while not os.path.exists(existing) and existing != os.path.dirname(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise RecipeError("--out", f"{args.out} cannot be a folder: {existing} is a file; name a folder")
 
 
 def _index_command(paths: list[str]) -> int:
     """sizes.json beside tar shards (or data files) that lack one: each is read once and its samples counted (an
     img2dataset shard's `_stats.json` gives its count without reading it)."""
-    from vembed.data.streaming import expand_sources, index_shards, write_sizes
+    from vembed.data.streaming import TAR_EXTENSION, expand_sources, index_shards, require_backend, write_sizes
     from vembed.errors import RecipeError
 
-    files = [path for path in expand_sources(paths) if os.path.isfile(path)] if paths else []
-    if not files:
-        raise RecipeError("vembed data index", "give the shards: a directory, glob or files (e.g. shards/)")
+    key = "vembed data index"
+    if not paths:
+        raise RecipeError(key, "give the shards: a directory, glob or files (e.g. shards/)")
+    files = []
+    for path in paths:  # each argument must name something: a typo is named, not dropped
+        found = expand_sources(path)
+        absent = next((name for name in found if not os.path.isfile(name)), None)
+        if absent is not None:
+            raise RecipeError(key, f"{absent} {'is a folder of folders' if os.path.isdir(absent) else 'not found'}; "
+                                   "give the shards: a directory, glob or files (e.g. shards/)")
+        if not found:
+            why = f"holds no {TAR_EXTENSION} shards" if os.path.isdir(path) else "matches no files"
+            raise RecipeError(key, f"{path} {why}; give the shards: a directory, glob or files (e.g. shards/)")
+        files += found
+    if all(name.endswith(TAR_EXTENSION) for name in files):
+        require_backend("webdataset", key)
     counts = index_shards(files)
     for written in write_sizes(counts):
         total = sum(json.loads(open(written).read()).values())

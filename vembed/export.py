@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from vembed.errors import VembedError
+from vembed.files import check_replaceable
 from vembed.model_card import folder_card, write_card
 from vembed.models import MODELS, EmbeddingAdapter
 from vembed.models.base import read_adapter_file
@@ -45,7 +46,8 @@ def _sentence_transformers():
 
 
 def export_sentence_transformers(
-    model_dir: str | Path, out_dir: str | Path, *, verify: bool = True, trust_remote_code: bool = False
+    model_dir: str | Path, out_dir: str | Path, *, verify: bool = True, trust_remote_code: bool = False,
+    overwrite: bool = False,
 ) -> Path:
     """Write `model_dir` (a folder saved by vembed) as a sentence-transformers model folder at `out_dir`.
 
@@ -53,7 +55,8 @@ def export_sentence_transformers(
     folder loads offline with `SentenceTransformer(out_dir)` (add `trust_remote_code=True` for models that need it;
     `trust_remote_code` here lets the model folder's own code run while exporting). With `verify`, both models embed
     a few probe texts (and, for image models, a probe image) and the export fails unless they agree within 1e-5. An
-    existing `out_dir` is replaced only when it is itself a sentence-transformers folder (a previous export).
+    existing `out_dir` is replaced only with `overwrite` (`--overwrite`, the rule of `vembed.files.check_replaceable`)
+    and only when it is itself a sentence-transformers folder (a previous export).
 
     The export gets its own model card (README.md, `vembed/model_card.py`), rendered from the source folder's
     `card.json` (what its training run recorded; a folder saved outside a run gets a card of what its `vembed.json`
@@ -74,6 +77,7 @@ def export_sentence_transformers(
         raise ExportError(f"{str(out_dir)!r} is a file; choose a folder for --out")
     if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / "modules.json").is_file():
         raise ExportError(f"{str(out_dir)!r} exists and is not a sentence-transformers folder; choose a new folder")
+    check_replaceable(out_dir, overwrite)
     st = _sentence_transformers()
 
     # Written beside the destination, then moved into place: a failed export leaves no half-written folder.

@@ -10,6 +10,7 @@ CLIP-like model) can be a teacher.
 from __future__ import annotations
 
 import io
+import json
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +19,34 @@ import torch
 
 from vembed.data.images import IMAGE_EXTENSIONS
 from vembed.errors import DataError, RecipeError
+from vembed.files import replace_atomically
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+SETTINGS_FILE = "extraction.json"  # what the shards in a folder were made with: a rerun resumes only the same
+
+
+def check_resumable(out: Path, settings: dict) -> None:
+    """Shards already in `out` are kept and skipped, so they must be this extraction's: refused in one line when they
+    were made with other settings (other teachers, images, shard size, tokens, dtype) or by something else."""
+    from vembed.data.embedding_shards import INDEX_FILE
+
+    if not out.is_dir() or not (any(out.glob("shard-*.safetensors")) or (out / INDEX_FILE).is_file()):
+        return
+    recorded = None
+    for name in (SETTINGS_FILE, INDEX_FILE):  # an index alone: a finished extraction of an earlier vembed
+        try:
+            recorded = json.loads((out / name).read_text())
+            break
+        except (OSError, ValueError):
+            continue
+    if not isinstance(recorded, dict):
+        raise RecipeError("--out", f"{out} holds shards without {SETTINGS_FILE}, not written by vembed extract; "
+                                   "choose another --out")
+    differ = [f"{key} {recorded[key]!r} there, {value!r} now" for key, value in settings.items()
+              if key in recorded and recorded[key] != value]
+    if differ:
+        raise RecipeError("--out", f"{out} holds an extraction with other settings ({'; '.join(differ)}): its "
+                                   "shards would be mixed with these; choose another --out")
 
 
 @dataclass(frozen=True)
@@ -134,11 +161,15 @@ def extract(
     on_cpu = not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
     state = PartialState(cpu=on_cpu)
     out = Path(out)
+    settings = {"teacher_a": teacher_a, "teacher_b": teacher_b, "sources": list(images), "shard_size": shard_size,
+                "tokens": tokens, "dtype": dtype}
+    check_resumable(out, settings)  # every process, before any waits for another
     refs = list_images(images)
     groups = [refs[i : i + shard_size] for i in range(0, len(refs), shard_size)]
     mine = [i for i in range(len(groups)) if i % state.num_processes == state.process_index]
     if state.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
+        replace_atomically(out / SETTINGS_FILE, lambda tmp: tmp.write_text(json.dumps(settings, indent=1)))
     state.wait_for_everyone()
     todo = [i for i in mine if not (out / shard_name(i)).is_file()]  # complete shards exist under the final name
     result = {"written": [], "skipped_finished": [i for i in mine if i not in todo], "skipped_images": 0}

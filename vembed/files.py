@@ -1,4 +1,5 @@
-"""Writing a file so that a reader never sees half of it: under a temporary name beside it, then renamed."""
+"""Writing a file so that a reader never sees half of it (under a temporary name beside it, then renamed), and the one
+rule for when a command may replace an output that is already there."""
 
 from __future__ import annotations
 
@@ -26,3 +27,19 @@ def write_json_atomic(path: str | os.PathLike, payload: Any) -> Path:
     """`payload` as indented JSON at `path`, written whole (`replace_atomically`): manifests, run.json, metrics."""
     text = json.dumps(payload, indent=2)  # before anything is written: a payload that is not JSON leaves no file
     return replace_atomically(path, lambda tmp: tmp.write_text(text))
+
+
+OVERWRITE_FLAG = "--overwrite"
+
+
+def check_replaceable(path: str | os.PathLike, overwrite: bool, key: str = "--out") -> None:
+    """The one rule for a command's named output (`vembed export --out`, `vembed mine --out`): an existing file, or a
+    folder with anything in it, is replaced only when the user passed --overwrite; otherwise one line names it.
+    Called before any work, so a refusal costs nothing."""
+    from vembed.errors import RecipeError
+
+    path = Path(path)
+    if not path.exists() or (path.is_dir() and not any(path.iterdir())):
+        return
+    if not overwrite:
+        raise RecipeError(key, f"{path} exists; pass {OVERWRITE_FLAG} to replace it, or choose another {key}")

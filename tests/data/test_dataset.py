@@ -67,6 +67,21 @@ def test_substitution_wraps_around_and_fails_when_nothing_decodes(tmp_path):
     assert (err.value.file, err.value.row) == ("pairs.jsonl", 2)
 
 
+def test_skipped_records_are_named_a_few_times_then_only_counted(tmp_path, caplog):
+    """64 corrupt rows printed 64 "skipping" lines before the run's one error line."""
+    from vembed.data.dataset import SKIPS_SHOWN
+
+    good = _png(tmp_path / "good.png", (1, 2, 3))
+    examples = [_example(i, _corrupt(tmp_path / f"{i}.png")) for i in range(20)] + [_example(20, good)]
+    dataset = PairDataset(examples)
+    with caplog.at_level("WARNING", logger="vembed.data.dataset"):
+        for index in range(len(dataset)):
+            dataset[index]
+    lines = [record.getMessage() for record in caplog.records]
+    assert dataset.decode_failures == 20 and len(lines) == SKIPS_SHOWN + 1
+    assert lines[0].startswith("skipping pairs.jsonl, row 1: ") and "without a line each" in lines[-1]
+
+
 def test_too_few_negatives_for_the_dataset_is_an_error():
     with pytest.raises(DataError, match="needs 3"):
         PairDataset([_example(0, None)], num_negatives=3)

@@ -4,6 +4,7 @@ column mapping of tar samples, the shard index, and the recipe checks."""
 from __future__ import annotations
 
 import json
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -343,3 +344,67 @@ def test_report_stops_a_run_whose_epoch_cannot_stay_under_max_bad_fraction():
     with pytest.raises(DataError, match="data.max_bad_fraction=0.1"):
         report.check_bad_fraction(0.1, epoch_done=True)  # 60 % of what the epoch read
     assert Counter(report.skipped) == Counter({"bad_image": 6})
+
+
+def test_webdataset_command_never_deletes_shards_it_did_not_write(tmp_path, capsys):
+    from vembed.cli import main
+
+    out = tmp_path / "wds"
+    args = ["data", "webdataset", "--out", str(out), "--source", "dummy", "--num-samples", "40", "--shard-size", "8"]
+    shards = out / "shards"
+    shards.mkdir(parents=True)
+    write_tar(shards / "train-00007.tar", {"mine": _good()})  # the user's own shard, in the folder it writes to
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(shards) in err[0] and "train-00007.tar, not written by vembed" in err[0]
+    assert (shards / "train-00007.tar").is_file() and sorted(p.name for p in shards.iterdir()) == ["train-00007.tar"]
+
+    (shards / "train-00007.tar").unlink()
+    assert main(args) == 0
+    (shards / "notes.txt").write_text("mine")
+    assert main([*args[:-1], "16"]) == 0  # a rerun replaces its own shards (4 of 8 become 2 of 16), nothing else
+    assert sorted(p.name for p in shards.glob("train-*.tar")) == ["train-00000.tar", "train-00001.tar"]
+    assert (shards / "notes.txt").read_text() == "mine"
+
+
+def test_data_index_names_a_missing_path_and_the_missing_extra_in_one_line(tmp_path, capsys, monkeypatch):
+    from vembed.cli import main
+
+    write_tar(tmp_path / "s-0.tar", {"k": _good()})
+    (tmp_path / "empty").mkdir()
+    for given, says in ((tmp_path / "s-9.tar", f"{tmp_path / 's-9.tar'} not found"),
+                        (tmp_path / "empty", "empty holds no .tar shards"),
+                        (tmp_path / "t-*.tar", "t-*.tar matches no files")):
+        # the missing one is named, even beside a good shard (it was dropped, and the good one indexed alone)
+        assert main(["data", "index", str(tmp_path / "s-0.tar"), str(given)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
+    assert not (tmp_path / "sizes.json").exists()
+    monkeypatch.setitem(sys.modules, "webdataset", None)  # the streaming extra not installed
+    assert main(["data", "index", str(tmp_path / "s-0.tar")]) == 2
+    assert capsys.readouterr().err.strip() == ("recipe error: vembed data index: reads tar shards through the "
+                                               "webdataset package; pip install 'vembed[streaming]'")
+
+
+def test_a_dual_encoders_stream_skips_samples_that_would_leave_a_tower_idle(tmp_path, tiny_clip_recipe):
+    """2-rank CLIP runs on tar shards set DDP's find_unused_parameters (an extra graph pass every step) although no
+    parameter went unused: the stream's records were unknown. The decoder now insists on text and an image."""
+    from vembed.models import MODELS
+    from vembed.tasks.contrastive import ContrastiveTask
+
+    write_tar(tmp_path / "s-0.tar", {"k0": _good(), "k1": {"txt": b"text only", "json": b'{"positive": "doc"}'}})
+    cfg = DataConfig(train=str(tmp_path / "s-0.tar"))
+    backend, shards = open_stream(cfg)
+    decoder = SampleDecoder(cfg.columns.model_dump(), None, 0, 1, required_modalities=frozenset({"text", "image"}))
+    stream = ShardStream(backend, shards, decoder, list, batch_size=1, seed=0, shuffle_buffer=1)
+    stream.start_epoch(0)
+    items = list(stream)
+    position = SlotPosition.from_dict(items[-1][0])
+    assert [batch[0].query.text for _, batch in items if batch] == ["a caption"]
+    assert position.skipped == {"missing_modality": 1} and "has no image" in position.bad_rows[0]["detail"]
+
+    task = ContrastiveTask(recipe_from_dict(dict(tiny_clip_recipe, data={"train": str(tmp_path / "s-*.tar")},
+                                                 max_steps=2)))
+    task.train_rows = None  # streamed
+    assert MODELS.get("clip").modalities_per_record == {"text", "image"}
+    assert task.every_step_uses_every_parameter()  # so DDP is built without the search

@@ -124,3 +124,13 @@ def test_an_unrelated_folder_is_not_overwritten(tmp_path):
     with pytest.raises(DataError, match="not a vembed synthetic dataset"):
         make_dummy_dataset(tmp_path / "mine", num_samples=6)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_a_rebuild_with_other_settings_keeps_files_the_user_added(tmp_path):
+    make_dummy_dataset(tmp_path / "d", num_samples=6)
+    (tmp_path / "d" / "notes.txt").write_text("keep me")
+    with pytest.raises(DataError, match=r"d: holds notes.txt, not written by vembed"):
+        make_dummy_dataset(tmp_path / "d", num_samples=9)  # other settings: the folder would be replaced
+    assert (tmp_path / "d" / "notes.txt").read_text() == "keep me"
+    (tmp_path / "d" / "notes.txt").unlink()
+    assert make_dummy_dataset(tmp_path / "d", num_samples=9)["train"] > 0  # only what it wrote: rebuilt

@@ -182,6 +182,19 @@ def test_the_cli_helpers_answer_out_of_range_arguments_in_one_line(tmp_path, cap
     assert not out.exists()
 
 
+@pytest.mark.parametrize("kind", ["dummy", "digits", "webdataset"])
+def test_data_out_that_is_a_file_is_one_line(tmp_path, capsys, kind):
+    from vembed.cli import main
+
+    taken = tmp_path / "taken.txt"
+    taken.write_text("x")
+    for out in (taken, taken / "data"):  # was a FileExistsError / NotADirectoryError traceback
+        assert main(["data", kind, "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"--out: {out} cannot be a folder: {taken} is a file" in err and "\n" not in err, err
+    assert taken.read_text() == "x"
+
+
 def test_eval_and_export_arguments_out_of_range_are_one_line(tmp_path, capsys, dummy_data_dir):
     from vembed.cli import main
 
@@ -190,7 +203,11 @@ def test_eval_and_export_arguments_out_of_range_are_one_line(tmp_path, capsys, d
     test = str(dummy_data_dir / "test.jsonl")
     for argv, says in ((["eval", str(tmp_path), test, "--batch-size", "0"], "--batch-size: must be at least 1"),
                        (["eval", str(tmp_path), test, "--max-samples", "-3"], "--max-samples: must be at least 1"),
-                       (["eval", str(tmp_path), test, "--output", str(taken / "m.json")], "taken.txt is a file")):
+                       (["eval", str(tmp_path), test, "--output", str(taken / "m.json")], "taken.txt is a file"),
+                       # a file there (a data file named by mistake) is replaced only when asked, as export and mine
+                       (["eval", str(tmp_path), test, "--output", str(taken)],
+                        "--output: " + str(taken) + " exists; pass --overwrite to replace it")):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip()
         assert says in err and "\n" not in err, err
+    assert taken.read_text() == "x"

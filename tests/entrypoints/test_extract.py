@@ -103,3 +103,21 @@ def test_a_missing_image_folder_is_one_line(setup, tmp_path, capsys):
     assert _extract(setup, tmp_path / "out", [str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("recipe error: --images") and len(err.splitlines()) == 1
+
+
+def test_shards_of_another_extraction_are_refused_not_mixed_in(setup, tmp_path, capsys):
+    """A rerun with other teachers or shard size kept the old shards as 'finished' and indexed them with the new."""
+    out = tmp_path / "out"
+    assert _extract(setup, out) == 0
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    capsys.readouterr()
+    assert vembed(["extract", "--teacher-a", setup["clip"], "--teacher-b", setup["clip"], "--images",
+                   str(setup["images"]), "--out", str(out), "--shard-size", "3", "--dtype", "float32"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds an extraction with other settings (teacher_a" in err and "\n" not in err, err
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "shard-00000.safetensors").write_bytes(b"someone else's")
+    assert _extract(setup, foreign) == 2
+    assert "without extraction.json, not written by vembed extract" in capsys.readouterr().err

@@ -68,6 +68,36 @@ def test_a_second_launch_into_a_running_runs_folder_is_refused(tiny_clip_recipe,
     assert code == 2 and f"in use by another vembed run (pid {holder.pid} " in err and "\n" not in err
 
 
+@pytest.mark.parametrize("config, processes", [("deepspeed_zero2", 1), ("ddp_cpu", 2), ("single", 2)])
+def test_configs_derived_for_a_launch_are_removed_when_it_ends(tiny_clip_recipe, tmp_path, monkeypatch, capsys,
+                                                                config, processes):
+    """DeepSpeed (its JSON made absolute) and multi-CPU (its DDP launcher) launches left a tmp*-NAME.yaml in $TMPDIR
+    per launch."""
+    scratch = tmp_path / "tmpdir"
+    scratch.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(scratch))
+    monkeypatch.setattr(launch, "_check_launcher_installed", lambda config: None)  # deepspeed need not be installed
+    seen = []
+
+    def launched(launch_args, num_processes=None):
+        config_file = Path(launch_args[launch_args.index("--config_file") + 1])
+        seen.append((config_file, config_file.is_file()))
+        return 0
+
+    monkeypatch.setattr(launch, "launch_in_process", launched)
+    for promised in (launch.EXPECTED_WORLD_SIZE_ENV, launch.LAUNCHER_ENV, launch.LAUNCHER_PID_ENV):
+        monkeypatch.delenv(promised, raising=False)  # the launch sets them for its ranks: gone after this test
+    recipe = _recipe_file(tmp_path, tiny_clip_recipe)
+    assert launch.main([str(recipe), "--accelerate_config", config, "--num_processes", str(processes)]) == 0
+    [(config_file, existed)] = seen
+    derived = config_file.parent != launch.CONFIGS  # single, 2 processes: rewritten for the DDP launcher
+    assert existed and (derived or config == "ddp_cpu") and list(scratch.iterdir()) == []
+    assert launch.main([str(recipe), "--accelerate_config", config, "--num_processes", str(processes),
+                        "--dry_run"]) == 0
+    if derived:  # a dry run prints a command naming the derived file: that one stays, and says where
+        assert "stays in" in capsys.readouterr().err and len(list(scratch.iterdir())) == 1
+
+
 @pytest.mark.parametrize("config, processes, in_launcher", [
     ("single", 1, True), ("ddp_cpu", 2, False), ("ddp_cpu", 1, False), ("deepspeed_zero2", 1, False),
     ("fsdp", 1, False),

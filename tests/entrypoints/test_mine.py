@@ -84,11 +84,17 @@ def test_mine_writes_rows_that_training_reads_as_hard_negatives(setup, tmp_path,
     ({"--max-score-ratio": "0"}, "--max-score-ratio: must be in (0, 1]"),
     ({"model": "missing"}, "is not a folder"),
     ({"out": "exists"}, "exists; pass --overwrite"),
+    ({"cache": "foreign"}, "holds docs-0000000000-0000000004.pt and 0 more block file(s) without vembed's"),
 ])
 def test_bad_input_is_one_line_and_exit_2(setup, tmp_path, capsys, change, expected):
     out = tmp_path / "negatives.jsonl"
     if change.pop("out", None):
         out.write_text("keep me\n")
+    cache = tmp_path / "my-blocks"
+    if change.pop("cache", None):  # block files vembed did not write: opening the cache would delete them
+        cache.mkdir()
+        (cache / "docs-0000000000-0000000004.pt").write_text("keep me")
+        change["--cache-dir"] = str(cache)
     model = str(tmp_path / "nope") if change.pop("model", None) else str(setup / "model")
     corpus = str(tmp_path / "nope") if change.pop("corpus", None) else str(setup / "corpus")
     flags = [item for pair in change.items() for item in pair]
@@ -97,6 +103,7 @@ def test_bad_input_is_one_line_and_exit_2(setup, tmp_path, capsys, change, expec
     assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
     assert not out.exists() or out.read_text() == "keep me\n"
     assert not (tmp_path / "negatives.jsonl.cache").exists()
+    assert not cache.exists() or (cache / "docs-0000000000-0000000004.pt").read_text() == "keep me"
 
 
 WORDS = "red blue green yellow black white small empty square circle triangle star lines page digit seven".split()

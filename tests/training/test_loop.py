@@ -273,11 +273,33 @@ def test_images_that_fail_to_decode_in_training_count_against_max_bad_fraction(t
     from vembed.errors import DataError
 
     train = _with_corrupt_images(dummy_data_dir, tmp_path, every=4)
-    raw = dict(tiny_clip_recipe, data={"train": str(train), "num_workers": 1}, max_steps=8, save_steps=None)
+    # Without the image cache the share is only known from the batches (with it: the next test).
+    raw = dict(tiny_clip_recipe, data={"train": str(train), "num_workers": 1, "image_cache": False}, max_steps=8,
+               save_steps=None)
     with pytest.raises(DataError, match=r"had images that would not decode .* > data.max_bad_fraction=0.05") as info:
         Trainer(recipe_from_dict(raw)).run()
     assert "corrupt" in str(info.value) and "\n" not in str(info.value)
     assert not (Path(raw["output_dir"]) / "final").exists()
+
+
+def test_with_the_image_cache_too_many_undecodable_images_stop_the_run_before_step_1(tiny_clip_recipe,
+                                                                                      dummy_data_dir, tmp_path,
+                                                                                      monkeypatch):
+    """Building the cache decodes every image, so the exact share is known before training: refused there."""
+    from vembed.errors import DataError
+
+    def no_step(*args, **kwargs):
+        raise AssertionError("a training step was set up before the refusal")
+
+    monkeypatch.setattr("vembed.training.grad_cache.build_train_step", no_step)
+    train = _with_corrupt_images(dummy_data_dir, tmp_path, every=4)  # rows 1, 5, 9, ...: 17 of 68
+    raw = dict(tiny_clip_recipe, data={"train": str(train), "image_cache_dir": str(tmp_path / "cache")},
+               max_steps=8, save_steps=None)
+    with pytest.raises(DataError, match=r"train.jsonl, row 1: 17 of 68 training records have images that do not "
+                                        r"decode .* 25% of data.train is unusable > data.max_bad_fraction=0.05\); "
+                                        r"this row: .*corrupt0.png") as info:
+        Trainer(recipe_from_dict(raw)).run()
+    assert "\n" not in str(info.value)
 
 
 def test_a_few_undecodable_images_below_max_bad_fraction_do_not_stop_the_run(tiny_clip_recipe, dummy_data_dir,

@@ -121,6 +121,35 @@ def test_output_dir_that_is_a_file_or_not_writable_is_refused_before_anything_is
     assert not (tmp_path / "ro").exists()
 
 
+def test_an_image_cache_dir_that_is_a_file_or_not_writable_is_refused_before_anything_is_built(
+        dummy_data_dir, tmp_path, monkeypatch):
+    _refuse_before_building(monkeypatch)  # it was found only when the cache opened: FileExistsError, PermissionError
+    a_file = tmp_path / "taken"
+    a_file.write_text("x")
+    for cache_dir, says in ((a_file, "taken is a file"), (a_file / "images", "cannot be created: .*taken is a file")):
+        raw = _recipe(dummy_data_dir, tmp_path / "run", data={"train": str(dummy_data_dir / "train.jsonl"),
+                                                               "image_cache_dir": str(cache_dir)})
+        with pytest.raises(RecipeError, match=f"data.image_cache_dir: .*{says}"):
+            Trainer(recipe_from_dict(raw))
+    import tempfile
+
+    real_mkstemp = tempfile.mkstemp
+
+    def read_only(*args, dir=None, **kwargs):  # the default folder (~/.cache, here the tests') on a read-only mount
+        if str(dir).startswith(os.environ["VEMBED_IMAGE_CACHE_DIR"]):
+            raise PermissionError(13, "Read-only file system")
+        return real_mkstemp(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr("vembed.training.run_dir.tempfile.mkstemp", read_only)
+    with pytest.raises(RecipeError, match=r"data.image_cache_dir: cannot write in .*Read-only file system; choose a "
+                                          r"writable data.image_cache_dir \(or set data.image_cache: false\)"):
+        Trainer(recipe_from_dict(_recipe(dummy_data_dir, tmp_path / "run")))
+    raw = _recipe(dummy_data_dir, tmp_path / "run", data={"train": str(dummy_data_dir / "train.jsonl"),
+                                                           "image_cache": False})
+    check_output_dir(recipe_from_dict(raw))  # no cache, nothing to write there
+    assert not (tmp_path / "run").exists()
+
+
 def test_overwrite_and_resume_together_are_refused(dummy_data_dir, tmp_path):
     with pytest.raises(RecipeError, match="overwrite_output_dir"):
         check_output_dir(recipe_from_dict(_recipe(dummy_data_dir, tmp_path, overwrite_output_dir=True,

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _COUNTER_SLOTS = 257  # the training process and up to 256 DataLoader workers, each writing only its own row
+SKIPS_SHOWN = 3  # "skipping ..." lines per process; the rest are counted (the run's stop line and metrics.json)
 
 
 @dataclass(frozen=True)
@@ -115,8 +116,7 @@ class PairDataset(Dataset):
             except DataError as err:
                 self._bad.add(candidate)
                 first_error = first_error or err
-                example = self.examples[candidate]
-                logger.warning("skipping %s, row %s: %s", example.source, example.row, err)
+                self._warn_skipped(self.examples[candidate], err)
                 continue
             self._count(index, replaced=candidate != index)
             return decoded
@@ -128,6 +128,14 @@ class PairDataset(Dataset):
             file=start.source,
             row=start.row,
         )
+
+    def _warn_skipped(self, example: Example, err: DataError) -> None:
+        """The first few skipped records by name, then one line: a corrupt folder would print a line per row."""
+        if len(self._bad) <= SKIPS_SHOWN:
+            logger.warning("skipping %s, row %s: %s", example.source, example.row, err)
+        elif len(self._bad) == SKIPS_SHOWN + 1:
+            logger.warning("skipping more records whose images do not decode, without a line each: they are counted "
+                           "against data.max_bad_fraction and in metrics.json (train.decode_failures)")
 
     def _decoded(self, example: Example) -> Example:
         return Example(

@@ -119,6 +119,20 @@ def image_paths(examples: Iterable["Example"], num_negatives: int | None) -> lis
     return sorted(found)
 
 
+def undecodable_records(examples: Sequence["Example"], cache: "ImageCache") -> tuple[int, int | None]:
+    """(how many records use an image that did not decode when `cache` was built, the index of the first): known
+    before training, since building the cache decoded every image. Walks the records only when there are such images."""
+    if not cache.errors:
+        return 0, None
+    count, first = 0, None
+    for index, example in enumerate(examples):
+        sides = (example.query, example.positive, *example.negatives)
+        if any(isinstance(image, str) and image in cache.errors for side in sides for image in side.images):
+            count += 1
+            first = index if first is None else first
+    return count, first
+
+
 class ImageCache:
     """Maps an image path to its cached pixels (`pixels(path)`), or raises the `DataError` decoding it raised when
     the cache was built. Pickles as its file name (DataLoader workers map the file again)."""

@@ -15,8 +15,10 @@ from typing import Any
 
 from vembed.data.streaming import SIZES_FILE
 from vembed.errors import DataError
+from vembed.files import replace_atomically
 
 TEXT_FIELD, IMAGE_FIELD = "query", "positive_image"
+WRITTEN_FILE = ".vembed-shards.json"  # the names write_shards wrote here: the only files a rerun may replace
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -47,9 +49,10 @@ def write_shards(records: list[dict[str, Any]], image_base: str | os.PathLike, o
     if shard_size <= 0:
         raise DataError(f"shard size must be positive, got {shard_size}")
     out_dir = Path(out_dir)
+    ours = _written_before(out_dir, prefix)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for old in out_dir.glob(f"{prefix}-*.tar"):  # shards of an earlier, longer run would join the glob
-        old.unlink()
+    for old in ours:  # shards of an earlier, longer run would join the glob
+        (out_dir / old).unlink(missing_ok=True)
     sizes: dict[str, int] = {}
     paths = []
     for number, start in enumerate(range(0, len(records), shard_size)):
@@ -63,8 +66,26 @@ def write_shards(records: list[dict[str, Any]], image_base: str | os.PathLike, o
         tmp.replace(out_dir / name)
         sizes[name] = len(part)
         paths.append(str(out_dir / name))
-    (out_dir / SIZES_FILE).write_text(json.dumps(sizes, indent=1))
+    replace_atomically(out_dir / WRITTEN_FILE, lambda tmp: tmp.write_text(json.dumps([*sizes, SIZES_FILE])))
+    replace_atomically(out_dir / SIZES_FILE, lambda tmp: tmp.write_text(json.dumps(sizes, indent=1)))
     return paths
+
+
+def _written_before(out_dir: Path, prefix: str) -> list[str]:
+    """The files an earlier `write_shards` left in `out_dir` (its manifest), which may be replaced. Shards or a
+    sizes.json it did not write would be deleted, overwritten or read with the new shards by the `prefix-*.tar`
+    glob: refused in one line, before anything is written."""
+    try:
+        ours = set(json.loads((out_dir / WRITTEN_FILE).read_text()))
+    except (OSError, ValueError):
+        ours = set()
+    in_the_way = sorted(path.name for path in [*out_dir.glob(f"{prefix}-*.tar"), out_dir / SIZES_FILE]
+                        if path.exists() and path.name not in ours)
+    if in_the_way:
+        shown = ", ".join(in_the_way[:3]) + (f" and {len(in_the_way) - 3} more" if len(in_the_way) > 3 else "")
+        raise DataError(f"holds {shown}, not written by vembed; the new shards would replace them or be read with "
+                        "them: choose another --out, or move them away", file=str(out_dir))
+    return sorted(ours)
 
 
 def write_webdataset(out_dir: str | os.PathLike, source: str = "digits", *, num_samples: int = 512,

@@ -107,8 +107,10 @@ class SampleDecoder:
     """
 
     def __init__(self, columns: dict[str, str], image_root: str | None, num_negatives: int,
-                 max_images_per_side: int | None, defaults: dict[str, str] | None = None, keep_encoded: bool = False):
+                 max_images_per_side: int | None, defaults: dict[str, str] | None = None, keep_encoded: bool = False,
+                 required_modalities: frozenset[str] = frozenset()):
         self.keep_encoded = keep_encoded  # return images still compressed (checked by one decode): samples held long
+        self.required_modalities = required_modalities  # the adapter's modalities_per_record
         self.columns = columns
         self.image_root = image_root
         self.num_negatives = num_negatives
@@ -123,6 +125,11 @@ class SampleDecoder:
             sides = [example.query, example.positive, *example.negatives]
             if self.max_images_per_side is not None and any(len(s.images) > self.max_images_per_side for s in sides):
                 raise SampleSkipped("too_many_images", f"a side has more than {self.max_images_per_side} image(s)")
+            fed = {"text"} if any(s.text for s in sides) else set()
+            fed |= {"image"} if any(s.image is not None for s in sides) else set()
+            missing = sorted(self.required_modalities - fed)
+            if missing:
+                raise SampleSkipped("missing_modality", f"has no {' or '.join(missing)}")
             decoded = _decoded(example)
             return example if self.keep_encoded else decoded
         except SampleSkipped as skip:

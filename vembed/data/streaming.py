@@ -58,6 +58,7 @@ EXTRA_SKIP_FIXES = {  # reasons a stream meets beside the map-style ones (source
     "bad_json": "make every .json member one valid JSON object",
     "bad_shard": "check the shard: it is missing, truncated or not a tar / data file",
     "too_many_images": "give one image per side (only qwen_vl embeds several)",
+    "missing_modality": "give every sample text and an image (a dual encoder trains both towers every step)",
 }
 STREAM_SKIP_FIXES = {**SKIP_FIXES, **EXTRA_SKIP_FIXES}
 
@@ -405,13 +406,15 @@ class StreamReport(DataReport):
         )
 
 
-def require_backend(backend: str) -> None:
+def require_backend(backend: str, key: str = "data.train") -> None:
     """Both backends shuffle through webdataset's buffer; tar shards are also parsed by it."""
     import importlib.util
 
     if importlib.util.find_spec("webdataset") is None:
         what = "names tar shards, which stream" if backend == "webdataset" else "streams"
-        raise RecipeError("data.train", f"{what} through the webdataset package; pip install 'vembed[streaming]'")
+        if key != "data.train":
+            what = "reads tar shards"
+        raise RecipeError(key, f"{what} through the webdataset package; pip install 'vembed[streaming]'")
 
 
 # --- the stream ----------------------------------------------------------------------------------------------------

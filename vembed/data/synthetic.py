@@ -67,6 +67,10 @@ def _reusable(out_dir: Path, spec: dict[str, Any]) -> dict[str, Any] | None:
         stored = json.loads(summary_file.read_text())
         if stored.get("spec") == spec:
             return _summary(out_dir, stored)
+        foreign = _not_written_by_us(out_dir, stored)
+        if foreign:
+            raise DataError(f"holds {', '.join(foreign[:3])}, not written by vembed; rebuilding it with other settings "
+                            "would delete them: choose another folder, or move them away", file=str(out_dir))
         return None  # ours, other settings: rebuilt and replaced
     if out_dir.is_dir() and not any(out_dir.iterdir()):
         return None
@@ -74,6 +78,16 @@ def _reusable(out_dir: Path, spec: dict[str, Any]) -> dict[str, Any] | None:
         f"exists and is not a vembed synthetic dataset (no {SUMMARY_FILE}); choose another folder or empty it",
         file=str(out_dir),
     )
+
+
+def _not_written_by_us(out_dir: Path, stored: dict[str, Any]) -> list[str]:
+    """What a folder of ours holds beside what `_finish` and the image loop wrote (a rebuild replaces the folder)."""
+    written = {f"{split}.jsonl" for split in SPLITS} | {"images", "classes.json", "tokenizer", SUMMARY_FILE}
+    foreign = sorted(path.name for path in out_dir.iterdir() if path.name not in written)
+    images = out_dir / "images"
+    if images.is_dir() and sum(1 for _ in images.iterdir()) != stored.get("num_images"):
+        foreign.append("images/ (other than the generated ones)")
+    return foreign
 
 
 @contextmanager

@@ -38,7 +38,7 @@ def run_launch(launch: Launch, recipe: str, steps: int, out: Path, extra: list[s
                  "resume_from=null", *extra, *launch.overrides]
     if cpu:
         overrides.append("mixed_precision=no")
-    config = _with_absolute_deepspeed_file(CONFIGS / launch.config)
+    config = _with_absolute_deepspeed_file(CONFIGS / launch.config, out)  # out: the scratch folder, removed after
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
                "--num_processes", str(launch.processes)]
     if launch.processes > 1:

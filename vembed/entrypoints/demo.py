@@ -104,7 +104,8 @@ def _export(final_dir: Path) -> Path | None:
         return None
     from vembed.export import export_sentence_transformers
 
-    return export_sentence_transformers(final_dir, str(final_dir) + "-st")
+    # The demo trains from scratch each run (overwrite_output_dir), so its export is replaced too.
+    return export_sentence_transformers(final_dir, str(final_dir) + "-st", overwrite=True)
 
 
 def _print_table(summary: dict, output_dir: str) -> None:

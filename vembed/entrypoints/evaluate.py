@@ -33,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                         "queries; the corpus stays whole)")
     parser.add_argument("--split", help="a corpus folder's qrels split (qrels/<split>.tsv; default: test)")
     parser.add_argument("--output", help="write the metrics as JSON here")
+    parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     parser.add_argument("--trust-remote-code", "--trust_remote_code", action="store_true",
                         help="let the model folder run Python code it ships (only for folders you trust)")
     parser.add_argument("--accelerate_config", "--accelerate-config",
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
             if value is not None and value < 1:
                 raise RecipeError(flag, f"must be at least 1, got {value}")
         if args.output:
-            _check_output_file(Path(args.output))
+            _check_output_file(Path(args.output), args.overwrite)
         corpus = _is_corpus(args)
         if not corpus and args.split is not None:
             raise RecipeError("--split", f"names a qrels split of a corpus folder; {' '.join(args.data)} is not "
@@ -76,16 +77,17 @@ def _asks_for_a_launch(args: argparse.Namespace) -> bool:
 def _launch(args: argparse.Namespace, corpus: bool) -> int:
     """`accelerate launch -m vembed.entrypoints.evaluate ARGS` with the config and process count `vembed train` would
     use (the same machinery); one plain process evaluates here."""
-    from vembed.entrypoints.launch import accelerate_arguments, plan_launch, start
+    from vembed.entrypoints.launch import accelerate_arguments, plan_launch, scratch_folder, start
     from vembed.errors import LaunchError
 
     argv = getattr(args, "argv", None)  # the command line as typed, which each process parses again
     if argv is None:
         raise LaunchError("--accelerate_config: launching needs the command line; run `vembed eval` or "
                           "vembed.entrypoints.evaluate.main(argv)")
-    config, num_processes = plan_launch(args.accelerate_config, args.num_processes)
-    launch_args = accelerate_arguments(config, num_processes, ["-m", "vembed.entrypoints.evaluate", *argv])
-    return start(launch_args, num_processes, config, "vembed eval", lambda: _evaluate(args, corpus))
+    with scratch_folder() as scratch:  # derived configs go when the launch ends
+        config, num_processes = plan_launch(args.accelerate_config, args.num_processes, scratch)
+        launch_args = accelerate_arguments(config, num_processes, ["-m", "vembed.entrypoints.evaluate", *argv])
+        return start(launch_args, num_processes, config, "vembed eval", lambda: _evaluate(args, corpus))
 
 
 def _is_corpus(args: argparse.Namespace) -> bool:
@@ -171,9 +173,11 @@ def _evaluate_pairs(args: argparse.Namespace, accelerator: "Accelerator") -> dic
                               mrl_dims=args.mrl_dims, show_progress=True, accelerator=accelerator)
 
 
-def _check_output_file(path: Path) -> None:
-    """--output can be written: its folder exists (or can be made) and it is not itself a folder."""
+def _check_output_file(path: Path, overwrite: bool) -> None:
+    """--output can be written: its folder exists (or can be made), it is not itself a folder, and a file already
+    there (metrics of an earlier run, or a data file named by mistake) is replaced only with --overwrite."""
     from vembed.errors import RecipeError
+    from vembed.files import check_replaceable
 
     if path.is_dir():
         raise RecipeError("--output", f"{path} is a folder; name a JSON file")
@@ -182,6 +186,7 @@ def _check_output_file(path: Path) -> None:
         parent = parent.parent
     if not parent.is_dir():
         raise RecipeError("--output", f"{path} cannot be written: {parent} is a file")
+    check_replaceable(path, overwrite, key="--output")
 
 
 def main(argv: list[str] | None = None) -> int:

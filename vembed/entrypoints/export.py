@@ -10,6 +10,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_dir", help="a folder saved by vembed (e.g. runs/demo/final)")
     parser.add_argument("--format", default="sentence-transformers", choices=["sentence-transformers"])
     parser.add_argument("--out", help="output folder (default: MODEL_DIR-st)")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it holds an earlier export")
     parser.add_argument("--trust-remote-code", "--trust_remote_code", action="store_true",
                         help="let the model folder run Python code it ships (only for folders you trust)")
     parser.add_argument("--debug", action="store_true")
@@ -23,7 +24,8 @@ def run(args: argparse.Namespace) -> int:
         from vembed.export import export_sentence_transformers
 
         out = args.out or str(args.model_dir).rstrip("/") + "-st"
-        path = export_sentence_transformers(args.model_dir, out, trust_remote_code=args.trust_remote_code)
+        path = export_sentence_transformers(args.model_dir, out, trust_remote_code=args.trust_remote_code,
+                                            overwrite=args.overwrite)
         print(f"exported to {path}")
         return 0
 

@@ -93,22 +93,46 @@ def _uses_cpu(path: Path) -> bool:
     return bool(_read_config(path).get("use_cpu"))
 
 
-def _with_absolute_deepspeed_file(path: Path) -> Path:
-    """Our DeepSpeed configs name their JSON relative to the repository; a copy with the absolute path lets the
-    launch start from any directory. (accelerate's --deepspeed_config_file flag cannot do it: it makes the launcher
-    export settings that then conflict with the file.)"""
+def _derived_config(data: dict, like: Path, folder: Path | None) -> Path:
+    """`data` written as a config named after `like` in `folder` (the launch's scratch folder, removed when the launch
+    ends); without one, a new file in $TMPDIR that the caller removes."""
     import tempfile
 
     import yaml
 
+    with tempfile.NamedTemporaryFile("w", suffix=f"-{like.name}", dir=folder, delete=False) as handle:
+        yaml.safe_dump(data, handle)
+    return Path(handle.name)
+
+
+@contextlib.contextmanager
+def scratch_folder(keep: bool = False):
+    """Where a launch writes the configs it derives; removed with everything in it when the launch ends (they were
+    left in $TMPDIR, one per DeepSpeed or multi-CPU launch). `keep`: a dry run prints a command that names them."""
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="vembed-launch-"))
+    try:
+        yield folder
+    finally:
+        if keep and any(folder.iterdir()):
+            print(f"note: the derived config stays in {folder} for the command above; remove it when done",
+                  file=sys.stderr)
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _with_absolute_deepspeed_file(path: Path, folder: Path | None = None) -> Path:
+    """Our DeepSpeed configs name their JSON relative to the repository; a copy with the absolute path lets the
+    launch start from any directory. (accelerate's --deepspeed_config_file flag cannot do it: it makes the launcher
+    export settings that then conflict with the file.)"""
     data = _read_config(path)
     named = (data.get("deepspeed_config") or {}).get("deepspeed_config_file")
     if not named or Path(named).is_absolute() or not (ROOT / named).is_file():
         return path
     data["deepspeed_config"]["deepspeed_config_file"] = str(ROOT / named)
-    with tempfile.NamedTemporaryFile("w", suffix=f"-{path.name}", delete=False) as handle:
-        yaml.safe_dump(data, handle)
-    return Path(handle.name)
+    return _derived_config(data, path, folder)
 
 
 def _check_launcher_installed(config: Path) -> None:
@@ -120,14 +144,11 @@ def _check_launcher_installed(config: Path) -> None:
                           "or pick another --accelerate_config (ddp, fsdp)")
 
 
-def _with_ddp_launcher_for_several_processes(config: Path, num_processes: int) -> Path:
+def _with_ddp_launcher_for_several_processes(config: Path, num_processes: int, folder: Path | None = None) -> Path:
     """A config accelerate would start as ONE process although more were asked for (distributed_type MULTI_CPU
     needs mpirun; NO is single-process), as a copy that uses the DDP launcher (MULTI_GPU; `use_cpu` on CPU), which
     starts real ranks: what accelerate_configs/ddp_cpu.yaml does."""
-    import tempfile
-
     import torch
-    import yaml
 
     data = _read_config(config)
     kind = data.get("distributed_type")
@@ -137,9 +158,7 @@ def _with_ddp_launcher_for_several_processes(config: Path, num_processes: int) -
     data.update(distributed_type="MULTI_GPU", use_cpu=on_cpu, num_processes=num_processes)
     print(f"note: accelerate starts a {kind} config as one process; launching {num_processes} "
           f"{'CPU ' if on_cpu else ''}processes with its DDP launcher instead", file=sys.stderr)
-    with tempfile.NamedTemporaryFile("w", suffix=f"-{config.name}", delete=False) as handle:
-        yaml.safe_dump(data, handle)
-    return Path(handle.name)
+    return _derived_config(data, config, folder)
 
 
 def _read_config(path: Path) -> dict:
@@ -188,42 +207,45 @@ def run(args: argparse.Namespace) -> int:
         recipe = load_recipe(args.recipe, args.config_override)
         check_recipe(recipe)
         check_output_dir(recipe)  # before any process starts: output_dir writable, and not another run's
-        config, num_processes = plan_launch(args.accelerate_config, args.num_processes, recipe.use_fsdp)
-        target = [str(TRAIN_SCRIPT), args.recipe]
-        if args.config_override:
-            target += ["--config_override", *args.config_override]
-        if args.debug:
-            target.append("--debug")
-        launch_args = accelerate_arguments(config, num_processes, target)
-        if args.dry_run:
-            print(f"launching {num_processes} process(es) with {config}", file=sys.stderr)
-            print(" ".join(["accelerate", "launch", *launch_args]))
-            return 0
+        # Configs derived for this launch live in a scratch folder that goes when the launch ends.
+        with scratch_folder(keep=args.dry_run) as scratch:
+            config, num_processes = plan_launch(args.accelerate_config, args.num_processes, scratch, recipe.use_fsdp)
+            target = [str(TRAIN_SCRIPT), args.recipe]
+            if args.config_override:
+                target += ["--config_override", *args.config_override]
+            if args.debug:
+                target.append("--debug")
+            launch_args = accelerate_arguments(config, num_processes, target)
+            if args.dry_run:
+                print(f"launching {num_processes} process(es) with {config}", file=sys.stderr)
+                print(" ".join(["accelerate", "launch", *launch_args]))
+                return 0
 
-        def here() -> int:
-            from vembed.entrypoints.train import train
+            def here() -> int:
+                from vembed.entrypoints.train import train
 
-            return train(recipe)
+                return train(recipe)
 
-        # Held for the whole launch: a second launch into the same output_dir is refused while this one runs.
-        with RunLock(recipe.output_dir):
-            return start(launch_args, num_processes, config, getattr(args, "command_name", "python run.py"), here)
+            # Held for the whole launch: a second launch into the same output_dir is refused while this one runs.
+            with RunLock(recipe.output_dir):
+                return start(launch_args, num_processes, config, getattr(args, "command_name", "python run.py"), here)
 
     return run_cli(body, args.debug)
 
 
-def plan_launch(accelerate_config: str | None, num_processes: int | None, use_fsdp: bool = False
+def plan_launch(accelerate_config: str | None, num_processes: int | None, scratch: Path, use_fsdp: bool = False
                 ) -> tuple[Path, int]:
-    """The accelerate config file to launch with (a copy where ours must be adjusted) and the process count, checked
-    before any process starts. Shared by every command that launches itself (`vembed train`, `vembed eval`)."""
+    """The accelerate config file to launch with (a copy in `scratch`, the launch's `scratch_folder`, where ours must
+    be adjusted) and the process count, checked before any process starts. Shared by every command that launches
+    itself (`vembed train`, `vembed eval`)."""
     config, forced = choose_config(accelerate_config, use_fsdp)
     if num_processes is None:
         num_processes = forced or _config_num_processes(config)
     if num_processes < 1:
         raise LaunchError(f"--num_processes {num_processes}: pass a positive number of processes")
     _check_launcher_installed(config)
-    config = _with_ddp_launcher_for_several_processes(config, num_processes)
-    return _with_absolute_deepspeed_file(config), num_processes
+    config = _with_ddp_launcher_for_several_processes(config, num_processes, scratch)
+    return _with_absolute_deepspeed_file(config, scratch), num_processes
 
 
 def accelerate_arguments(config: Path, num_processes: int, target: list[str]) -> list[str]:

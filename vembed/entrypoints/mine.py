@@ -88,8 +88,9 @@ def run(args: argparse.Namespace) -> int:
 
         from vembed.data.corpus import CORPUS_FILE, load_corpus_split
         from vembed.errors import RecipeError
+        from vembed.files import check_replaceable
         from vembed.models.foreign import load_embedding_model, model_folder
-        from vembed.retrieval.cache import EmbeddingCache, cache_key
+        from vembed.retrieval.cache import EmbeddingCache, cache_key, check_cache_folder
         from vembed.retrieval.mining import faiss_available, mine_hard_negatives, write_jsonl_atomic
         from vembed.retrieval.search import DOCUMENTS_PER_BLOCK
 
@@ -101,12 +102,13 @@ def run(args: argparse.Namespace) -> int:
         out = Path(args.out)
         if out.is_dir():
             raise RecipeError("--out", f"{out} is a folder; name the JSONL file to write")
-        if out.exists() and not args.overwrite:
-            raise RecipeError("--out", f"{out} exists; pass --overwrite to replace it")
+        check_replaceable(out, args.overwrite)
         model_dir = model_folder(args.model_dir)
         use_faiss = args.faiss == "yes" or (args.faiss == "auto" and faiss_available())
         if args.faiss == "yes" and not faiss_available():
             raise RecipeError("--faiss", "faiss is not installed: pip install faiss-cpu (or pass --faiss no)")
+        if not args.no_cache:
+            check_cache_folder(args.cache_dir or f"{out}.cache")
         split = load_corpus_split(args.corpus, args.split, image_root=args.image_root, key="--split")
         quiet_libraries()
         on_cpu = not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")

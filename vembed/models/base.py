@@ -88,6 +88,10 @@ class EmbeddingAdapter(nn.Module, ABC):
     default_lora_target_modules: ClassVar[tuple[str, ...]] = ()
     # One tower per modality; a step that feeds no side of a modality leaves that tower without gradients.
     modalities: ClassVar[frozenset[str]] = frozenset({"text"})
+    # What every record of a stream must feed, so that every step reaches every trainable tower (a dual encoder's
+    # two): a streamed sample without them is skipped and counted, as open_clip drops samples without caption or
+    # image, and DDP needs no search for unused parameters (its flag is fixed before the stream is read).
+    modalities_per_record: ClassVar[frozenset[str]] = frozenset()
     # Images one side may hold (None: any number); data with more is refused when it is loaded, naming the row.
     max_images_per_side: ClassVar[int | None] = 1
     # Whether padding columns that no row attends change nothing this adapter computes (it pools from the attention

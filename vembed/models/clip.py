@@ -32,6 +32,7 @@ class ClipAdapter(TransformersAdapter):
     model_type = "clip"
     hf_model_type = "clip"
     modalities = frozenset({"text", "image"})
+    modalities_per_record = modalities  # a dual encoder: a text-only (or image-only) step leaves a tower idle
     default_lora_target_modules = ("q_proj", "k_proj", "v_proj", "out_proj")  # the attention projections, both towers
     text_padding: ClassVar[str] = "longest"  # CLIP pools at the EOS token under a causal mask, so padding is free
     length_chunking: ClassVar[bool] = True

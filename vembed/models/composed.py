@@ -71,6 +71,7 @@ class ComposedAdapter(EmbeddingAdapter):
     model_type = "composed"
     Settings: ClassVar[type[ComposedSettings]] = ComposedSettings
     modalities = frozenset({"text", "image"})
+    modalities_per_record = modalities  # a dual encoder: a text-only (or image-only) step leaves a tower idle
     default_lora_target_modules = ATTENTION_PROJECTIONS
     image_cache = True
 

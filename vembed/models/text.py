@@ -33,6 +33,7 @@ class TextAdapter(TransformersAdapter):
     Settings: ClassVar[type[TextSettings]] = TextSettings
     default_lora_target_modules = ATTENTION_PROJECTIONS
     length_chunking: ClassVar[bool] = True  # every pooling reads the attention mask
+    modalities_per_record = frozenset({"text"})  # its one tower: a streamed record without text cannot be embedded
 
     def __init__(self, model: "PreTrainedModel", tokenizer: Any, image_processor: None, settings: TextSettings):
         super().__init__(model, tokenizer, None, settings)

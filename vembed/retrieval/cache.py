@@ -52,6 +52,21 @@ def cache_key(model_dir: str | os.PathLike, corpus_file: str | os.PathLike, **se
             "corpus_size": corpus.stat().st_size, "corpus_sha256": file_sha256(corpus), **settings}
 
 
+def check_cache_folder(folder: str | os.PathLike, key: str = "--cache-dir") -> None:
+    """Refuse a folder holding block files under no manifest of ours: `open()` would delete them, and vembed did not
+    write them (it writes the manifest before the first block). Every process checks, before any collective."""
+    from vembed.errors import RecipeError
+
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise RecipeError(key, f"{folder} is a file; name a folder for the embedding cache (or pass --no-cache)")
+    if folder.is_dir() and not (folder / MANIFEST).is_file():
+        foreign = sorted(path.name for path in folder.glob("docs-*.pt"))
+        if foreign:
+            raise RecipeError(key, f"{folder} holds {foreign[0]} and {len(foreign) - 1} more block file(s) without "
+                                   f"vembed's {MANIFEST}; they would be deleted: choose another {key} or move them")
+
+
 class EmbeddingCache:
     """Block embeddings under `folder` for the model and corpus `key` describes (`cache_key`).
 

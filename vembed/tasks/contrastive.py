@@ -143,9 +143,10 @@ class ContrastiveTask(Task):
     def every_step_uses_every_parameter(self) -> bool:
         from vembed.models import MODELS
 
-        if self.train_rows is None:
-            return False  # streamed: the records are not known before training, so DDP searches
-        return self.train_rows.every_record_has(MODELS.get(self.recipe.model_type).modalities)
+        adapter_cls = MODELS.get(self.recipe.model_type)
+        if self.train_rows is None:  # streamed: records are unknown before training, unless the decoder insists
+            return adapter_cls.modalities_per_record >= adapter_cls.modalities
+        return self.train_rows.every_record_has(adapter_cls.modalities)
 
     def batch_lines(self, world_size: int) -> list[tuple[str, str]]:
         recipe = self.recipe
@@ -224,8 +225,9 @@ class ContrastiveTask(Task):
         from vembed.models import MODELS
 
         recipe, data = self.recipe, self.recipe.data
+        adapter_cls = MODELS.get(recipe.model_type)
         decoder = SampleDecoder(data.columns.model_dump(), data.image_root, data.num_hard_negatives or 0,
-                                MODELS.get(recipe.model_type).max_images_per_side)
+                                adapter_cls.max_images_per_side, required_modalities=adapter_cls.modalities_per_record)
         collate = PairCollator(objective.adapter, labels=data.mask_same_label)
         return ShardStream(self.stream_backend, self.stream_shards, decoder, collate,
                            batch_size=recipe.batch_size, seed=recipe.seed, shuffle_buffer=data.shuffle_buffer)

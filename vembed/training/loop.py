@@ -144,6 +144,7 @@ class Trainer:
         self.test_examples = self.task.load_eval_split("test")
 
         self.dataset, self.collate = self.task.train_dataset(self.objective)
+        self._check_cached_decode_failures()
         if isinstance(self.dataset, IterableDataset):  # streamed: it shards, shuffles and batches itself
             loader, self.stages = None, []
             self._plan_streamed_epochs()
@@ -507,6 +508,27 @@ class Trainer:
         every = self.accelerator.gather(local.unsqueeze(0)) if self.accelerator.num_processes > 1 else local[None]
         marked = [int(i) for i in every[:, 2].tolist() if i >= 0]
         return int(every[:, 0].sum()), int(every[:, 1].sum()), marked[0] if marked else None
+
+    def _check_cached_decode_failures(self) -> None:
+        """data.max_bad_fraction before step 1 when the image cache is on: building it decoded every training image,
+        so the share of records that would be replaced is known exactly, not sampled from the batches."""
+        cache = getattr(self.dataset, "image_cache", None)
+        if cache is None:
+            return
+        from vembed.data.image_cache import undecodable_records
+
+        bad, first = undecodable_records(self.dataset.examples, cache)
+        report, limit = self.train_report, self.recipe.data.max_bad_fraction
+        share = (report.num_skipped + bad) / max(report.kept + report.num_skipped, 1)
+        if bad and share > limit:
+            example, why = self.dataset.examples[first], self.dataset.decode_error(first)
+            raise DataError(
+                f"{bad} of {report.kept} training records have images that do not decode (found when the image cache "
+                f"decoded every image; with the {report.num_skipped} rows skipped when reading, {share:.0%} of "
+                f"data.train is unusable > data.max_bad_fraction={limit}); this row: {why}; fix or remove the broken "
+                "image files, or raise data.max_bad_fraction",
+                file=example.source, row=example.row,
+            )
 
     def _check_decode_failures(self) -> None:
         """data.max_bad_fraction over what training has seen: rows skipped when the files were read, plus records

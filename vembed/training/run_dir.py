@@ -144,11 +144,15 @@ def clear_previous_run(output_dir: Path) -> None:
 
 
 def check_output_dir(recipe: "Recipe") -> None:
-    """Refuse, in one line, a launch that could not write its results or would overwrite a run's work."""
+    """Refuse, in one line, a launch that could not write its results (output_dir, persistent_dir, the image cache)
+    or would overwrite a run's work. The one place every folder a run writes is checked, before anything is built."""
     output_dir = Path(recipe.output_dir)
     _check_writable(output_dir, "output_dir")
     if recipe.persistent_dir is not None:  # else found out at the first mirror, after training for it
         _check_writable(Path(recipe.persistent_dir), "persistent_dir")
+    image_cache = image_cache_folder(recipe)
+    if image_cache is not None:  # else found out once the model is built, when the cache is opened
+        _check_writable(image_cache, "data.image_cache_dir", or_else=" (or set data.image_cache: false)")
     if recipe.overwrite_output_dir and recipe.resume_from is not None:
         raise RecipeError("overwrite_output_dir", "and resume_from both set: overwrite_output_dir starts the run "
                                                   "again from scratch; remove one of them")
@@ -169,7 +173,22 @@ def check_output_dir(recipe: "Recipe") -> None:
                                         "start it again")
 
 
-def _check_writable(folder: Path, key: str) -> None:
+def image_cache_folder(recipe: "Recipe") -> Path | None:
+    """Where this run will write its training images' cache (vembed/data/image_cache.py), or None when it has none:
+    the cache is off, the adapter has no fixed image size, or the data streams."""
+    from vembed.data.image_cache import default_cache_dir
+    from vembed.data.streaming import wants_streaming
+    from vembed.models import MODELS
+
+    data = recipe.data
+    if not data.image_cache or recipe.model_type not in MODELS or not MODELS.get(recipe.model_type).image_cache:
+        return None
+    if wants_streaming(data):
+        return None
+    return Path(data.image_cache_dir) if data.image_cache_dir else default_cache_dir()
+
+
+def _check_writable(folder: Path, key: str, or_else: str = "") -> None:
     """`folder`, or the folder it would be created in, accepts a file: tried with a probe file, since permission bits
     say nothing of read-only mounts and full quotas (and root ignores them)."""
     existing = folder
@@ -177,11 +196,12 @@ def _check_writable(folder: Path, key: str) -> None:
         existing = existing.parent
     if existing.exists() and not existing.is_dir():
         where = "is a file" if existing == folder else f"cannot be created: {existing} is a file"
-        raise RecipeError(key, f"{folder} {where}; choose a folder")
+        raise RecipeError(key, f"{folder} {where}; choose a folder{or_else}")
     try:
         handle, probe = tempfile.mkstemp(prefix=".vembed-write-test-", dir=existing)
     except OSError as error:
-        raise RecipeError(key, f"cannot write in {existing}: {error.strerror}; choose a writable {key}") from None
+        raise RecipeError(key, f"cannot write in {existing}: {error.strerror}; choose a writable {key}{or_else}") \
+            from None
     os.close(handle)
     os.unlink(probe)
 
