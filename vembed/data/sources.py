@@ -481,14 +481,6 @@ def load_examples(
     return list(rows), report
 
 
-def load_source_examples(
-    data_cfg: "DataConfig", split: str, *, num_hard_negatives: int | None = None
-) -> "dict[str | None, list[Example]]":
-    """The records of `data.<split>` per named source (one entry, keyed None, for a split without named sources)."""
-    rows, _ = load_rows(data_cfg, split, num_hard_negatives=num_hard_negatives)
-    return {name: rows[start:stop] for name, start, stop in rows.source_ranges()}
-
-
 def _load_source(value: Any, split: str, format: str, columns: dict[str, str], image_root: str | None,
                  wanted: int | None, max_bad_fraction: float, settings: SourceSettings
                  ) -> "tuple[PairRows, DataReport]":
