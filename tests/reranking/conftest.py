@@ -1,29 +1,9 @@
-"""A tiny random-init BERT cross-encoder recipe (no downloads) and list data for the reranking tests."""
+"""The tiny random-init BERT cross-encoder recipe (no downloads) of the reranking tests."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
-
-TINY_BERT = {"model_type": "bert", "vocab_size": 320, "hidden_size": 32, "intermediate_size": 37,
-             "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 64,
-             "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "pad_token_id": 0}
-
-WORDS = ["red", "blue", "green", "square", "circle", "star", "a", "photo", "of", "on", "white", "page"]
-
-
-def write_lists(path, count: int = 8, length: int = 4, seed: int = 0):
-    import random
-
-    rng = random.Random(seed)
-    with open(path, "w") as handle:
-        for i in range(count):
-            documents = [" ".join(rng.choices(WORDS, k=rng.randint(2, 6))) for _ in range(length)]
-            labels = [1.0] + [0.0] * (length - 1)
-            handle.write(json.dumps({"query": f"a photo of a {WORDS[i % 6]}", "documents": documents,
-                                     "labels": labels}) + "\n")
-    return path
+from rerank_lists import TINY_BERT, write_lists
 
 
 @pytest.fixture
