@@ -89,3 +89,37 @@ def test_gradient_cache_is_refused_before_any_weight_is_read(rerank_recipe, monk
         Trainer(recipe_from_dict(dict(rerank_recipe, use_gradient_cache=True)))
     assert error.value.key == "use_gradient_cache"
     assert "not needed" in str(error.value) and "no in-batch negatives" in str(error.value)
+
+
+def test_corpus_folder_and_mined_negatives_give_positive_first_lists(rerank_recipe, tmp_path):
+    from corpora import make_corpus_folder, write_negatives
+
+    from vembed.reranking.data import read_lists
+
+    folder = make_corpus_folder(tmp_path / "corpus")
+    negatives = write_negatives(tmp_path / "negatives.jsonl")
+    data = {"train": str(folder), "hard_negatives": str(negatives), "num_hard_negatives": 2}
+    lists, report = read_lists(recipe_from_dict(dict(rerank_recipe, data=data)).data, "train")
+    assert len(lists) == report.kept == 13  # as the contrastive task reads the same folder and file
+    first = lists[0]  # q0 with d0 (grade 2), its two mined negatives d1, d3 (d6, judged relevant, dropped)
+    assert first.query == "a photo of a red square"
+    assert first.documents == ["square a red square on blue", "circle a red circle on green",
+                               "star a red star on black"]
+    assert first.labels == [1.0, 0.0, 0.0]
+
+
+def test_vembed_train_refuses_a_mismatched_list_in_one_line_and_writes_nothing(rerank_recipe, tmp_path, capsys):
+    import yaml
+
+    from vembed.cli import main
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"query": "q", "documents": ["a", "b"], "labels": [1]}) + "\n")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(dict(rerank_recipe, data={"train": str(bad)})))
+    assert main(["train", str(recipe)]) == 2
+    err = capsys.readouterr().err.strip()  # the launch line, then the error in one line
+    says = f"data error: {bad}, row 1: has 2 documents but 1 labels; give one label per document"
+    assert err.splitlines()[-1] == says
+    assert "Traceback" not in err
+    assert not (tmp_path / "run" / "final").exists()
