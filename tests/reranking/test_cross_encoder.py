@@ -31,6 +31,14 @@ def test_final_folder_scores_in_sentence_transformers_cross_encoder(rerank_recip
     assert torch.allclose(ours, theirs.cpu(), atol=1e-5, rtol=0), (ours, theirs)
     assert json.loads((final / "vembed.json").read_text())["model_type"] == "cross_encoder"
     assert result.metrics["train"]["steps"] == 2
+    # What embeds refuses it (vembed.load, vembed mine, vembed eval of an embedder), and it refuses an embedder.
+    from vembed.models import load_adapter
+
+    with pytest.raises(RecipeError, match="holds a 'cross_encoder' reranker, which scores .* and embeds nothing"):
+        load_adapter(final)
+    (final / "vembed.json").write_text(json.dumps({"model_type": "text", "settings": {}}))
+    with pytest.raises(RecipeError, match="holds a 'text' model, not a reranker"):
+        CrossEncoderAdapter.load(final)
 
 
 def _gradients(raw: dict, rows: list[int]) -> dict[str, torch.Tensor]:
