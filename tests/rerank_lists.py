@@ -23,3 +23,17 @@ def write_lists(path, count: int = 8, length: int = 4, seed: int = 0):
             handle.write(json.dumps({"query": f"a photo of a {WORDS[i % 6]}", "documents": documents,
                                      "labels": labels}) + "\n")
     return path
+
+
+def write_first_stage_run(split, path, left_out: dict | None = None):
+    """A poor first stage as a TREC run: 12 candidates per judged query of `split` (a CorpusSplit), its relevant
+    documents 4th and 9th from the top; `left_out`: {query: a relevant document it misses}."""
+    lines = []
+    for query, judged in split.qrels.items():
+        relevant = [d for d, grade in judged.items() if grade > 0]
+        others = [d for d in split.corpus.ids if d not in judged][:12 - len(relevant)]
+        ranked = others[:3] + relevant[:1] + others[3:7] + relevant[1:] + others[7:]
+        ranked = [d for d in ranked if d != (left_out or {}).get(query)]
+        lines += [f"{query} Q0 {d} {rank} {100 - rank} first" for rank, d in enumerate(ranked, start=1)]
+    path.write_text("\n".join(lines) + "\n")
+    return path

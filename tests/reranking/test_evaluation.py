@@ -8,25 +8,14 @@ import torch
 from vembed.errors import DataError
 
 
-def _split_and_run(tmp_path):
+def _split_and_run(tmp_path, name: str = "test"):
     from corpora import make_corpus_folder
+    from rerank_lists import write_first_stage_run
 
     from vembed.data.corpus import load_corpus_split
 
-    split = load_corpus_split(make_corpus_folder(tmp_path / "corpus"), "test")
-    # A poor first stage: 12 candidates per query, its relevant documents placed 4th and 9th from the top (one,
-    # d12, left out for q6, so recall stays below 1 after reranking too).
-    lines = []
-    for query, judged in split.qrels.items():
-        relevant = [d for d, grade in judged.items() if grade > 0]
-        others = [d for d in split.corpus.ids if d not in judged][:12 - len(relevant)]
-        ranked = others[:3] + relevant[:1] + others[3:7] + relevant[1:] + others[7:]
-        if query == "q6":
-            ranked = [d for d in ranked if d != "d12"]
-        lines += [f"{query} Q0 {d} {rank} {100 - rank} first" for rank, d in enumerate(ranked, start=1)]
-    path = tmp_path / "first_stage.trec"
-    path.write_text("\n".join(lines) + "\n")
-    return split, path
+    split = load_corpus_split(make_corpus_folder(tmp_path / "corpus"), name)
+    return split, write_first_stage_run(split, tmp_path / "first_stage.trec", left_out={"q6": "d12"})
 
 
 def test_an_oracle_reranker_lifts_ndcg_to_what_the_candidates_allow(tmp_path):
@@ -72,3 +61,56 @@ def test_a_bad_run_line_is_named(tmp_path):
     path.write_text("q1 Q0 d1 1 2.5 tag\nq1 Q0 d2 2 high tag\n")
     with pytest.raises(DataError, match=r"run.trec, row 2: is not a TREC run line"):
         read_run_file(path)
+
+
+def _validated_recipe(rerank_recipe, tmp_path, **changes):
+    from corpora import make_corpus_folder
+    from rerank_lists import write_first_stage_run
+
+    from vembed.data.corpus import load_corpus_split
+
+    folder = make_corpus_folder(tmp_path / "corpus")
+    run = write_first_stage_run(load_corpus_split(folder, "dev"), tmp_path / "dev.trec")
+    data = dict(rerank_recipe["data"], validation=str(folder), first_stage_run=str(run))
+    return dict(rerank_recipe, data=data, **changes)
+
+
+def test_in_run_evaluation_reranks_the_first_stage_as_the_saved_model_does(rerank_recipe, tmp_path):
+    from vembed.components import recipe_from_dict
+    from vembed.data.corpus import load_corpus_split
+    from vembed.reranking.cross_encoder import CrossEncoderAdapter
+    from vembed.reranking.evaluation import read_run_file, rerank_run
+    from vembed.tasks import check_recipe
+    from vembed.training.loop import Trainer
+
+    raw = _validated_recipe(rerank_recipe, tmp_path, eval_steps=1)
+    recipe = recipe_from_dict(raw)
+    check_recipe(recipe)
+    result = Trainer(recipe).run()
+    metrics = result.metrics
+    assert metrics["best"]["metric"] == "reranked/ndcg@10"
+    assert len(metrics["eval_history"]) >= 2
+    saved = rerank_run(CrossEncoderAdapter.load(result.final_model_dir).score,
+                       load_corpus_split(tmp_path / "corpus", "dev"), read_run_file(raw["data"]["first_stage_run"]))
+    assert metrics["validation"].keys() == saved.keys()
+    for key, value in saved.items():
+        assert metrics["validation"][key] == pytest.approx(value, abs=1e-9), key
+    assert metrics["validation"]["first_stage/mrr@10"] == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("changes, key", [
+    ({"first_stage_run": None}, "data.first_stage_run"),
+    ({"first_stage_run": "missing.trec"}, "data.first_stage_run"),
+    ({"test": "CORPUS"}, "data.test"),
+], ids=["no-run", "missing-run", "test-split"])
+def test_reranker_evaluation_keys_are_checked_before_anything_is_read(rerank_recipe, tmp_path, changes, key):
+    from vembed.components import recipe_from_dict
+    from vembed.errors import RecipeError
+    from vembed.tasks import check_recipe
+
+    raw = _validated_recipe(rerank_recipe, tmp_path)
+    data = {k: (raw["data"]["validation"] if v == "CORPUS" else v) for k, v in changes.items()}
+    raw["data"] = {k: v for k, v in {**raw["data"], **data}.items() if v is not None}
+    with pytest.raises(RecipeError) as error:
+        check_recipe(recipe_from_dict(raw))
+    assert error.value.key == key

@@ -66,6 +66,12 @@ class RerankTask(Task):
     uses_gradient_cache = False
     no_gradient_cache = NO_GRADIENT_CACHE  # what the launch plan says when GradCache is asked for
 
+    def __init__(self, recipe: "Recipe"):
+        super().__init__(recipe)
+        if recipe.data.validation is not None and "metric_for_best_model" not in recipe.model_fields_set:
+            recipe.metric_for_best_model = "reranked/ndcg@10"
+            recipe.model_fields_set.discard("metric_for_best_model")
+
     @classmethod
     def check_recipe(cls, recipe: "Recipe", *, for_training: bool = True) -> None:
         from vembed.components import model_class
@@ -76,6 +82,7 @@ class RerankTask(Task):
         if recipe.data.streaming:
             raise RecipeError("data.streaming", "is not available for rerankers yet; set data.streaming: false")
         check_data_paths(recipe.data, ("train",) if for_training else ())
+        _check_evaluation(recipe)
         model_class(recipe).check_recipe(recipe)
 
     def load_train_data(self):
@@ -107,11 +114,60 @@ class RerankTask(Task):
         return self.train_lists, partial(collate_lists, objective.adapter)
 
     def load_eval_split(self, split: str) -> Any:
-        return None  # reranking evaluation (a first-stage run file reranked) is not built yet
+        """data.validation's corpus split and the first-stage run to rerank on it (None without them)."""
+        from vembed.data.corpus import corpus_sources
+        from vembed.reranking.evaluation import read_run_file
+
+        data = self.recipe.data
+        if split != "validation" or data.validation is None:
+            return None
+        return corpus_sources(data, split)[None].load(), read_run_file(data.first_stage_run)
 
     def evaluate(self, model: nn.Module, data: Any, accelerator: "Accelerator",
                  prepared: nn.Module | None = None) -> dict[str, float]:
-        return {}
+        """Every process reranks the whole run (the same numbers on each: a reranker evaluation is small)."""
+        from vembed.reranking.evaluation import FIRST_STAGE_DEPTH, rerank_run
+
+        if not data:
+            return {}
+        split, run = data
+        return rerank_run(partial(model.score, batch_size=self.recipe.resolved_eval_batch_size), split, run,
+                          depth=FIRST_STAGE_DEPTH)
 
     def headline(self, metrics: dict[str, float]) -> str:
-        return "  ".join(f"{key}={value:.4f}" for key, value in metrics.items())
+        shown = [f"{stage}/{name}" for name in ("ndcg@10", "mrr@10") for stage in ("first_stage", "reranked")]
+        return "  ".join(f"{key}={metrics[key]:.4f}" for key in shown if key in metrics)
+
+
+def _check_evaluation(recipe: "Recipe") -> None:
+    """Held-out data is a corpus folder with a first-stage run to rerank; the best checkpoint is picked by a reranked
+    metric (default: reranked/ndcg@10). One line naming the key otherwise, before anything is read."""
+    import os
+
+    from vembed.data.corpus import corpus_sources
+    from vembed.evaluation.corpus import DEFAULT_CUTOFFS
+
+    data = recipe.data
+    if data.test is not None:
+        raise RecipeError("data.test", "is not evaluated for rerankers yet; rerank its first-stage run after "
+                                       "training (vembed.reranking.evaluation.rerank_run) or remove it")
+    if data.validation is None:
+        if data.first_stage_run is not None:
+            raise RecipeError("data.first_stage_run", "is set but data.validation is not; name the corpus folder "
+                                                      "the run was retrieved on")
+        return
+    if None not in corpus_sources(data, "validation"):
+        raise RecipeError("data.validation", "must be a corpus folder (corpus.jsonl, queries.jsonl, qrels/) for "
+                                             "rerankers: its first-stage candidates are reranked and judged")
+    corpus_sources(data, "validation")[None].check()
+    if data.first_stage_run is None or not os.path.isfile(data.first_stage_run):
+        found = "is not set" if data.first_stage_run is None else f"{data.first_stage_run!r} is not a file"
+        raise RecipeError("data.first_stage_run", f"{found}; give the TREC run file of the first stage on "
+                                                  "data.validation (e.g. the embedder's top 100 per query)")
+    names = [f"{stage}/{name}" for stage in ("reranked", "first_stage") for name in DEFAULT_CUTOFFS.names()]
+    if "metric_for_best_model" not in recipe.model_fields_set:
+        recipe.metric_for_best_model = "reranked/ndcg@10"
+        recipe.model_fields_set.discard("metric_for_best_model")
+    elif recipe.metric_for_best_model not in names:
+        raise RecipeError("metric_for_best_model", f"{recipe.metric_for_best_model!r} is not a reranking metric; use "
+                                                   f"one of: {', '.join(names)}")
