@@ -131,3 +131,22 @@ def test_vembed_train_refuses_a_mismatched_list_in_one_line_and_writes_nothing(r
     assert err.splitlines()[-1] == says
     assert "Traceback" not in err
     assert not (tmp_path / "run" / "final").exists()
+
+
+def test_lora_trains_the_score_head_in_full_and_saves_a_merged_cross_encoder(rerank_recipe):
+    from sentence_transformers.cross_encoder import CrossEncoder
+
+    from vembed.reranking.cross_encoder import CrossEncoderAdapter
+    from vembed.training.loop import Trainer
+
+    raw = dict(rerank_recipe, use_lora=True, lora_r=4, learning_rate=1e-2)
+    trainer = Trainer(recipe_from_dict(raw))
+    trainer.build()
+    trainable = {name for name, p in trainer.objective.adapter.named_parameters() if p.requires_grad}
+    assert {"model.classifier.weight", "model.classifier.bias"} <= trainable
+    assert any("lora_" in name for name in trainable)
+    assert not any(name.startswith("model.bert.") and "lora_" not in name for name in trainable)
+    result = trainer.run()
+    ours = CrossEncoderAdapter.load(result.final_model_dir).score([q for q, _ in PAIRS], [d for _, d in PAIRS])
+    theirs = CrossEncoder(str(result.final_model_dir), device="cpu").predict(PAIRS, convert_to_tensor=True).float()
+    assert torch.allclose(ours, theirs.cpu(), atol=1e-5, rtol=0), (ours, theirs)

@@ -199,6 +199,13 @@ class CrossEncoderAdapter(nn.Module):
         inject_lora([self.model], self.lora_target_modules(recipe), r=recipe.lora_r, alpha=recipe.lora_alpha,
                     dropout=recipe.lora_dropout, strict=recipe.lora_target_modules is not None,
                     model_type=self.model_type)
+        # The score head (outside the encoder: `classifier`, `score`, ...) is trained in full: it is new on a base
+        # encoder, and frozen it would leave LoRA fitting the encoder to a random projection.
+        encoder = getattr(self.model, self.model.base_model_prefix, None)
+        inside = {id(p) for p in encoder.parameters()} if isinstance(encoder, nn.Module) else set()
+        for parameter in self.model.parameters():
+            if id(parameter) not in inside:
+                parameter.requires_grad_(True)
 
     def block_classes(self) -> set[type[nn.Module]]:
         names = set(getattr(self.model, "_no_split_modules", None) or ())
