@@ -20,6 +20,7 @@ from vembed.errors import RecipeError, did_you_mean
 from vembed.generation import FLOW_LOSSES, GENERATORS
 from vembed.losses import LOSSES
 from vembed.models import MODELS
+from vembed.reranking import RANKING_LOSSES, RERANKERS
 
 if TYPE_CHECKING:
     from vembed.recipe import Recipe, Settings
@@ -61,8 +62,9 @@ def _keys(settings: type["Settings"]) -> set[str]:
     return {field.alias or name for name, field in settings.model_fields.items()}
 
 
-# Embedding adapters and losses, then the generative path's (vembed.generation).
-CATALOG = RegistryCatalog({"model_type": (MODELS, GENERATORS), "loss_type": (LOSSES, FLOW_LOSSES)})
+# Embedding adapters and losses, then the generative path's (vembed.generation), then rerankers' (vembed.reranking).
+CATALOG = RegistryCatalog({"model_type": (MODELS, GENERATORS, RERANKERS),
+                           "loss_type": (LOSSES, FLOW_LOSSES, RANKING_LOSSES)})
 
 
 def recipe_from_dict(raw: dict[str, Any], source: str | None = None) -> "Recipe":

@@ -96,6 +96,14 @@ def choose_gradient_cache(recipe: "Recipe", kind: LaunchKind,
     than 1B parameters) does not switch it on there, so a big-model FSDP recipe runs without it. `num_parameters`:
     the model's size; unset, it is counted on the meta device only when the rule needs it.
     """
+    from vembed.tasks import task_for
+
+    task = task_for(recipe)
+    if not task.uses_gradient_cache:  # a task without a contrastive batch (rerank: no in-batch negatives)
+        reason = getattr(task, "no_gradient_cache", None)
+        if recipe.use_gradient_cache and reason:
+            raise RecipeError("use_gradient_cache", reason)
+        return GradientCacheChoice(False, None, "off")
     unavailable = {
         "fsdp": "GradCache is not available under FSDP: its cached loss runs outside the sharded forward, where the "
                 "loss's own parameters stay sharded; use DDP + GradCache (with LoRA for big models) or FSDP without it",

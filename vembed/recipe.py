@@ -214,6 +214,9 @@ class DataConfig(_Strict):
     # "positive_ids", or neither: every positive of the query), "negative_ids": [...]} (what `mine` writes); each
     # record keeps num_hard_negatives of its row's (pairs with fewer are skipped and counted).
     hard_negatives: str | None = None
+    # Rerankers (model_type cross_encoder): a TREC run file of the first stage (the embedder's top candidates) on
+    # data.validation's corpus folder; evaluation reranks its top 100 per query and reports before and after.
+    first_stage_run: str | None = None
 
     @field_validator("train", "validation", "test", mode="before")
     @classmethod

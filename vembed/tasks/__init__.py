@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from vembed.training.stages import Stage
 
 TASKS: Registry[type["Task"]] = Registry(
-    "task", modules=("vembed.tasks.contrastive", "vembed.generation.task")
+    "task", modules=("vembed.tasks.contrastive", "vembed.generation.task", "vembed.reranking.task")
 )
 
 
@@ -35,6 +35,8 @@ class Task:
     name: ClassVar[str]
     # The task's loss can be computed on detached embeddings of chunked forwards (vembed/training/grad_cache.py).
     uses_gradient_cache: ClassVar[bool] = False
+    # Why GradCache is refused when asked for under this task (None: the task's own check says it).
+    no_gradient_cache: ClassVar[str | None] = None
 
     def __init__(self, recipe: "Recipe"):
         self.recipe = recipe

@@ -1,0 +1,152 @@
+"""The cross-encoder reranker: trained through the loop, its final/ scores in sentence-transformers' CrossEncoder as
+in vembed; lists in chunks give the unchunked gradients; bad lists and GradCache are refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from vembed.components import recipe_from_dict
+from vembed.errors import DataError, RecipeError
+
+PAIRS = [("a photo of a red square", "a red square on white"),
+         ("a photo of a red square", "two black lines crossing " * 12),  # cut to max_length, as CrossEncoder cuts
+         ("blue circle", "a small yellow star"), ("green", "an empty white page")]
+
+
+def test_final_folder_scores_in_sentence_transformers_cross_encoder(rerank_recipe):
+    from sentence_transformers.cross_encoder import CrossEncoder
+
+    from vembed.reranking.cross_encoder import CrossEncoderAdapter
+    from vembed.training.loop import Trainer
+
+    result = Trainer(recipe_from_dict(rerank_recipe)).run()
+    final = result.final_model_dir
+    ours = CrossEncoderAdapter.load(final).score([q for q, _ in PAIRS], [d for _, d in PAIRS])
+    theirs = CrossEncoder(str(final), device="cpu").predict(PAIRS, convert_to_tensor=True).float()
+    assert ours.shape == (len(PAIRS),)
+    assert ours.std() > 0  # the pairs are scored apart, not one constant
+    assert torch.allclose(ours, theirs.cpu(), atol=1e-5, rtol=0), (ours, theirs)
+    assert json.loads((final / "vembed.json").read_text())["model_type"] == "cross_encoder"
+    assert result.metrics["train"]["steps"] == 2
+    # What embeds refuses it (vembed.load, vembed mine, vembed eval of an embedder), and it refuses an embedder.
+    from vembed.models import load_adapter
+
+    with pytest.raises(RecipeError, match="holds a 'cross_encoder' reranker, which scores .* and embeds nothing"):
+        load_adapter(final)
+    (final / "vembed.json").write_text(json.dumps({"model_type": "text", "settings": {}}))
+    with pytest.raises(RecipeError, match="holds a 'text' model, not a reranker"):
+        CrossEncoderAdapter.load(final)
+
+
+def _gradients(raw: dict, rows: list[int]) -> dict[str, torch.Tensor]:
+    from vembed.training.loop import Trainer
+
+    trainer = Trainer(recipe_from_dict(raw))
+    trainer.build()
+    loss = trainer.model(trainer.loader.collate_fn([trainer.dataset[i] for i in rows]))
+    trainer.accelerator.backward(loss)
+    return {n: p.grad.detach().clone() for n, p in trainer.objective.named_parameters() if p.grad is not None}
+
+
+def test_lists_in_chunks_give_the_gradients_of_one_forward(rerank_recipe):
+    whole = _gradients(rerank_recipe, [0, 1, 2, 3])
+    chunked = _gradients(dict(rerank_recipe, pairs_per_chunk=3), [0, 1, 2, 3])  # 16 pairs in chunks of 3
+    assert whole.keys() == chunked.keys() and len(whole) > 10
+    for name, grad in whole.items():
+        assert torch.allclose(chunked[name], grad, atol=1e-6, rtol=1e-5), name
+
+
+def test_list_with_mismatched_labels_names_file_and_row(rerank_recipe, tmp_path):
+    from vembed.reranking.data import read_lists
+
+    bad = tmp_path / "bad.jsonl"
+    rows = [{"query": "q", "documents": ["a", "b"], "labels": [1, 0]},
+            {"query": "r", "documents": ["a", "b", "c"], "labels": [1, 0]}]
+    bad.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    recipe = recipe_from_dict(dict(rerank_recipe, data={"train": str(bad)}))
+    with pytest.raises(DataError) as error:
+        read_lists(recipe.data, "train")
+    assert str(error.value) == f"data error: {bad}, row 2: has 3 documents but 2 labels; give one label per document"
+
+
+def test_judged_pairs_file_groups_rows_by_query(rerank_recipe, tmp_path):
+    from vembed.reranking.data import read_lists
+
+    pairs = tmp_path / "pairs.jsonl"
+    rows = [{"query": "q", "document": "a", "label": 1}, {"query": "r", "document": "b", "label": 0.5},
+            {"query": "q", "document": "c", "label": 0}]
+    pairs.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    lists, report = read_lists(recipe_from_dict(dict(rerank_recipe, data={"train": str(pairs)})).data, "train")
+    assert [(item.query, item.documents, item.labels) for item in lists] == [
+        ("q", ["a", "c"], [1.0, 0.0]), ("r", ["b"], [0.5])]
+    assert report.pairs == 3
+
+
+def test_gradient_cache_is_refused_before_any_weight_is_read(rerank_recipe, monkeypatch):
+    from vembed.reranking.cross_encoder import CrossEncoderAdapter
+    from vembed.training.loop import Trainer
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were read")
+
+    monkeypatch.setattr(CrossEncoderAdapter, "from_recipe", no_weights)
+    with pytest.raises(RecipeError) as error:
+        Trainer(recipe_from_dict(dict(rerank_recipe, use_gradient_cache=True)))
+    assert error.value.key == "use_gradient_cache"
+    assert "not needed" in str(error.value) and "no in-batch negatives" in str(error.value)
+
+
+def test_corpus_folder_and_mined_negatives_give_positive_first_lists(rerank_recipe, tmp_path):
+    from corpora import make_corpus_folder, write_negatives
+
+    from vembed.reranking.data import read_lists
+
+    folder = make_corpus_folder(tmp_path / "corpus")
+    negatives = write_negatives(tmp_path / "negatives.jsonl")
+    data = {"train": str(folder), "hard_negatives": str(negatives), "num_hard_negatives": 2}
+    lists, report = read_lists(recipe_from_dict(dict(rerank_recipe, data=data)).data, "train")
+    assert len(lists) == report.kept == 13  # as the contrastive task reads the same folder and file
+    first = lists[0]  # q0 with d0 (grade 2), its two mined negatives d1, d3 (d6, judged relevant, dropped)
+    assert first.query == "a photo of a red square"
+    assert first.documents == ["square a red square on blue", "circle a red circle on green",
+                               "star a red star on black"]
+    assert first.labels == [1.0, 0.0, 0.0]
+
+
+def test_vembed_train_refuses_a_mismatched_list_in_one_line_and_writes_nothing(rerank_recipe, tmp_path, capsys):
+    import yaml
+
+    from vembed.cli import main
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"query": "q", "documents": ["a", "b"], "labels": [1]}) + "\n")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(dict(rerank_recipe, data={"train": str(bad)})))
+    assert main(["train", str(recipe)]) == 2
+    err = capsys.readouterr().err.strip()  # the launch line, then the error in one line
+    says = f"data error: {bad}, row 1: has 2 documents but 1 labels; give one label per document"
+    assert err.splitlines()[-1] == says
+    assert "Traceback" not in err
+    assert not (tmp_path / "run" / "final").exists()
+
+
+def test_lora_trains_the_score_head_in_full_and_saves_a_merged_cross_encoder(rerank_recipe):
+    from sentence_transformers.cross_encoder import CrossEncoder
+
+    from vembed.reranking.cross_encoder import CrossEncoderAdapter
+    from vembed.training.loop import Trainer
+
+    raw = dict(rerank_recipe, use_lora=True, lora_r=4, learning_rate=1e-2)
+    trainer = Trainer(recipe_from_dict(raw))
+    trainer.build()
+    trainable = {name for name, p in trainer.objective.adapter.named_parameters() if p.requires_grad}
+    assert {"model.classifier.weight", "model.classifier.bias"} <= trainable
+    assert any("lora_" in name for name in trainable)
+    assert not any(name.startswith("model.bert.") and "lora_" not in name for name in trainable)
+    result = trainer.run()
+    ours = CrossEncoderAdapter.load(result.final_model_dir).score([q for q, _ in PAIRS], [d for _, d in PAIRS])
+    theirs = CrossEncoder(str(result.final_model_dir), device="cpu").predict(PAIRS, convert_to_tensor=True).float()
+    assert torch.allclose(ours, theirs.cpu(), atol=1e-5, rtol=0), (ours, theirs)

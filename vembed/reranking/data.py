@@ -1,0 +1,159 @@
+"""A reranker's unit of data: a query with a list of documents and their labels.
+
+Where the lists come from (no file to convert):
+- a corpus folder + `data.hard_negatives` (what `vembed mine` writes), or a pairs file with a negatives column: one
+  list per (query, positive) record, the positive (label 1) then its K mined negatives (label 0), read by the
+  contrastive task's own loader (`vembed.data.sources.load_rows`: the same checks, counts and report);
+- a file of lists `{"query": ..., "documents": [...], "labels": [...]}` (labels: 0/1, grades or scores);
+- a file of judged pairs `{"query": ..., "document": ..., "label": ...}`: the rows of one query form its list.
+
+A list whose labels do not match its documents is one line naming the file and row (DataError, exit 2).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vembed.errors import DataError
+
+if TYPE_CHECKING:
+    from vembed.recipe import DataConfig
+
+
+@dataclass
+class RankList:
+    query: str
+    documents: list[str]
+    labels: list[float]
+    source: str | None = None
+    row: int | None = None
+
+
+class ExampleLists:
+    """`Sequence[RankList]` over contrastive records (corpus pairs with mined negatives, pairs files): the positive
+    then the negatives, made on fetch."""
+
+    def __init__(self, examples: Sequence[Any]):
+        self.examples = examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> RankList:
+        example = self.examples[index]
+        documents = [example.positive.text or ""] + [negative.text or "" for negative in example.negatives]
+        return RankList(example.query.text or "", documents, [1.0] + [0.0] * len(example.negatives),
+                        example.source, example.row)
+
+
+@dataclass
+class ListReport:
+    """What was read (the loop's data report contract: `summary`, `to_dict`, `num_skipped`)."""
+
+    files: list[str]
+    lists: int
+    pairs: int
+    num_skipped: int = 0
+
+    def summary(self) -> str:
+        return f"{self.lists} lists ({self.pairs} pairs) from {', '.join(self.files)}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"files": self.files, "lists": self.lists, "pairs": self.pairs, "skipped": {}}
+
+
+def list_shape(columns: Sequence[str]) -> str | None:
+    """"lists" (query, documents, labels), "pairs" (query, document, label), or None (a contrastive pairs file)."""
+    if "documents" in columns:
+        return "lists"
+    if "document" in columns and "label" in columns:
+        return "pairs"
+    return None
+
+
+def read_lists(data: "DataConfig", split: str) -> tuple[Sequence[RankList], Any]:
+    """The lists of `data.<split>` and a report of what was read."""
+    from vembed.data.corpus import corpus_sources
+    from vembed.data.sources import builder_for, load_rows, read_table, resolve_files
+
+    value = getattr(data, split)
+    if not corpus_sources(data, split) and not isinstance(value, dict):
+        files = resolve_files(value, data.format, f"data.{split}")
+        tables = [(file, read_table(file, builder_for(file, data.format), split)) for file in files]
+        shapes = {list_shape(table.column_names) for _, table in tables}
+        if shapes != {None}:
+            if len(shapes) > 1:
+                raise DataError("mixes list/pair/contrastive shapes with the other files of "
+                                f"data.{split}; give one shape per split", file=tables[0][0])
+            lists = [item for file, table in tables for item in _table_lists(file, table, shapes.pop())]
+            if not lists:
+                raise DataError("holds no lists", file=files[0])
+            return lists, ListReport(files, len(lists), sum(len(item.documents) for item in lists))
+    examples, report = load_rows(data, split)
+    return ExampleLists(examples), report
+
+
+def _records(table: Any):
+    for part in table.iter(batch_size=1024):
+        names = list(part)
+        for values in zip(*(part[name] for name in names)):
+            yield dict(zip(names, values))
+
+
+def _table_lists(file: str, table: Any, shape: str) -> list[RankList]:
+    lists: list[RankList] = []
+    by_query: dict[str, RankList] = {}
+    for number, row in enumerate(_records(table), start=1):
+        query = row.get("query")
+        if not isinstance(query, str) or not query.strip():
+            raise DataError("has no query text", file=file, row=number)
+        if shape == "lists":
+            documents, labels = row.get("documents"), row.get("labels")
+            if not isinstance(documents, list) or not isinstance(labels, list):
+                raise DataError("needs a list 'documents' and a list 'labels'", file=file, row=number)
+            if len(documents) != len(labels):
+                raise DataError(f"has {len(documents)} documents but {len(labels)} labels; give one label per "
+                                "document", file=file, row=number)
+            if not documents:
+                raise DataError("has an empty 'documents' list", file=file, row=number)
+            lists.append(RankList(query, [str(d) for d in documents], [_label(x, file, number) for x in labels],
+                                  file, number))
+        else:
+            item = by_query.get(query)
+            if item is None:
+                item = by_query[query] = RankList(query, [], [], file, number)
+                lists.append(item)
+            item.documents.append(str(row.get("document")))
+            item.labels.append(_label(row.get("label"), file, number))
+    return lists
+
+
+def _label(value: Any, file: str, row: int) -> float:
+    try:
+        label = float(value)
+    except (TypeError, ValueError):
+        label = math.nan
+    if not math.isfinite(label):
+        raise DataError(f"label {value!r} is not a number", file=file, row=row)
+    return label
+
+
+def collate_lists(adapter: Any, lists: Sequence[RankList]) -> dict[str, Any]:
+    """B lists -> the flat pairs tokenized jointly (B x L at most) and (B, L) labels and mask (shorter lists
+    padded)."""
+    length = max(len(item.documents) for item in lists)
+    labels = torch.zeros(len(lists), length)
+    mask = torch.zeros(len(lists), length, dtype=torch.bool)
+    queries, documents = [], []
+    for row, item in enumerate(lists):
+        n = len(item.documents)
+        labels[row, :n] = torch.tensor(item.labels, dtype=torch.float32)
+        mask[row, :n] = True
+        queries += [item.query] * n
+        documents += item.documents
+    return {"pairs": adapter.preprocess(queries, documents), "labels": labels, "mask": mask}

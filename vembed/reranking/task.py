@@ -1,0 +1,173 @@
+"""Reranking: a cross-encoder scores each query's list of documents jointly and a ranking loss compares the scores
+with the labels. Lists are the unit: a batch is B queries x (their L documents) pairs.
+
+No in-batch negatives: a query's loss reads only its own list, so each rank's loss is complete on its own lists (the
+losses divide by global counts; vembed/reranking/losses.py) and GradCache, which exists to keep a contrastive batch
+large, has nothing to do here: it is refused, naming why.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from vembed.errors import RecipeError
+from vembed.tasks import TASKS, Task
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from vembed.recipe import Recipe
+
+NO_GRADIENT_CACHE = ("is not needed for rerankers: a query's loss reads only its own list (no in-batch negatives), "
+                     "so the batch does not grow with memory; set use_gradient_cache: false and pairs_per_chunk to "
+                     "bound memory")
+
+
+class RerankObjective(nn.Module):
+    """The reranker and its loss in one module (what DDP wraps). `forward(batch)`: the loss of a collated batch
+    (`vembed.reranking.data.collate_lists`)."""
+
+    def __init__(self, adapter: nn.Module, loss: nn.Module, pairs_per_chunk: int | None = None):
+        super().__init__()
+        self.adapter, self.loss, self.pairs_per_chunk = adapter, loss, pairs_per_chunk
+
+    def scores(self, pairs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(n,) logits of the flat pairs; in chunks of `pairs_per_chunk` under activation checkpointing when
+        training, so only one chunk's activations are alive at a time (each is recomputed in the backward)."""
+        n = next(iter(pairs.values())).shape[0]
+        chunk = self.pairs_per_chunk
+        if not chunk or n <= chunk:
+            return self.adapter(pairs)
+        from torch.utils.checkpoint import checkpoint
+
+        parts = []
+        for start in range(0, n, chunk):
+            part = {key: value[start:start + chunk] for key, value in pairs.items()}
+            if torch.is_grad_enabled():
+                parts.append(checkpoint(self.adapter, part, use_reentrant=False))
+            else:
+                parts.append(self.adapter(part))
+        return torch.cat(parts)
+
+    def forward(self, batch: dict[str, Any]) -> torch.Tensor:
+        mask = batch["mask"]
+        flat = self.scores(batch["pairs"])
+        scores = torch.zeros(mask.shape, dtype=flat.dtype, device=flat.device).masked_scatter(mask, flat)
+        return self.loss(scores, batch["labels"], mask)
+
+
+@TASKS.register("rerank")
+class RerankTask(Task):
+    name = "rerank"
+    uses_gradient_cache = False
+    no_gradient_cache = NO_GRADIENT_CACHE  # what the launch plan says when GradCache is asked for
+
+    def __init__(self, recipe: "Recipe"):
+        super().__init__(recipe)
+        if recipe.data.validation is not None and "metric_for_best_model" not in recipe.model_fields_set:
+            recipe.metric_for_best_model = "reranked/ndcg@10"
+            recipe.model_fields_set.discard("metric_for_best_model")
+
+    @classmethod
+    def check_recipe(cls, recipe: "Recipe", *, for_training: bool = True) -> None:
+        from vembed.components import model_class
+        from vembed.data.sources import check_data_paths
+
+        if recipe.use_gradient_cache:
+            raise RecipeError("use_gradient_cache", NO_GRADIENT_CACHE)
+        if recipe.data.streaming:
+            raise RecipeError("data.streaming", "is not available for rerankers yet; set data.streaming: false")
+        check_data_paths(recipe.data, ("train",) if for_training else ())
+        _check_evaluation(recipe)
+        model_class(recipe).check_recipe(recipe)
+
+    def load_train_data(self):
+        from vembed.reranking.data import read_lists
+
+        self.train_lists, report = read_lists(self.recipe.data, "train")
+        return report
+
+    def batch_lines(self, world_size: int) -> list[tuple[str, str]]:
+        recipe = self.recipe
+        lists = recipe.batch_size * world_size
+        return [("ranking batch", f"{lists} query lists per forward (each list scored on its own rank)"),
+                ("effective batch", f"{lists * recipe.gradient_accumulation_steps} lists per optimizer step")]
+
+    def build_objective(self) -> nn.Module:
+        from vembed.components import loss_class, model_class
+
+        recipe = self.recipe
+        adapter = model_class(recipe).from_recipe(recipe)
+        if recipe.gradient_checkpointing:
+            adapter.enable_gradient_checkpointing()
+        if recipe.use_lora:
+            adapter.apply_lora(recipe)
+        return RerankObjective(adapter, loss_class(recipe).from_recipe(recipe), adapter.settings.pairs_per_chunk)
+
+    def train_dataset(self, objective: nn.Module):
+        from vembed.reranking.data import collate_lists
+
+        return self.train_lists, partial(collate_lists, objective.adapter)
+
+    def load_eval_split(self, split: str) -> Any:
+        """data.validation's corpus split and the first-stage run to rerank on it (None without them)."""
+        from vembed.data.corpus import corpus_sources
+        from vembed.reranking.evaluation import read_run_file
+
+        data = self.recipe.data
+        if split != "validation" or data.validation is None:
+            return None
+        return corpus_sources(data, split)[None].load(), read_run_file(data.first_stage_run)
+
+    def evaluate(self, model: nn.Module, data: Any, accelerator: "Accelerator",
+                 prepared: nn.Module | None = None) -> dict[str, float]:
+        """Every process reranks the whole run (the same numbers on each: a reranker evaluation is small)."""
+        from vembed.reranking.evaluation import FIRST_STAGE_DEPTH, rerank_run
+
+        if not data:
+            return {}
+        split, run = data
+        return rerank_run(partial(model.score, batch_size=self.recipe.resolved_eval_batch_size), split, run,
+                          depth=FIRST_STAGE_DEPTH)
+
+    def headline(self, metrics: dict[str, float]) -> str:
+        shown = [f"{stage}/{name}" for name in ("ndcg@10", "mrr@10") for stage in ("first_stage", "reranked")]
+        return "  ".join(f"{key}={metrics[key]:.4f}" for key in shown if key in metrics)
+
+
+def _check_evaluation(recipe: "Recipe") -> None:
+    """Held-out data is a corpus folder with a first-stage run to rerank; the best checkpoint is picked by a reranked
+    metric (default: reranked/ndcg@10). One line naming the key otherwise, before anything is read."""
+    import os
+
+    from vembed.data.corpus import corpus_sources
+    from vembed.evaluation.corpus import DEFAULT_CUTOFFS
+
+    data = recipe.data
+    if data.test is not None:
+        raise RecipeError("data.test", "is not evaluated for rerankers yet; rerank its first-stage run after "
+                                       "training (vembed.reranking.evaluation.rerank_run) or remove it")
+    if data.validation is None:
+        if data.first_stage_run is not None:
+            raise RecipeError("data.first_stage_run", "is set but data.validation is not; name the corpus folder "
+                                                      "the run was retrieved on")
+        return
+    if None not in corpus_sources(data, "validation"):
+        raise RecipeError("data.validation", "must be a corpus folder (corpus.jsonl, queries.jsonl, qrels/) for "
+                                             "rerankers: its first-stage candidates are reranked and judged")
+    corpus_sources(data, "validation")[None].check()
+    if data.first_stage_run is None or not os.path.isfile(data.first_stage_run):
+        found = "is not set" if data.first_stage_run is None else f"{data.first_stage_run!r} is not a file"
+        raise RecipeError("data.first_stage_run", f"{found}; give the TREC run file of the first stage on "
+                                                  "data.validation (e.g. the embedder's top 100 per query)")
+    names = [f"{stage}/{name}" for stage in ("reranked", "first_stage") for name in DEFAULT_CUTOFFS.names()]
+    if "metric_for_best_model" not in recipe.model_fields_set:
+        recipe.metric_for_best_model = "reranked/ndcg@10"
+        recipe.model_fields_set.discard("metric_for_best_model")
+    elif recipe.metric_for_best_model not in names:
+        raise RecipeError("metric_for_best_model", f"{recipe.metric_for_best_model!r} is not a reranking metric; use "
+                                                   f"one of: {', '.join(names)}")
