@@ -63,6 +63,20 @@ def test_trained_colbert_loads_and_gives_the_training_adapters_token_vectors(col
     with pytest.raises(ValueError, match="encode_token_vectors"):
         model.encode(texts=QUERIES)
 
+    # The card shows the token-vector calls, and its vembed snippet runs; no sentence-transformers claim or export.
+    from vembed.export import ExportError, export_sentence_transformers
+
+    card = (final / "README.md").read_text()
+    assert "encode_token_vectors" in card and "SentenceTransformer(" not in card and "sentence-transformers\n" not in card
+    snippet = card.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(snippet, namespace)
+    assert namespace["scores"].shape == (1, len(namespace["documents"]))
+    out = Path(colbert_recipe["output_dir"]) / "exported"
+    with pytest.raises(ExportError, match="multi_vector"):
+        export_sentence_transformers(final, out)
+    assert not out.exists()
+
 
 def test_multi_vector_needs_a_token_vector_loss_and_no_evaluation_split_yet(colbert_recipe, tmp_path):
     from vembed.errors import RecipeError

@@ -183,7 +183,10 @@ class TextAdapter(TransformersAdapter):
 
     @classmethod
     def transformers_example(cls, path: str, settings: dict[str, Any], texts: list[str]) -> str | None:
-        """The encoder's last hidden states, pooled as this adapter pools them (`vembed/models/pooling.py`)."""
+        """The encoder's last hidden states, pooled as this adapter pools them (`vembed/models/pooling.py`); None
+        for token vectors (prefix tokens, query expansion, skip-list and projection are vembed's)."""
+        if settings.get("embedding") == "multi_vector":
+            return None
         pooling = settings.get("pooling", "mean")
         pooled = {
             "mean": "mask = tokens[\"attention_mask\"].unsqueeze(-1).float()\n"
