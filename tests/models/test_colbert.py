@@ -90,7 +90,8 @@ def test_saved_model_loads_with_its_projection_and_gives_the_same_vectors(colber
     assert loaded.settings.multi_vector and loaded.embedding_dim == 16
     for sides in (_queries(), _documents()):
         with torch.no_grad():
-            torch.testing.assert_close(loaded.encode(loaded.preprocess(sides)), colbert.encode(colbert.preprocess(sides)))
+            torch.testing.assert_close(loaded.encode(loaded.preprocess(sides)),
+                                       colbert.encode(colbert.preprocess(sides)))
 
 
 def test_projection_is_trained(colbert):

@@ -3,9 +3,9 @@ pooling, or (`embedding: multi_vector`) ColBERT's token vectors. Sides with imag
 
 ColBERT, as PyLate and the ColBERT papers build it: a query is `query_prefix + text` padded to exactly `query_length`
 tokens with the tokenizer's mask token, every position attended and kept (query expansion); a document is
-`document_prefix + text` (each prefix one token added to the vocabulary), its punctuation tokens dropped (`skip_punctuation`); every last hidden state goes through a
-bias-free Linear to `multi_vector_dim` and is L2-normalised. The output follows `vembed.models.token_vectors` (zero
-vectors where there is no token). The projection is saved as sentence-transformers' Dense module (`1_Dense/`), where
+`document_prefix + text` (each prefix one token added to the vocabulary), its punctuation tokens dropped
+(`skip_punctuation`); every last hidden state goes through a bias-free Linear to `multi_vector_dim` and is
+L2-normalised. The output follows `vembed.models.token_vectors` (zero vectors where there is no token). The projection is saved as sentence-transformers' Dense module (`1_Dense/`), where
 PyLate keeps it too."""
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class TextAdapter(TransformersAdapter):
             self._skipped = _punctuation_ids(tokenizer) if tokenizer is not None and settings.skip_punctuation else []
             if tokenizer is not None and tokenizer.mask_token_id is None:
                 raise RecipeError("embedding", "multi_vector expands queries with the tokenizer's mask token, and "
-                                               "this tokenizer has none; use a tokenizer with a mask token (BERT-style)")
+                                               "this tokenizer has none; use one with a mask token (BERT-style)")
 
     @classmethod
     def embedding_dim_of(cls, config: "PretrainedConfig") -> int:
@@ -150,7 +150,8 @@ class TextAdapter(TransformersAdapter):
         position, never split into pieces (nor into punctuation the skip-list would drop); the embedding table grows
         to hold them. A tokenizer that has them already (a saved ColBERT) is left as it is."""
         prefixes = [p for p in (self.settings.query_prefix, self.settings.document_prefix) if p]
-        if self.tokenizer.add_tokens(prefixes) and len(self.tokenizer) > self.model.get_input_embeddings().num_embeddings:
+        rows = self.model.get_input_embeddings().num_embeddings
+        if self.tokenizer.add_tokens(prefixes) and len(self.tokenizer) > rows:
             self.model.resize_token_embeddings(len(self.tokenizer))
 
     def load_projection(self, path: str | Path) -> None:

@@ -17,7 +17,8 @@ from vembed.models.token_vectors import token_mask
 MAX_BLOCK_ELEMENTS = 1 << 26
 
 
-def maxsim(queries: torch.Tensor, documents: torch.Tensor, max_block_elements: int = MAX_BLOCK_ELEMENTS) -> torch.Tensor:
+def maxsim(queries: torch.Tensor, documents: torch.Tensor,
+           max_block_elements: int = MAX_BLOCK_ELEMENTS) -> torch.Tensor:
     """`(Bq, Bd)` scores of queries `(Bq, Tq, d)` against documents `(Bd, Td, d)`, differentiable in both.
 
     A document without any token scores 0 with every query."""
