@@ -43,6 +43,18 @@ def tiny_tokenizer_dir(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def mask_tokenizer_dir(tiny_tokenizer_dir, tmp_path_factory):
+    """The tiny tokenizer with a mask token (what ColBERT's query expansion needs), id 300."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    tokenizer.add_special_tokens({"mask_token": "[MASK]"})
+    path = tmp_path_factory.mktemp("mask_tokenizer")
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
 from tiny_models import TINY_CLIP_CONFIG  # noqa: E402  (importable by tests: conftest names clash)
 
 

@@ -81,6 +81,9 @@ class Embedder:
         item may itself be a list of them (several images in one side). Rows are
         L2-normalised unless `normalize=False` (then they are whatever the model outputs).
         """
+        if self.multi_vector:
+            raise ValueError("this is a multi_vector (ColBERT) model: it gives token vectors, not one vector per "
+                             "text; use encode_token_vectors(texts, role=...) and score(queries, documents)")
         texts = [texts] if isinstance(texts, str) else texts
         images = [images] if isinstance(images, (str, os.PathLike)) or _is_pil(images) else images
         if texts is None and images is None:
@@ -99,6 +102,33 @@ class Embedder:
         if normalize:
             embeddings = F.normalize(embeddings, dim=-1)
         return embeddings.cpu()
+
+    @property
+    def multi_vector(self) -> bool:
+        """Whether the model gives token vectors (`embedding: multi_vector`, ColBERT) rather than one per side."""
+        return getattr(self.adapter.settings, "embedding", "single") == "multi_vector"
+
+    def encode_token_vectors(self, texts: str | Sequence[str], role: str, batch_size: int = 32,
+                             show_progress: bool = False) -> torch.Tensor:
+        """Token vectors of a multi_vector (ColBERT) model: a CPU float32 tensor `(n, T, dim)`, row i holding text
+        i's L2-normalised token vectors and zero vectors after them (`vembed.models.token_vectors`).
+
+        `role`: "query" (query prefix, expanded to the model's query_length) or "document" (document prefix,
+        punctuation skipped), as in training."""
+        if not self.multi_vector:
+            raise ValueError(f"this {self.model_type} model gives one vector per text; use encode")
+        if role not in ("query", "document"):
+            raise ValueError(f"role must be 'query' or 'document', got {role!r}")
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        sides = [Side(text=text, role=role) for text in texts]
+        return encode_sides(self.adapter, sides, batch_size=batch_size, show_progress=show_progress).cpu()
+
+    @staticmethod
+    def score(queries: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
+        """`(n_queries, n_documents)` late-interaction (MaxSim) scores of `encode_token_vectors` outputs."""
+        from vembed.retrieval.maxsim import maxsim
+
+        return maxsim(queries, documents)
 
     def __repr__(self) -> str:
         return f"Embedder(model_type={self.model_type!r}, embedding_dim={self.embedding_dim}, device={self.device})"

@@ -71,6 +71,9 @@ def export_sentence_transformers(
         raise ExportError(
             f"model_type {model_type!r} cannot be exported to sentence-transformers; exportable model types: {names}"
         )
+    if info.get("settings", {}).get("embedding") == "multi_vector":
+        raise ExportError(f"{str(model_dir)!r} is a multi_vector (ColBERT) model: its token vectors have no "
+                          "sentence-transformers equivalent; load it with vembed.load(...).encode_token_vectors")
     if out_dir.resolve() == model_dir.resolve():
         raise ExportError(f"the output folder must differ from the model folder {str(model_dir)!r}")
     if out_dir.exists() and not out_dir.is_dir():

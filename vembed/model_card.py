@@ -164,9 +164,14 @@ def _modalities(model_type: str | None) -> frozenset[str]:
     return adapter.modalities if adapter is not None else frozenset()
 
 
-def _exportable(model_type: str | None) -> bool:
-    adapter = _adapter_class(model_type)
-    return adapter is not None and adapter.has_sentence_transformers_equivalent()
+def _multi_vector(model: Mapping[str, Any]) -> bool:
+    """Whether the model gives token vectors (ColBERT), which no sentence-transformers model or pooling reproduces."""
+    return (model.get("settings") or {}).get("embedding") == "multi_vector"
+
+
+def _exportable(model: Mapping[str, Any]) -> bool:
+    adapter = _adapter_class(model.get("model_type"))
+    return adapter is not None and adapter.has_sentence_transformers_equivalent() and not _multi_vector(model)
 
 
 def _front_matter(card: Mapping[str, Any], flavour: Flavour) -> str:
@@ -174,7 +179,7 @@ def _front_matter(card: Mapping[str, Any], flavour: Flavour) -> str:
     model_type = model.get("model_type")
     modalities = _modalities(model_type)
     tags = ["vembed", str(model_type), "feature-extraction"]
-    if flavour == "sentence-transformers" or _exportable(model_type):
+    if flavour == "sentence-transformers" or _exportable(model):
         tags.insert(1, "sentence-transformers")
     if modalities == {"text"}:
         tags.append("sentence-similarity")
@@ -427,10 +432,16 @@ def _load_section(model: Mapping[str, Any], flavour: Flavour, path: str, source_
                   f"generator = load_generator({path!r})", "```"]
         return "\n".join(lines)
     shape = f"({len(EXAMPLE_TEXTS)}, {model.get('embedding_dim')})"
+    if _multi_vector(model):  # token vectors: encoded per role, scored by MaxSim
+        usage = [f"queries = model.encode_token_vectors({EXAMPLE_TEXTS[:1]!r}, role='query')  # (1, tokens, "
+                 f"{model.get('embedding_dim')})",
+                 f"documents = model.encode_token_vectors({EXAMPLE_TEXTS!r}, role='document')",
+                 "scores = model.score(queries, documents)  # late interaction (MaxSim)"]
+    else:
+        usage = [f"embeddings = model.encode(texts={EXAMPLE_TEXTS!r})  # {shape}"
+                 if "text" in adapter.modalities else "embeddings = model.encode(images=['photo.jpg'])"]
     lines += ["With vembed (`pip install vembed`):", "", "```python", "import vembed",
-              f"model = vembed.load({path!r})",
-              f"embeddings = model.encode(texts={EXAMPLE_TEXTS!r})  # {shape}"
-              if "text" in adapter.modalities else "embeddings = model.encode(images=['photo.jpg'])"]
+              f"model = vembed.load({path!r})", *usage]
     if images and "text" in adapter.modalities:
         lines.append("# images: model.encode(images=['photo.jpg']) (paths or PIL images)")
     lines.append("```")
@@ -443,7 +454,7 @@ def _load_section(model: Mapping[str, Any], flavour: Flavour, path: str, source_
                      "(its pooling, prompt format or projections are not a transformers model's own output), so "
                      "load it with vembed as above.")
     lines += [""]
-    if _exportable(model_type):
+    if _exportable(model):
         export = f"{path.rstrip('/')}-st"
         lines += ["With sentence-transformers: export it first (the export embeds as vembed does, checked on "
                   "probe inputs), then load the export:", "", "```bash", f"vembed export {path} --out {export}",

@@ -18,6 +18,7 @@ from ranks import run_on_ranks
 from tiny_models import TINY_CLIP_CONFIG
 
 from vembed.components import recipe_from_dict
+from vembed.models.token_vectors import cat_tokens
 
 BATCH = 8
 
@@ -65,7 +66,7 @@ def _reference_step(raw: dict, rows: list[int], chunk: int | None, seed: int = 7
         step = chunk or rows_in_side
         parts = [objective.adapter.encode(_as_cached(objective.adapter, inputs, s, min(s + step, rows_in_side)))
                  for s in range(0, rows_in_side, step)]
-        embedded[side] = torch.cat(parts)
+        embedded[side] = cat_tokens(parts)  # token vectors: padded to the longest chunk, as GradCache does
     loss = objective.loss(*objective.shape_embeddings(
         embedded["query"], embedded["positive"], embedded.get("negative"), int(batch.get("num_negatives") or 0)),
         labels=batch.get("label_ids"))
@@ -155,6 +156,27 @@ def test_cached_gradients_equal_whole_batch_for_a_text_adapter(text_pairs):
     reference, _ = _reference_step(raw, rows, chunk=3)
     _assert_close(cached, reference)
     assert any(name.startswith("loss.") for name in cached)  # the learnable temperature got its gradient
+
+
+def _colbert(text_pairs: dict, mask_tokenizer_dir: str) -> dict:
+    """text_pairs as ColBERT: expanded queries, documents whose lengths differ from chunk to chunk (so chunks are
+    padded to different widths) with punctuation to skip."""
+    rows = [{"query": f"question {i}", "positive": f"answer {i}: " + "a shape, " * (i % 4),
+             "negatives": ["wrong. " * (1 + i % 3), f"another {i}"]} for i in range(16)]
+    path = Path(text_pairs["data"]["train"]).with_name("colbert.jsonl")
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return dict(text_pairs, tokenizer_name=mask_tokenizer_dir, embedding="multi_vector", multi_vector_dim=16,
+                query_length=12, loss_type="late_interaction", temperature=0.5, data={"train": str(path)})
+
+
+def test_cached_gradients_equal_whole_batch_for_colbert_token_vectors(text_pairs, mask_tokenizer_dir):
+    raw = dict(_colbert(text_pairs, mask_tokenizer_dir), use_gradient_cache=True, gradient_cache_chunk_size=3)
+    rows = list(range(BATCH))
+    cached, cached_loss = _cached_step(raw, rows)
+    reference, reference_loss = _reference_step(raw, rows, chunk=3)
+    assert cached_loss == pytest.approx(reference_loss, rel=1e-6)
+    print(f"relative gradient difference: {_assert_close(cached, reference):.2e}")
+    assert "adapter.projection.weight" in cached and "loss._infonce.log_scale" in cached
 
 
 def test_without_dropout_cached_equals_the_plain_training_step(tiny_clip_recipe):

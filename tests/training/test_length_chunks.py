@@ -69,6 +69,17 @@ def test_length_sorted_chunks_give_the_padded_step(uneven_texts):
     assert _relative(chunked, padded) <= 1e-5
 
 
+def test_length_sorted_chunks_of_colbert_token_vectors_give_the_padded_step(uneven_texts, mask_tokenizer_dir):
+    # token vectors of chunks padded to different widths are put back together (zero-padded) in batch order
+    raw = dict(uneven_texts, tokenizer_name=mask_tokenizer_dir, embedding="multi_vector", multi_vector_dim=16,
+               query_length=24, loss_type="late_interaction")
+    rows = list(range(BATCH))
+    padded, padded_loss, _ = _step(raw, rows)
+    chunked, chunked_loss, _ = _step(dict(raw, length_chunks=3), rows)
+    assert abs(chunked_loss - padded_loss) <= 1e-5 * abs(padded_loss)
+    assert _relative(chunked, padded) <= 1e-5
+
+
 def test_chunks_cut_the_padding_they_report(uneven_texts):
     from vembed.models.length_chunks import chunk_rows, padding_counts, trim_padding
 

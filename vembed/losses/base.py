@@ -59,6 +59,9 @@ class EmbeddingLoss(nn.Module):
     """
 
     Settings: ClassVar[type[EmbeddingLossSettings]] = EmbeddingLossSettings  # the recipe keys this loss reads
+    # Whether it scores token vectors `(B, T, d)` (late interaction, `embedding: multi_vector`) rather than one
+    # vector per side `(B, d)`; the recipe check pairs it with the adapter's `embedding`.
+    token_vectors: ClassVar[bool] = False
 
     @classmethod
     def from_recipe(cls, recipe: "Recipe") -> "EmbeddingLoss":

@@ -75,6 +75,8 @@ def encode_sides(
     `gather=False`: each process returns only its own share, rows `share_bounds(len(sides), ...)` (corpus search
     scores its share where it was encoded instead of holding the whole corpus on every process).
     """
+    from vembed.models.token_vectors import cat_tokens
+
     core = unwrapped(adapter, accelerator)
     n = len(sides)
     if accelerator is not None and accelerator.num_processes > 1:
@@ -106,7 +108,8 @@ def encode_sides(
     finally:
         adapter.train(was_training)
     dim = core.embedding_dim
-    embeddings = torch.cat(parts) if parts else torch.empty(0, dim, device=device)
+    # token vectors (multi_vector) of different lengths are padded to the longest batch's
+    embeddings = cat_tokens(parts) if parts else torch.empty(0, dim, device=device)
     if order is not None:  # back to the sides' order
         from vembed.models.length_chunks import in_batch_order
 

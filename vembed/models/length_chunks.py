@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from vembed.models.batch import IMAGE_INDEX, PIXEL_VALUES, TEXT_INDEX
+from vembed.models.token_vectors import cat_tokens
 
 
 def _text_keys(inputs: dict[str, torch.Tensor]) -> list[str]:
@@ -64,7 +65,7 @@ def encode_by_length(encode: Callable[[dict[str, torch.Tensor]], torch.Tensor], 
     for rows in chunk_rows(mask, chunks):
         pieces.append(encode(trim_padding(select_rows(inputs, rows))))
         order.append(rows)
-    return in_batch_order(torch.cat(pieces), torch.cat(order))
+    return in_batch_order(cat_tokens(pieces), torch.cat(order))
 
 
 def select_rows(inputs: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -1,30 +1,77 @@
 """A text-only embedding model: any HF text encoder (`AutoModel`: BERT, BGE, MiniLM, ...) with cls, mean or last-token
-pooling. Sides with images are rejected."""
+pooling, or (`embedding: multi_vector`) ColBERT's token vectors. Sides with images are rejected.
+
+ColBERT, as PyLate and the ColBERT papers build it: a query is `query_prefix + text` padded to exactly `query_length`
+tokens with the tokenizer's mask token, every position attended and kept (query expansion); a document is
+`document_prefix + text` (each prefix one token added to the vocabulary), its punctuation tokens dropped
+(`skip_punctuation`); every last hidden state goes through a bias-free Linear to `multi_vector_dim` and is
+L2-normalised. The output follows `vembed.models.token_vectors` (zero vectors where there is no token). The projection is saved as sentence-transformers' Dense module (`1_Dense/`), where
+PyLate keeps it too."""
 
 from __future__ import annotations
 
+import json
+import string
+from dataclasses import replace
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field, model_validator
+from torch import nn
+
+from vembed.errors import RecipeError
 
 from vembed.models import MODELS
 from vembed.models.base import PretrainedSettings, TransformersAdapter
 from vembed.models.batch import forward_argument_names, make_batch
-from vembed.models.hf import freeze_unused_pooler
+from vembed.models.hf import freeze_unused_pooler, resolve_max_length
 from vembed.models.lora import ATTENTION_PROJECTIONS
 from vembed.models.pooling import pool
+from vembed.recipe import InvalidKey
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
     from vembed.data.records import Side
+    from vembed.recipe import Recipe
+
+
+# Which tokens of a preprocessed batch become token vectors (multi_vector): all of an expanded query, a document's
+# attended tokens but its punctuation. Sliced and trimmed with the other (n, T) token keys; never fed to the model.
+VECTOR_MASK = "token_vector_mask"
+PROJECTION_FOLDER = "1_Dense"  # sentence-transformers' Dense module of a saved multi_vector model (PyLate's layout)
 
 
 class TextSettings(PretrainedSettings):
     pooling: Literal["cls", "mean", "last"] = "mean"  # cls: first token; mean: attended tokens; last: last attended
+    # single: one vector per side (pooling); multi_vector: one per token (ColBERT late interaction, loss_type
+    # late_interaction), as described at the top of this file. The keys below apply to multi_vector only.
+    embedding: Literal["single", "multi_vector"] = "single"
+    multi_vector_dim: int = Field(default=128, gt=0)  # size of each token vector (the bias-free projection's output)
+    query_prefix: str = "[Q] "  # put before every query's text
+    document_prefix: str = "[D] "  # put before every document's text
+    query_length: int = Field(default=32, gt=0)  # every query is this many tokens: truncated, or expanded with [MASK]
+    skip_punctuation: bool = True  # documents' punctuation tokens give no vector
+
+    @model_validator(mode="after")
+    def _multi_vector_keys(self) -> "TextSettings":
+        if self.embedding == "multi_vector":
+            if not self.normalize:
+                raise InvalidKey("normalize", "token vectors are always L2-normalised (their padding is the zero "
+                                              "vector); remove normalize: false or use embedding: single")
+            return self
+        # By value, not by presence: a saved recipe (every key written out) must read back.
+        for key in ("multi_vector_dim", "query_prefix", "document_prefix", "query_length", "skip_punctuation"):
+            if getattr(self, key) != type(self).model_fields[key].default:
+                raise InvalidKey(key, "applies to token vectors only; set embedding: multi_vector or remove it")
+        return self
+
+    @property
+    def multi_vector(self) -> bool:
+        return self.embedding == "multi_vector"
 
 
 @MODELS.register("text")
@@ -39,10 +86,90 @@ class TextAdapter(TransformersAdapter):
         super().__init__(model, tokenizer, None, settings)
         freeze_unused_pooler(model)
         self._text_keys = forward_argument_names(model.forward)
+        if settings.multi_vector:
+            # New weights on the model's device (meta when planned); a saved or PyLate folder's are read by the caller.
+            self.projection = nn.Linear(model.config.hidden_size, settings.multi_vector_dim, bias=False,
+                                        device=next(model.parameters()).device)
+            self._skipped = _punctuation_ids(tokenizer) if tokenizer is not None and settings.skip_punctuation else []
+            if tokenizer is not None and tokenizer.mask_token_id is None:
+                raise RecipeError("embedding", "multi_vector expands queries with the tokenizer's mask token, and "
+                                               "this tokenizer has none; use one with a mask token (BERT-style)")
 
     @classmethod
     def embedding_dim_of(cls, config: "PretrainedConfig") -> int:
         return config.hidden_size
+
+    @classmethod
+    def embedding_dim_for(cls, recipe: "Recipe") -> int:
+        settings = cls.settings_of(recipe)
+        return settings.multi_vector_dim if settings.multi_vector else super().embedding_dim_for(recipe)
+
+    @property
+    def embedding_dim(self) -> int:
+        """The size of one vector: a side's (single) or a token's (multi_vector)."""
+        return self.settings.multi_vector_dim if self.settings.multi_vector else self.model.config.hidden_size
+
+    @classmethod
+    def resolve(cls, settings: PretrainedSettings, tokenizer: Any, config: "PretrainedConfig") -> PretrainedSettings:
+        resolved = super().resolve(settings, tokenizer, config)
+        if resolved.multi_vector:
+            resolve_max_length(resolved.query_length, tokenizer, config, key="query_length")  # within the positions
+        return resolved
+
+    @classmethod
+    def from_recipe(cls, recipe: "Recipe") -> "TextAdapter":
+        adapter = super().from_recipe(recipe)
+        if adapter.settings.multi_vector:
+            adapter._add_prefix_tokens()
+        name = adapter.settings.model_name
+        if adapter.settings.multi_vector and name is not None and Path(name, PROJECTION_FOLDER).is_dir():
+            adapter.load_projection(name)  # continuing from a saved ColBERT (ours or PyLate's): keep its projection
+        return adapter
+
+    @classmethod
+    def load(cls, path: str | Path, *, trust_remote_code: bool = False) -> "TextAdapter":
+        adapter = super().load(path, trust_remote_code=trust_remote_code)
+        if adapter.settings.multi_vector:
+            adapter.load_projection(path)
+        return adapter
+
+    def save(self, path: str | Path) -> None:
+        super().save(path)
+        if self.settings.multi_vector:
+            from safetensors.torch import save_file
+
+            folder = Path(path, PROJECTION_FOLDER)
+            folder.mkdir(parents=True, exist_ok=True)
+            weight = self.projection.weight.detach().float().cpu().contiguous()
+            save_file({"linear.weight": weight}, str(folder / "model.safetensors"))
+            config = {"in_features": weight.shape[1], "out_features": weight.shape[0], "bias": False,
+                      "activation_function": "torch.nn.modules.linear.Identity"}
+            (folder / "config.json").write_text(json.dumps(config, indent=2))
+
+    def _add_prefix_tokens(self) -> None:
+        """The query and document prefixes as one new token each (as PyLate adds them), so that a prefix is one
+        position, never split into pieces (nor into punctuation the skip-list would drop); the embedding table grows
+        to hold them. A tokenizer that has them already (a saved ColBERT) is left as it is."""
+        prefixes = [p for p in (self.settings.query_prefix, self.settings.document_prefix) if p]
+        rows = self.model.get_input_embeddings().num_embeddings
+        if self.tokenizer.add_tokens(prefixes) and len(self.tokenizer) > rows:
+            self.model.resize_token_embeddings(len(self.tokenizer))
+
+    def load_projection(self, path: str | Path) -> None:
+        """The token projection saved in `path/1_Dense` (sentence-transformers' Dense layout)."""
+        from safetensors.torch import load_file
+
+        file = Path(path, PROJECTION_FOLDER, "model.safetensors")
+        if not file.is_file():
+            raise RecipeError("model", f"{str(path)!r} holds a multi_vector model without its projection ({file})")
+        weight = load_file(str(file))["linear.weight"]
+        if tuple(weight.shape) != tuple(self.projection.weight.shape):
+            raise RecipeError("multi_vector_dim", f"{file} projects {weight.shape[1]} -> {weight.shape[0]}, but this "
+                                                  f"model needs {self.projection.in_features} -> "
+                                                  f"{self.projection.out_features}; set multi_vector_dim: "
+                                                  f"{weight.shape[0]}")
+        with torch.no_grad():
+            self.projection.weight.copy_(weight)
 
     @classmethod
     def sentence_transformers_modules(cls, path: Path, info: dict[str, Any], trust_remote_code: bool) -> list[Any]:
@@ -50,12 +177,18 @@ class TextAdapter(TransformersAdapter):
         from vembed.models import sentence_transformers as st
 
         settings = info["settings"]
+        if settings.get("embedding") == "multi_vector":
+            raise RecipeError("model", f"{str(path)!r} is a multi_vector (ColBERT) model: it gives token vectors, "
+                                       "which a sentence-transformers model does not; load it with vembed.load")
         return [st.transformer(path, settings, trust_remote_code),
                 st.pooling(info["embedding_dim"], settings.get("pooling", "mean")), *st.normalize(settings)]
 
     @classmethod
     def transformers_example(cls, path: str, settings: dict[str, Any], texts: list[str]) -> str | None:
-        """The encoder's last hidden states, pooled as this adapter pools them (`vembed/models/pooling.py`)."""
+        """The encoder's last hidden states, pooled as this adapter pools them (`vembed/models/pooling.py`); None
+        for token vectors (prefix tokens, query expansion, skip-list and projection are vembed's)."""
+        if settings.get("embedding") == "multi_vector":
+            return None
         pooling = settings.get("pooling", "mean")
         pooled = {
             "mean": "mask = tokens[\"attention_mask\"].unsqueeze(-1).float()\n"
@@ -82,11 +215,43 @@ class TextAdapter(TransformersAdapter):
 
     def preprocess(self, sides: Sequence["Side"]) -> dict[str, torch.Tensor]:
         # No image processor: a side with an image is a ValueError naming the adapters that take images.
-        return make_batch(sides, self.tokenizer, None, max_length=self.settings.max_length, text_keys=self._text_keys)
+        if not self.settings.multi_vector:
+            return make_batch(sides, self.tokenizer, None, max_length=self.settings.max_length,
+                              text_keys=self._text_keys)
+        roles = {side.role == "query" for side in sides}
+        if len(roles) > 1:
+            raise ValueError("a multi_vector batch holds queries or documents, not both: preprocess them apart")
+        settings = self.settings
+        if roles == {True}:
+            sides = [replace(side, text=settings.query_prefix + (side.text or "")) for side in sides]
+            batch = make_batch(sides, self.tokenizer, None, max_length=settings.query_length,
+                               text_keys=self._text_keys, padding="max_length")
+            # Query expansion: the padding becomes mask tokens, attended and scored like the query's own tokens.
+            expansion = batch["attention_mask"] == 0
+            batch["input_ids"] = batch["input_ids"].masked_fill(expansion, self.tokenizer.mask_token_id)
+            batch["attention_mask"] = torch.ones_like(batch["attention_mask"])
+            batch[VECTOR_MASK] = torch.ones_like(batch["attention_mask"], dtype=torch.bool)
+            return batch
+        sides = [replace(side, text=settings.document_prefix + (side.text or "")) for side in sides]
+        batch = make_batch(sides, self.tokenizer, None, max_length=settings.max_length, text_keys=self._text_keys)
+        kept = batch["attention_mask"].bool()
+        if self._skipped:
+            kept &= ~torch.isin(batch["input_ids"], torch.tensor(self._skipped))
+        batch[VECTOR_MASK] = kept
+        return batch
 
     def encode(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         tokens = {key: value for key, value in inputs.items() if key in self._text_keys}
         hidden = self.model(**tokens).last_hidden_state
+        if self.settings.multi_vector:
+            vectors = F.normalize(self.projection(hidden).float(), dim=-1)
+            return vectors * inputs[VECTOR_MASK].unsqueeze(-1)  # zero where there is no token
         # Every side has text, so TEXT_INDEX is 0..n-1 and rows are already in side order.
         embeddings = pool(hidden, tokens.get("attention_mask"), self.settings.pooling).float()
         return F.normalize(embeddings, dim=-1) if self.settings.normalize else embeddings
+
+
+def _punctuation_ids(tokenizer: Any) -> list[int]:
+    """Ids of the tokenizer's tokens that are one punctuation character (ColBERT's document skip-list)."""
+    ids = {tokenizer.convert_tokens_to_ids(char) for char in string.punctuation}
+    return sorted(i for i in ids if i is not None and i != tokenizer.unk_token_id)

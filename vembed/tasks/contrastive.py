@@ -63,7 +63,8 @@ class ContrastiveObjective(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         if negatives is None or num_negatives == 0:
             return query, positive, None
-        return query, positive, negatives.view(query.shape[0], num_negatives, -1)
+        # (B, k, d); token vectors (B*k, T, d) become (B, k, T, d)
+        return query, positive, negatives.view(query.shape[0], num_negatives, *negatives.shape[1:])
 
     def forward(self, batch: dict[str, Any] | None = None, *, encode: dict[str, Any] | None = None,
                 run_inside: "Callable[[ContrastiveObjective], torch.Tensor] | None" = None) -> torch.Tensor:
@@ -120,6 +121,7 @@ class ContrastiveTask(Task):
         adapter_cls = MODELS.get(recipe.model_type)
         adapter_cls.check_recipe(recipe)
         _check_source_and_stage_keys(recipe, adapter_cls)
+        _check_token_vectors(recipe)
         _resolve_best_metric(recipe, check=True)
         dim = adapter_cls.embedding_dim_for(recipe)  # reads the config only: a bad model_name fails here, cheaply
         if recipe.loss.mrl_dims:
@@ -400,6 +402,25 @@ def _resolve_best_metric(recipe: "Recipe", check: bool = False) -> None:
         raise RecipeError("metric_for_best_model", f"{recipe.metric_for_best_model!r} is not a validation metric of "
                                                    f"this recipe{did_you_mean(recipe.metric_for_best_model, names)}; "
                                                    f"use one of: {', '.join(names)}")
+
+
+def _check_token_vectors(recipe: "Recipe") -> None:
+    """Token vectors (`embedding: multi_vector`) go with a loss that scores them (late_interaction), one vector per
+    side with the others; what scores token vectors outside the loss (evaluation, search) is not built yet."""
+    from vembed.components import loss_class
+
+    multi = getattr(recipe.model, "embedding", "single") == "multi_vector"
+    if multi != loss_class(recipe).token_vectors:
+        if multi:
+            raise RecipeError("loss_type", f"{recipe.loss_type} scores one vector per side; embedding: multi_vector "
+                                           "gives token vectors: use loss_type: late_interaction")
+        raise RecipeError("loss_type", f"{recipe.loss_type} scores token vectors; set embedding: multi_vector "
+                                       "(model_type text) or choose another loss_type")
+    if multi:
+        for split in ("validation", "test"):
+            if getattr(recipe.data, split) is not None:
+                raise RecipeError(f"data.{split}", "evaluating a multi_vector model is not built yet (issue 25); "
+                                                   f"remove data.{split}")
 
 
 def _check_source_and_stage_keys(recipe: "Recipe", adapter_cls: type) -> None:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from vembed.models.length_chunks import in_batch_order, is_text_only, select_rows, trim_padding
+from vembed.models.token_vectors import cat_tokens, pad_tokens
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -146,7 +147,7 @@ class GradCacheStep:
                 chunks.append(Chunk(side, start, stop, part, RngState(acc.device), rows))
                 with acc.autocast():
                     parts.append(adapter(part))
-            embedded = torch.cat(parts)
+            embedded = cat_tokens(parts)  # token vectors (multi_vector): padded to the side's longest chunk
             embeddings[side] = embedded if order is None else in_batch_order(embedded, order)
         return chunks, embeddings
 
@@ -155,6 +156,8 @@ def _replayed(objective: "ContrastiveObjective", chunk: Chunk) -> torch.Tensor:
     """The surrogate whose gradient through the encoder is the cached one: (embedding · cached gradient)."""
     with chunk.rng.replay():
         embedding = objective.adapter(chunk.inputs)
+    if embedding.dim() == 3:  # token vectors: the chunk is padded to its own longest row, the cached gradient wider
+        embedding = pad_tokens(embedding, chunk.grad.shape[1])
     return (embedding.float() * chunk.grad.float()).sum()
 
 

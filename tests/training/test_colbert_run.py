@@ -1,0 +1,111 @@
+"""A ColBERT run end to end on a tiny BERT: the recipe trains through the loop, saves final/, and `vembed.load(final)`
+gives the token vectors and MaxSim scores of the adapter that trained."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from launching import ROOT, launch
+
+import vembed
+from vembed.components import recipe_from_dict
+from vembed.retrieval.maxsim import maxsim
+
+QUERIES = ["question 3", "what shape is it"]
+DOCUMENTS = ["answer 3: a shape, a shape.", "wrong.", "another 1"]
+
+
+@pytest.fixture
+def colbert_recipe(tmp_path, mask_tokenizer_dir):
+    rows = [{"query": f"question {i}", "positive": f"answer {i}: " + "a shape, " * (i % 4),
+             "negatives": ["wrong. " * (1 + i % 3)]} for i in range(16)]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return {
+        "model_type": "text", "tokenizer_name": mask_tokenizer_dir,
+        "model_config": {"model_type": "bert", "vocab_size": 512, "hidden_size": 32, "intermediate_size": 37,
+                         "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 32},
+        "embedding": "multi_vector", "multi_vector_dim": 16, "query_length": 12, "loss_type": "late_interaction",
+        "data": {"train": str(path), "num_hard_negatives": 1}, "output_dir": str(tmp_path / "run"), "batch_size": 4,
+        "seed": 0, "max_steps": 3, "learning_rate": 1e-3, "length_chunks": 2,
+    }
+
+
+def _vectors_of(adapter, texts, role):
+    from vembed.data.records import Side
+    from vembed.models.encoding import encode_sides
+
+    return encode_sides(adapter, [Side(text=t, role=role) for t in texts])
+
+
+def test_trained_colbert_loads_and_gives_the_training_adapters_token_vectors(colbert_recipe):
+    from vembed.training.loop import Trainer
+
+    trainer = Trainer(recipe_from_dict(colbert_recipe))
+    result = trainer.run()
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in result.metrics["loss_history"])
+    final = Path(colbert_recipe["output_dir"]) / "final"
+    assert (final / "1_Dense" / "model.safetensors").is_file()
+
+    model = vembed.load(str(final), device="cpu")
+    assert model.multi_vector and model.embedding_dim == 16
+    queries, documents = (model.encode_token_vectors(QUERIES, role="query"),
+                          model.encode_token_vectors(DOCUMENTS, role="document"))
+    assert queries.shape == (2, 12, 16)
+    trained = trainer.adapter.cpu()
+    torch.testing.assert_close(queries, _vectors_of(trained, QUERIES, "query"), atol=1e-6, rtol=0)
+    torch.testing.assert_close(documents, _vectors_of(trained, DOCUMENTS, "document"), atol=1e-6, rtol=0)
+    torch.testing.assert_close(model.score(queries, documents), maxsim(queries, documents))
+    with pytest.raises(ValueError, match="encode_token_vectors"):
+        model.encode(texts=QUERIES)
+
+    # The card shows the token-vector calls, and its vembed snippet runs; no sentence-transformers claim or export.
+    from vembed.export import ExportError, export_sentence_transformers
+
+    card = (final / "README.md").read_text()
+    assert "encode_token_vectors" in card and "SentenceTransformer(" not in card
+    assert "- sentence-transformers\n" not in card  # no such tag in the front matter
+    snippet = card.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(snippet, namespace)
+    assert namespace["scores"].shape == (1, len(namespace["documents"]))
+    out = Path(colbert_recipe["output_dir"]) / "exported"
+    with pytest.raises(ExportError, match="multi_vector"):
+        export_sentence_transformers(final, out)
+    assert not out.exists()
+
+
+def test_multi_vector_needs_a_token_vector_loss_and_no_evaluation_split_yet(colbert_recipe, tmp_path):
+    from vembed.errors import RecipeError
+    from vembed.tasks.contrastive import ContrastiveTask
+
+    for changes, key in (({"loss_type": "infonce"}, "loss_type"),
+                         ({"data": {**colbert_recipe["data"], "validation": colbert_recipe["data"]["train"]}},
+                          "data.validation")):
+        with pytest.raises(RecipeError) as err:
+            ContrastiveTask.check_recipe(recipe_from_dict({**colbert_recipe, **changes}))
+        assert err.value.key == key
+    single = {k: v for k, v in colbert_recipe.items() if k not in ("embedding", "multi_vector_dim", "query_length")}
+    with pytest.raises(RecipeError) as err:
+        ContrastiveTask.check_recipe(recipe_from_dict(single))
+    assert err.value.key == "loss_type"
+
+
+@pytest.mark.slow
+def test_shipped_colbert_recipe_trains_through_vembed_train(colbert_recipe, tmp_path):
+    """configs/colbert_minilm.yaml with the tiny BERT in place of MiniLM, through the training entrypoint."""
+    shipped = yaml.safe_load((ROOT / "configs" / "colbert_minilm.yaml").read_text())
+    shipped.pop("model_name")
+    tiny = {k: colbert_recipe[k] for k in ("tokenizer_name", "model_config", "data", "output_dir", "seed")}
+    raw = {**shipped, **tiny, "multi_vector_dim": 16, "query_length": 12, "max_length": 32, "batch_size": 4,
+           "max_steps": 2, "learning_rate": 1e-3}
+    recipe = tmp_path / "colbert.yaml"
+    recipe.write_text(yaml.safe_dump(raw))
+    launch(None, recipe)
+    final = Path(raw["output_dir"]) / "final"
+    vectors = vembed.load(str(final), device="cpu").encode_token_vectors(DOCUMENTS, role="document")
+    assert vectors.shape[0] == 3 and vectors.shape[2] == 16
