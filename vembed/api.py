@@ -126,7 +126,7 @@ class Embedder:
     @staticmethod
     def score(queries: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
         """`(n_queries, n_documents)` late-interaction (MaxSim) scores of `encode_token_vectors` outputs."""
-        from vembed.retrieval.maxsim import maxsim
+        from vembed.models.maxsim import maxsim
 
         return maxsim(queries, documents)
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from vembed.losses.late_interaction import LateInteractionLoss
 from vembed.models.token_vectors import cat_tokens, pad_tokens, token_mask
-from vembed.retrieval.maxsim import maxsim
+from vembed.models.maxsim import maxsim
 
 WORLD, B, K, IN, D = 2, 3, 2, 12, 8
 

@@ -13,7 +13,7 @@ from launching import ROOT, launch
 
 import vembed
 from vembed.components import recipe_from_dict
-from vembed.retrieval.maxsim import maxsim
+from vembed.models.maxsim import maxsim
 
 QUERIES = ["question 3", "what shape is it"]
 DOCUMENTS = ["answer 3: a shape, a shape.", "wrong.", "another 1"]

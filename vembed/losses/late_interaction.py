@@ -24,7 +24,7 @@ from vembed.losses.contrastive import (
 )
 from vembed.models.token_vectors import cat_tokens, gather_tokens
 from vembed.recipe import InvalidKey
-from vembed.retrieval.maxsim import maxsim
+from vembed.models.maxsim import maxsim
 
 if TYPE_CHECKING:
     from vembed.recipe import Recipe
