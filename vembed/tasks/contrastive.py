@@ -78,7 +78,7 @@ class ContrastiveObjective(nn.Module):
             return self._encode_in_full_precision(encode)
         if run_inside is not None:
             return run_inside(self)
-        return self.loss(*self.embed(batch), labels=batch.get("label_ids"))
+        return self.loss(*self.embed(batch), labels=batch.get("label_ids"), scores=batch.get("scores"))
 
     def _encode_in_full_precision(self, inputs: dict[str, Any]) -> torch.Tensor:
         # Evaluation measures the model that is saved, as `vembed eval` runs it: in the dtype of its weights (float32;
@@ -136,6 +136,9 @@ class ContrastiveTask(Task):
         # checks, so nothing here walks a million rows in Python.
         self.train_rows, report = load_rows(self.recipe.data, "train")
         check_images_per_side(self.recipe.model_type, self.train_rows)
+        from vembed.losses.inputs import check_loss_inputs
+
+        check_loss_inputs(self.recipe, self.train_rows)
         return report
 
     def every_step_uses_every_parameter(self) -> bool:
@@ -180,9 +183,16 @@ class ContrastiveTask(Task):
 
         if self.train_rows is None:
             return self._train_stream(objective), None
-        collate = PairCollator(objective.adapter, labels=self.recipe.data.mask_same_label)
+        collate = PairCollator(objective.adapter, labels=self._label_ids())
         self.image_cache = self._image_cache(objective.adapter)
         return PairDataset(self.train_rows, image_cache=self.image_cache), collate
+
+    def _label_ids(self) -> bool:
+        """Batches carry label ids where the loss masks same-label negatives (data.mask_same_label) or mines on
+        labels (batch_hard_triplet)."""
+        from vembed.components import loss_class
+
+        return self.recipe.data.mask_same_label or bool(getattr(loss_class(self.recipe), "needs_labels", False))
 
     def _image_cache(self, adapter: EmbeddingAdapter) -> "ImageCache | None":
         """The training images resized once (data.image_cache), for adapters whose images have one fixed size."""
@@ -224,7 +234,7 @@ class ContrastiveTask(Task):
         recipe, data = self.recipe, self.recipe.data
         decoder = SampleDecoder(data.columns.model_dump(), data.image_root, data.num_hard_negatives or 0,
                                 MODELS.get(recipe.model_type).max_images_per_side)
-        collate = PairCollator(objective.adapter, labels=data.mask_same_label)
+        collate = PairCollator(objective.adapter, labels=self._label_ids())
         return ShardStream(self.stream_backend, self.stream_shards, decoder, collate,
                            batch_size=recipe.batch_size, seed=recipe.seed, shuffle_buffer=data.shuffle_buffer)
 

@@ -104,9 +104,9 @@ class GradCacheStep:
         query, positive, negatives = self.objective.shape_embeddings(
             leaves["query"], leaves["positive"], leaves.get("negative"), int(batch.get("num_negatives") or 0)
         )
-        labels = batch.get("label_ids")
+        labels, scores = batch.get("label_ids"), batch.get("scores")
         with acc.autocast():
-            loss = self.objective.loss(query, positive, negatives, labels=labels)
+            loss = self.objective.loss(query, positive, negatives, labels=labels, scores=scores)
         grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
         for chunk in chunks:
             chunk.grad = chunk.of(grads[chunk.side])
@@ -118,7 +118,7 @@ class GradCacheStep:
                 with acc.no_sync(self.model):
                     acc.backward(self.model(run_inside=lambda objective, c=chunk: _replayed(objective, c)))
         detached = tuple(None if t is None else t.detach() for t in (query, positive, negatives))
-        acc.backward(self.model(run_inside=lambda objective: _last_pass(objective, final, detached, labels)))
+        acc.backward(self.model(run_inside=lambda objective: _last_pass(objective, final, detached, labels, scores)))
         return loss.detach()
 
     @torch.no_grad()
@@ -159,12 +159,13 @@ def _replayed(objective: "ContrastiveObjective", chunk: Chunk) -> torch.Tensor:
 
 
 def _last_pass(objective: "ContrastiveObjective", final: list[Chunk],
-               detached: tuple[torch.Tensor | None, ...], labels: torch.Tensor | None = None) -> torch.Tensor:
+               detached: tuple[torch.Tensor | None, ...], labels: torch.Tensor | None = None,
+               scores: torch.Tensor | None = None) -> torch.Tensor:
     """The synced pass: the final chunk of every side; the loss on constant embeddings, which reaches only the loss's
     own parameters (temperature, bias); and a zero-weighted touch of every trainable parameter, which puts all of them
     in this pass's graph, so DDP all-reduces each exactly once, including towers that only earlier chunks used."""
     surrogate = sum(_replayed(objective, chunk) for chunk in final)
-    surrogate = surrogate + objective.loss(*detached, labels=labels)
+    surrogate = surrogate + objective.loss(*detached, labels=labels, scores=scores)
     return surrogate + sum(p.view(-1)[0] for p in objective.parameters() if p.requires_grad) * 0.0
 
 
