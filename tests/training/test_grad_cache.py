@@ -68,7 +68,7 @@ def _reference_step(raw: dict, rows: list[int], chunk: int | None, seed: int = 7
         embedded[side] = torch.cat(parts)
     loss = objective.loss(*objective.shape_embeddings(
         embedded["query"], embedded["positive"], embedded.get("negative"), int(batch.get("num_negatives") or 0)),
-        labels=batch.get("label_ids"))
+        labels=batch.get("label_ids"), scores=batch.get("scores"))
     loss.backward()
     return _grads(trainer), loss.item()
 
@@ -155,6 +155,41 @@ def test_cached_gradients_equal_whole_batch_for_a_text_adapter(text_pairs):
     reference, _ = _reference_step(raw, rows, chunk=3)
     _assert_close(cached, reference)
     assert any(name.startswith("loss.") for name in cached)  # the learnable temperature got its gradient
+
+
+@pytest.fixture
+def scored_text_pairs(text_pairs, tmp_path):
+    """The text pairs with a label, a gold score per pair (`gold`) and teacher scores of [positive, negatives]
+    (`teacher`); a recipe picks one with data.columns.score."""
+    rows = [{"query": f"question {i} about shape {i % 5}", "positive": f"answer {i}: a shape {i % 5}",
+             "negatives": [f"wrong answer {i}", f"another wrong answer {i + 1}"], "label": f"shape {i % 3}",
+             "gold": (i * 7 % 11) / 10, "teacher": [3.0 - i % 4, 0.5 * (i % 3), -1.0 + i % 2]} for i in range(16)]
+    path = tmp_path / "scored.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return dict(text_pairs, data={"train": str(path)})
+
+
+SCORED_LOSSES = {
+    "cosent": ("gold", {}), "angle": ("gold", {}), "cosine_mse": ("gold", {}),
+    "triplet": ("gold", {"triplet_margin": 0.5}), "batch_hard_triplet": ("gold", {"triplet_margin": 0.5}),
+    "margin_mse": ("teacher", {}), "distill_kl": ("teacher", {"temperature": 0.5}),
+    "matryoshka-cosent": ("gold", {"mrl_dims": [32, 8]}),
+}
+
+
+@pytest.mark.parametrize("case", list(SCORED_LOSSES))
+def test_cached_gradients_equal_whole_batch_for_the_scored_and_triplet_losses(scored_text_pairs, case):
+    # Each is computed on the whole batch's embeddings, so GradCache must give the whole-batch gradient.
+    column, keys = SCORED_LOSSES[case]
+    raw = dict(scored_text_pairs, loss_type=case.split("-")[-1], use_gradient_cache=True, gradient_cache_chunk_size=3,
+               learnable_temperature=False, **keys)
+    raw["data"] = {**raw["data"], "columns": {"score": column}}
+    rows = list(range(BATCH))
+    cached, cached_loss = _cached_step(raw, rows)
+    reference, reference_loss = _reference_step(raw, rows, chunk=3)
+    assert cached_loss == pytest.approx(reference_loss, rel=1e-6)
+    assert reference_loss > 0
+    _assert_close(cached, reference)
 
 
 def test_without_dropout_cached_equals_the_plain_training_step(tiny_clip_recipe):

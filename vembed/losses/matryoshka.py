@@ -47,7 +47,8 @@ class MatryoshkaLoss(EmbeddingLoss):
     def __init__(self, loss: EmbeddingLoss, dims: Sequence[int], weights: Sequence[float] | None = None):
         super().__init__()
         # What the inner loss needs of a batch, it needs through the wrapper too.
-        for attribute in ("needs_scores", "needs_labels", "min_negatives", "gradient_cache_refusal"):
+        for attribute in ("needs_scores", "needs_labels", "min_negatives", "uses_negatives",
+                          "gradient_cache_refusal"):
             setattr(self, attribute, getattr(loss, attribute))
         dims = [int(d) for d in dims]
         if not dims or any(d <= 0 for d in dims):

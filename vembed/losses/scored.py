@@ -73,6 +73,7 @@ class CoSENTLoss(EmbeddingLoss):
 
     Settings: ClassVar[type[CoSENTSettings]] = CoSENTSettings
     needs_scores: ClassVar[str | None] = "pair"
+    uses_negatives: ClassVar[bool] = False
     name: ClassVar[str] = "cosent"
 
     def __init__(self, scale: float = 20.0):
@@ -130,6 +131,7 @@ class CosineSimilarityLoss(EmbeddingLoss):
     """
 
     needs_scores: ClassVar[str | None] = "pair"
+    uses_negatives: ClassVar[bool] = False
 
     @classmethod
     def from_recipe(cls, recipe: "Recipe") -> "CosineSimilarityLoss":

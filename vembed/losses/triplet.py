@@ -111,6 +111,7 @@ class BatchHardTripletLoss(EmbeddingLoss):
 
     Settings: ClassVar[type[BatchHardTripletSettings]] = BatchHardTripletSettings
     needs_labels: ClassVar[bool] = True
+    uses_negatives: ClassVar[bool] = False
 
     def __init__(self, margin: float = 5.0, distance: str = "euclidean"):
         super().__init__()

@@ -134,7 +134,11 @@ class ContrastiveTask(Task):
             return self._open_train_stream()
         # Records are made when fetched; what is known of every row (images per side, modalities) comes from the
         # checks, so nothing here walks a million rows in Python.
-        self.train_rows, report = load_rows(self.recipe.data, "train")
+        from vembed.components import loss_class
+
+        # A loss that reads no hard negatives (cosent, batch_hard_triplet, ...) gets none: nothing to encode.
+        unused = not getattr(loss_class(self.recipe), "uses_negatives", True)
+        self.train_rows, report = load_rows(self.recipe.data, "train", num_hard_negatives=0 if unused else None)
         check_images_per_side(self.recipe.model_type, self.train_rows)
         from vembed.losses.inputs import check_loss_inputs
 

@@ -107,7 +107,10 @@ class GradCacheStep:
         labels, scores = batch.get("label_ids"), batch.get("scores")
         with acc.autocast():
             loss = self.objective.loss(query, positive, negatives, labels=labels, scores=scores)
-        grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+        # A side the loss does not read (hard negatives under a pair loss) gets a zero gradient.
+        found = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+        grads = {side: torch.zeros_like(leaf) if grad is None else grad
+                 for (side, leaf), grad in zip(leaves.items(), found)}
         for chunk in chunks:
             chunk.grad = chunk.of(grads[chunk.side])
 
