@@ -286,6 +286,21 @@ def test_auto_rule_and_chunk_clamp():
         assert not skipped.enabled and "not available" in skipped.reason
 
 
+def test_a_loss_that_cannot_run_under_grad_cache_is_refused_before_anything_is_built(monkeypatch):
+    from vembed.errors import RecipeError
+    from vembed.losses.scored import CoSENTLoss
+    from vembed.training.launch_plan import choose_gradient_cache
+
+    monkeypatch.setattr(CoSENTLoss, "gradient_cache_refusal", "it needs the raw batch")
+    recipe = {"model_type": "clip", "model_config": TINY_CLIP_CONFIG, "batch_size": 4, "loss_type": "cosent"}
+    with pytest.raises(RecipeError, match="use_gradient_cache: loss_type cosent cannot run under GradCache: it needs"):
+        choose_gradient_cache(recipe_from_dict(dict(recipe, use_gradient_cache=True)), "ddp", 10)
+    automatic = choose_gradient_cache(recipe_from_dict(dict(recipe, gradient_checkpointing=True)), "ddp", 2 * 10**9)
+    assert not automatic.enabled and "with loss_type cosent" in automatic.reason
+    monkeypatch.undo()
+    assert choose_gradient_cache(recipe_from_dict(dict(recipe, use_gradient_cache=True)), "ddp", 10).enabled
+
+
 def test_cached_gradients_with_lora_and_gradient_checkpointing(tiny_clip_recipe):
     raw = _with_attention_dropout(dict(
         tiny_clip_recipe, batch_size=BATCH, use_gradient_cache=True, gradient_cache_chunk_size=3, use_lora=True,
