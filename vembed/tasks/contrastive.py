@@ -263,7 +263,10 @@ class ContrastiveTask(Task):
             if corpora else None
         if pairs is None or pairs:
             pair_data = data if pairs is None else data.model_copy(update={split: pairs})
-            rows, report = load_rows(pair_data, split, num_hard_negatives=0)
+            # Negatives as many as every record of the split has (its own count, not data.num_hard_negatives, so
+            # no record is skipped for too few): triplet accuracy reads the first (vembed/evaluation/scored.py).
+            pair_data = pair_data.model_copy(update={"num_hard_negatives": None})
+            rows, report = load_rows(pair_data, split)
             per_source.update({name: rows[start:stop] for name, start, stop in rows.source_ranges()})
             # rows read, kept and skipped, plus how many are evaluated (eval_max_samples)
             read = report.to_dict()
@@ -316,7 +319,9 @@ class ContrastiveTask(Task):
                                    forward=forward)
         if not data:
             return {}
-        return evaluate_retrieval(
+        from vembed.evaluation.scored import evaluate_scored
+
+        metrics = evaluate_retrieval(
             model,
             data,
             batch_size=self.recipe.resolved_eval_batch_size,
@@ -326,9 +331,13 @@ class ContrastiveTask(Task):
             show_progress=accelerator.is_local_main_process and len(data) >= 2000,
             forward=forward,
         )
+        # Graded pairs (a score column) and triplets (hard negatives): similarity and triplet metrics too.
+        return {**metrics, **evaluate_scored(model, data, batch_size=self.recipe.resolved_eval_batch_size,
+                                             accelerator=accelerator, forward=forward)}
 
     def headline(self, metrics: dict[str, float]) -> str:
-        keys = ("q2d/recall@1", "q2d/recall@5", "q2d/recall@10", "q2d/mrr", "d2q/recall@1", "corpus/ndcg@10",
+        keys = ("similarity/spearman_cosine", "triplet/cosine_accuracy",
+                "q2d/recall@1", "q2d/recall@5", "q2d/recall@10", "q2d/mrr", "d2q/recall@1", "corpus/ndcg@10",
                 "corpus/recall@100", "corpus/mrr@10")
         return "  ".join(f"{k}={metrics[k]:.3f}" for k in keys if k in metrics)
 
@@ -374,12 +383,23 @@ def validation_metric_names(recipe: "Recipe") -> list[str]:
     if data.validation is None:
         return []
     corpora = corpus_sources(data, "validation")
-    pairs, corpus = retrieval_metric_names(recipe.loss.mrl_dims), corpus_metric_names()
+    pairs, corpus = retrieval_metric_names(recipe.loss.mrl_dims) + _scored_metric_names(recipe), corpus_metric_names()
     if not isinstance(data.validation, dict):
         return corpus if None in corpora else pairs
     per_source = {name: corpus if name in corpora else pairs for name in data.validation}
     shared = [key for key in pairs + corpus if all(key in keys for keys in per_source.values())]
     return shared + [f"{name}/{key}" for name, keys in per_source.items() for key in keys]
+
+
+def _scored_metric_names(recipe: "Recipe") -> list[str]:
+    """Similarity metrics where the loss trains on gold scores, triplet accuracy where on hard negatives: what a
+    validation split of the same shape as the training data gives (vembed/evaluation/scored.py)."""
+    from vembed.components import loss_class
+    from vembed.evaluation.scored import SIMILARITY_METRICS, TRIPLET_METRICS
+
+    loss = loss_class(recipe)
+    names = list(SIMILARITY_METRICS) if getattr(loss, "needs_scores", None) == "pair" else []
+    return names + (list(TRIPLET_METRICS) if getattr(loss, "min_negatives", 0) >= 1 else [])
 
 
 def _resolve_best_metric(recipe: "Recipe", check: bool = False) -> None:
