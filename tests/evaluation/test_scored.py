@@ -70,3 +70,29 @@ def test_vembed_eval_reports_similarity_and_triplet_metrics(tmp_path, tiny_token
     assert metrics["similarity/pearson_cosine"] == pytest.approx(stats.pearsonr(gold, cosines)[0], abs=1e-5)
     assert metrics["triplet/cosine_accuracy"] == pytest.approx(triplet_accuracy(q, p, n)["triplet/cosine_accuracy"])
     assert "q2d/recall@1" in metrics  # retrieval as before
+
+
+def test_in_run_evaluation_reports_them_per_named_source(tmp_path, tiny_tokenizer_dir):
+    from vembed.components import recipe_from_dict
+    from vembed.training.loop import Trainer
+
+    rows = [{"query": f"a red circle number {i}", "positive": f"a blue shape {i % 4}", "negatives": [f"square {i}"],
+             "score": float(i % 5)} for i in range(10)]
+    files = {}
+    for name in ("sts", "nli"):
+        files[name] = tmp_path / f"{name}.jsonl"
+        files[name].write_text("".join(json.dumps(row) + "\n" for row in rows))
+    trainer = Trainer(recipe_from_dict({
+        "model_type": "text", "pooling": "mean", "tokenizer_name": tiny_tokenizer_dir, "loss_type": "cosent",
+        "model_config": {"model_type": "bert", "vocab_size": 512, "hidden_size": 32, "intermediate_size": 37,
+                         "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 32},
+        "data": {"train": str(files["sts"]), "validation": {name: str(path) for name, path in files.items()}},
+        "metric_for_best_model": "similarity/spearman_cosine", "output_dir": str(tmp_path / "run"),
+        "batch_size": 4, "eval_before_training": False}))
+    trainer.build()
+    metrics = trainer.evaluate(trainer.eval_examples)
+    for name in ("sts", "nli"):
+        assert -1 <= metrics[f"{name}/similarity/spearman_cosine"] <= 1
+        assert f"{name}/triplet/cosine_accuracy" in metrics
+    assert metrics["similarity/spearman_cosine"] == pytest.approx(
+        (metrics["sts/similarity/spearman_cosine"] + metrics["nli/similarity/spearman_cosine"]) / 2)
