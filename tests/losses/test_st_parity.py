@@ -49,8 +49,8 @@ def _ours(loss, q, p, n, **kwargs):
     return value.detach(), grads
 
 
-def _theirs(make, columns, labels, leaves):
-    loss = make(ColumnModel(columns))
+def _theirs(make, columns, labels, leaves, model=None):
+    loss = make(model if model is not None else ColumnModel(columns))
     value = loss([{"column": i} for i in range(len(columns))], labels)
     grads = torch.autograd.grad(value, leaves, allow_unused=True)
     return value.detach(), grads
@@ -157,3 +157,39 @@ def test_a_recipe_names_each_loss_and_its_own_keys(loss_type, keys, expected):
     loss = build_loss(recipe_from_dict({"model_type": "text", "model_name": "x", "loss_type": loss_type, **keys}))
     assert type(loss) is expected
     assert all(value in loss.config.values() for value in keys.values())
+
+
+class GuidedColumnModel(ColumnModel):
+    """A ColumnModel with what sentence-transformers' GISTEmbedLoss asks of a model and its guide: a transformers
+    tokenizer (the same one for both, so nothing is retokenised) and a max_seq_length."""
+
+    def __init__(self, columns, tokenizer):
+        super().__init__(columns)
+        self.tokenizer, self.max_seq_length = tokenizer, 16
+
+
+@pytest.mark.parametrize("strategy, margin", [("absolute", 0.0), ("absolute", 0.1), ("relative", 0.05)])
+@pytest.mark.parametrize("anchors, positives", [(True, True), (False, False)])
+@pytest.mark.parametrize("with_negative", [True, False])
+def test_gist_equals_sentence_transformers(tiny_tokenizer_dir, strategy, margin, anchors, positives, with_negative):
+    from transformers import AutoTokenizer
+
+    from vembed.losses.gist import GISTEmbedLoss
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    q, p, n = _leaves(10)
+    n1 = n.detach()[:, :1].clone().requires_grad_()
+    gq, gp, gn = (t.detach() for t in _leaves(11))
+    # The guide sees the rows close to how the model does, so some candidates score above the positive
+    gq, gp, gn1 = gq + 2 * q.detach(), gp + 2 * p.detach(), gn[:, :1] + 2 * n1.detach()
+    columns, guide_columns, leaves = [q, p], [gq, gp], [q, p]
+    if with_negative:
+        columns, guide_columns, leaves = columns + [n1[:, 0]], guide_columns + [gn1[:, 0]], leaves + [n1]
+    theirs = _theirs(lambda m: st_losses.GISTEmbedLoss(
+        m, GuidedColumnModel(guide_columns, tokenizer), temperature=0.05, margin_strategy=strategy, margin=margin,
+        contrast_anchors=anchors, contrast_positives=positives), columns, None, leaves,
+        GuidedColumnModel(columns, tokenizer))
+    ours = GISTEmbedLoss(0.05, strategy, margin, anchors, positives)
+    value = ours(q, p, n1 if with_negative else None, guide=(gq, gp, gn1 if with_negative else None))
+    grads = torch.autograd.grad(value, leaves)
+    _assert_same((value.detach(), grads), theirs)
