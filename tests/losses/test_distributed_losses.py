@@ -159,6 +159,7 @@ def test_loss_parameters_are_compared_in_ddp_checks():
 
 def _scored_cases() -> dict:
     from vembed.losses.scored import AnglELoss, CoSENTLoss, CosineSimilarityLoss, DistillKLDivLoss, MarginMSELoss
+    from vembed.losses.gist import GISTEmbedLoss
     from vembed.losses.triplet import BatchHardTripletLoss, TripletLoss
 
     return {
@@ -173,6 +174,9 @@ def _scored_cases() -> dict:
         "matryoshka_cosent": (lambda: MatryoshkaLoss(CoSENTLoss(), dims=[OUT, 4], weights=[1.0, 0.5]), "pair"),
         "matryoshka_batch_hard_triplet": (lambda: MatryoshkaLoss(BatchHardTripletLoss(margin=0.5), dims=[OUT, 4]),
                                           "labels"),
+        "gist": (lambda: GISTEmbedLoss(temperature=0.05, margin=0.05), "guide"),
+        "gist_relative_no_blocks": (lambda: GISTEmbedLoss(temperature=0.05, margin_strategy="relative", margin=0.1,
+                                                          contrast_anchors=False, contrast_positives=False), "guide"),
     }
 
 
@@ -188,6 +192,11 @@ def _scored_inputs(kind: str | None, rows: slice) -> dict:
         return {"scores": TEACHER_SCORES[rows]}
     if kind == "labels":
         return {"labels": LABELS[rows]}
+    if kind == "guide":  # the guide's embeddings: fixed, unrelated to the encoder, so some candidates get masked
+        generator = torch.Generator().manual_seed(9)
+        guide = [torch.randn(WORLD * B, 4, generator=generator), torch.randn(WORLD * B, 4, generator=generator),
+                 torch.randn(WORLD * B, K, 4, generator=generator)]
+        return {"guide": tuple(t[rows] for t in guide)}
     return {}
 
 

@@ -68,7 +68,7 @@ def _reference_step(raw: dict, rows: list[int], chunk: int | None, seed: int = 7
         embedded[side] = torch.cat(parts)
     loss = objective.loss(*objective.shape_embeddings(
         embedded["query"], embedded["positive"], embedded.get("negative"), int(batch.get("num_negatives") or 0)),
-        labels=batch.get("label_ids"), scores=batch.get("scores"))
+        **objective.loss_inputs(batch))
     loss.backward()
     return _grads(trainer), loss.item()
 
@@ -174,16 +174,23 @@ SCORED_LOSSES = {
     "triplet": ("gold", {"triplet_margin": 0.5}), "batch_hard_triplet": ("gold", {"triplet_margin": 0.5}),
     "margin_mse": ("teacher", {}), "distill_kl": ("teacher", {"temperature": 0.5}),
     "matryoshka-cosent": ("gold", {"mrl_dims": [32, 8]}),
+    "gist": ("gold", {"gist_margin": 0.0}),  # the tiny guide scores every pair alike: no margin, or all is masked
 }
 
 
 @pytest.mark.parametrize("case", list(SCORED_LOSSES))
-def test_cached_gradients_equal_whole_batch_for_the_scored_and_triplet_losses(scored_text_pairs, case):
+def test_cached_gradients_equal_whole_batch_for_the_scored_and_triplet_losses(scored_text_pairs, case, tmp_path):
     # Each is computed on the whole batch's embeddings, so GradCache must give the whole-batch gradient.
     column, keys = SCORED_LOSSES[case]
     raw = dict(scored_text_pairs, loss_type=case.split("-")[-1], use_gradient_cache=True, gradient_cache_chunk_size=3,
                learnable_temperature=False, **keys)
     raw["data"] = {**raw["data"], "columns": {"score": column}}
+    if case == "gist":  # the guide: another tiny text model, saved
+        from vembed.models import MODELS
+
+        torch.manual_seed(3)
+        MODELS.get("text").from_recipe(recipe_from_dict(scored_text_pairs)).save(tmp_path / "guide")
+        raw["gist_guide"] = str(tmp_path / "guide")
     rows = list(range(BATCH))
     cached, cached_loss = _cached_step(raw, rows)
     reference, reference_loss = _reference_step(raw, rows, chunk=3)

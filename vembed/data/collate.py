@@ -30,9 +30,10 @@ class PairCollator:
     A plain object holding the adapter (only its `preprocess` is called), so DataLoader workers can pickle it.
     """
 
-    def __init__(self, adapter: "EmbeddingAdapter", labels: bool = False):
+    def __init__(self, adapter: "EmbeddingAdapter", labels: bool = False, guide: "EmbeddingAdapter | None" = None):
         self.adapter = adapter
         self.labels = labels
+        self.guide = guide  # GISTEmbed's guide model: each side preprocessed for it too, under "guide"
 
     def __call__(self, examples: Sequence[Example]) -> dict[str, Any]:
         if not examples:
@@ -54,6 +55,11 @@ class PairCollator:
         }
         if num_negatives:
             batch["negative"] = self.adapter.preprocess([side for example in examples for side in example.negatives])
+        if self.guide is not None:
+            sides = {"query": [e.query for e in examples], "positive": [e.positive for e in examples]}
+            if num_negatives:
+                sides["negative"] = [side for example in examples for side in example.negatives]
+            batch["guide"] = {name: self.guide.preprocess(found) for name, found in sides.items()}
         if all(example.label is not None for example in examples):
             batch["labels"] = [example.label for example in examples]
             if self.labels:

@@ -45,13 +45,15 @@ class GISTEmbedLoss(EmbeddingLoss):
     flattened), and the guide's embeddings gq, gp, gn of the same texts::
 
         s_i    = guide cos(gq_i, gp_i)                              # the row's positive, as the guide sees it
-        blocks = [cos(q, P_all), cos(q, q_local), cos(p_local, P_all), cos(q, N_all)]
+        blocks = [cos(q, P_all), cos(q, Q_all), cos(p_local, P_all), cos(q, N_all)]
         each entry whose guide cosine is above s_i - margin is masked (-inf), except the row's own positive
         loss   = cross_entropy(cat(blocks) / temperature, rank * B + arange(B))
 
     The query-query and positive-positive blocks are optional (``contrast_anchors``, ``contrast_positives``); a
     block's own diagonal is masked by the guide itself (a text is as similar to itself as anything). With one hard
-    negative per row this is sentence-transformers' loss exactly; with k, each is a column. The guide's embeddings
+    negative per row this is sentence-transformers' loss exactly in one process; under DDP the query-query block
+    holds every rank's queries (sentence-transformers' gathering keeps only the local ones there, which is not the
+    single-process loss), so two ranks equal one process on the whole batch. The guide's embeddings
     are constants (no gradient), so under GradCache the loss is computed on the whole batch like InfoNCE.
     """
 
@@ -101,8 +103,9 @@ class GISTEmbedLoss(EmbeddingLoss):
                 return similarity.masked_fill(mask, float("-inf"))
 
             blocks = [masked(_cosines(query, all_positive), _cosines(guide_query, all_guide_positive), True)]
-            if self.contrast_anchors:
-                blocks.append(masked(_cosines(query, query), _cosines(guide_query, guide_query)))
+            if self.contrast_anchors:  # every rank's queries (sentence-transformers' gather keeps only local ones)
+                blocks.append(masked(_cosines(query, gather_with_grad(query)),
+                                     _cosines(guide_query, gather_with_grad(guide_query))))
             if self.contrast_positives:
                 blocks.append(masked(_cosines(positive, all_positive), _cosines(guide_positive, all_guide_positive)))
             if negatives is not None and negatives.shape[1]:

@@ -32,11 +32,29 @@ class ContrastiveObjective(nn.Module):
     learnable temperature or SigLIP bias lives in the loss; keeping the loss inside the wrapped module is what makes
     DDP average its gradient like every other parameter."""
 
-    def __init__(self, adapter: EmbeddingAdapter, loss: EmbeddingLoss, length_chunks: int = 1):
+    def __init__(self, adapter: EmbeddingAdapter, loss: EmbeddingLoss, length_chunks: int = 1,
+                 guide: EmbeddingAdapter | None = None):
         super().__init__()
         self.adapter = adapter
         self.loss = loss
         self.length_chunks = length_chunks if adapter.length_chunking else 1
+        # GISTEmbed's frozen guide: kept out of the module tree, so no wrapper syncs, shards or saves it.
+        self.__dict__["guide"] = guide
+
+    def loss_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """What the loss takes from a batch besides the embeddings: labels, scores and, for GISTEmbed, the guide's
+        embeddings of every side (computed once per batch, without a graph)."""
+        inputs = {"labels": batch.get("label_ids"), "scores": batch.get("scores")}
+        if self.guide is not None:
+            sides = batch["guide"]
+            device = next(p.device for p in self.adapter.parameters())
+            self.guide.to(device)
+            with torch.no_grad(), torch.autocast(device.type, enabled=False):
+                embedded = {side: self.guide(inputs).float() for side, inputs in sides.items()}
+            k = int(batch.get("num_negatives") or 0)
+            negative = embedded["negative"].view(embedded["query"].shape[0], k, -1) if k else None
+            inputs["guide"] = (embedded["query"], embedded["positive"], negative)
+        return inputs
 
     def encode_side(self, inputs: dict[str, Any]) -> torch.Tensor:
         """One side's embeddings, through the adapter's call (see `embed`), length-aware where it applies."""
@@ -78,7 +96,7 @@ class ContrastiveObjective(nn.Module):
             return self._encode_in_full_precision(encode)
         if run_inside is not None:
             return run_inside(self)
-        return self.loss(*self.embed(batch), labels=batch.get("label_ids"), scores=batch.get("scores"))
+        return self.loss(*self.embed(batch), **self.loss_inputs(batch))
 
     def _encode_in_full_precision(self, inputs: dict[str, Any]) -> torch.Tensor:
         # Evaluation measures the model that is saved, as `vembed eval` runs it: in the dtype of its weights (float32;
@@ -118,6 +136,10 @@ class ContrastiveTask(Task):
         adapter_cls = MODELS.get(recipe.model_type)
         adapter_cls.check_recipe(recipe)
         _check_source_and_stage_keys(recipe, adapter_cls)
+        if getattr(recipe.loss, "gist_guide", None) is not None:
+            from vembed.losses.guide import check_guide_folder
+
+            check_guide_folder(recipe.loss.gist_guide)
         _resolve_best_metric(recipe, check=True)
         dim = adapter_cls.embedding_dim_for(recipe)  # reads the config only: a bad model_name fails here, cheaply
         if recipe.loss.mrl_dims:
@@ -179,7 +201,13 @@ class ContrastiveTask(Task):
             adapter.enable_gradient_checkpointing()
         if recipe.use_lora:
             adapter.apply_lora(recipe)
-        return ContrastiveObjective(adapter, build_loss(recipe), recipe.length_chunks)
+        loss = build_loss(recipe)
+        guide = None
+        if getattr(loss, "needs_guide", False):
+            from vembed.losses.guide import load_guide
+
+            guide = load_guide(recipe.loss.gist_guide)
+        return ContrastiveObjective(adapter, loss, recipe.length_chunks, guide)
 
     def train_dataset(self, objective: "nn.Module"):
         from vembed.data.collate import PairCollator
@@ -187,7 +215,7 @@ class ContrastiveTask(Task):
 
         if self.train_rows is None:
             return self._train_stream(objective), None
-        collate = PairCollator(objective.adapter, labels=self._label_ids())
+        collate = PairCollator(objective.adapter, labels=self._label_ids(), guide=objective.guide)
         self.image_cache = self._image_cache(objective.adapter)
         return PairDataset(self.train_rows, image_cache=self.image_cache), collate
 
@@ -238,7 +266,7 @@ class ContrastiveTask(Task):
         recipe, data = self.recipe, self.recipe.data
         decoder = SampleDecoder(data.columns.model_dump(), data.image_root, data.num_hard_negatives or 0,
                                 MODELS.get(recipe.model_type).max_images_per_side)
-        collate = PairCollator(objective.adapter, labels=self._label_ids())
+        collate = PairCollator(objective.adapter, labels=self._label_ids(), guide=objective.guide)
         return ShardStream(self.stream_backend, self.stream_shards, decoder, collate,
                            batch_size=recipe.batch_size, seed=recipe.seed, shuffle_buffer=data.shuffle_buffer)
 
