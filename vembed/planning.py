@@ -110,6 +110,8 @@ def choose_gradient_cache(recipe: "Recipe", kind: LaunchKind,
         "deepspeed": "GradCache needs several backward passes per optimizer step, which DeepSpeed's engine counts "
                      "as separate micro-steps; use DDP + GradCache, or DeepSpeed without it",
     }.get(kind)
+    if unavailable is None:
+        unavailable = _loss_refuses_gradient_cache(recipe)
     if recipe.use_gradient_cache:
         if unavailable:
             raise RecipeError("use_gradient_cache", unavailable + " (use_gradient_cache: false)")
@@ -117,8 +119,9 @@ def choose_gradient_cache(recipe: "Recipe", kind: LaunchKind,
     if recipe.use_gradient_cache is False or not recipe.gradient_checkpointing:
         return GradientCacheChoice(False, None, "off")
     if unavailable:
-        return GradientCacheChoice(False, None, f"off (not available under {'FSDP' if kind == 'fsdp' else 'DeepSpeed'}"
-                                                "; the >1B + checkpointing rule does not apply)")
+        where = {"fsdp": "under FSDP", "deepspeed": "under DeepSpeed"}.get(kind, f"with loss_type {recipe.loss_type}")
+        return GradientCacheChoice(False, None, f"off (not available {where}; the >1B + checkpointing rule does not "
+                                                "apply)")
     if num_parameters is None:
         model = meta_model(recipe)
         num_parameters = sum(p.numel() for p in model.parameters()) if model is not None else 0
@@ -127,6 +130,14 @@ def choose_gradient_cache(recipe: "Recipe", kind: LaunchKind,
     return GradientCacheChoice(True, _chunk(recipe), f"on (automatic: gradient_checkpointing with "
                                                      f"{num_parameters / 1e9:.1f}B parameters; set use_gradient_cache: "
                                                      "false to turn it off)")
+
+
+def _loss_refuses_gradient_cache(recipe: "Recipe") -> str | None:
+    """The loss's own reason it cannot run under GradCache (`EmbeddingLoss.gradient_cache_refusal`), or None."""
+    from vembed.components import loss_class
+
+    refusal = getattr(loss_class(recipe), "gradient_cache_refusal", None)
+    return None if refusal is None else f"loss_type {recipe.loss_type} cannot run under GradCache: {refusal}"
 
 
 def _chunk(recipe: "Recipe") -> int:

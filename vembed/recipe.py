@@ -129,6 +129,10 @@ class ColumnMap(_Strict):
     negatives: str = "negatives"  # hard-negative texts: a list, or one string
     negative_images: str = "negative_images"  # hard-negative images: a list (one entry per negative), or one string
     label: str = "label"  # optional group id: items sharing it count as relevant in evaluation
+    # Graded pairs and distillation: a number per pair (cosent, angle, cosine_mse; margin_mse: the teacher's margin
+    # with one negative), or a list of teacher scores of [positive, negative 1, ...] (distill_kl, margin_mse), one
+    # per hard negative of the row plus one. Read only by losses that use scores; similarity evaluation reads it too.
+    score: str = "score"
 
 
 DataFormat = Literal["auto", "jsonl", "json", "csv", "parquet", "hf", "shards"]
@@ -185,6 +189,9 @@ class DataConfig(_Strict):
     image_root: str | None = None
     # Hard negatives per record; unset: the smallest number any training record has (0 when none have any).
     num_hard_negatives: int | None = Field(default=None, ge=0)
+    # [low, high]: every score of data.columns.score must lie in it (a row outside stops the run, naming it); unset:
+    # any number. E.g. [0, 1] for cosine_mse, [0, 5] for STS-B's gold scores.
+    score_range: tuple[float, float] | None = None
     # Rows that are empty or point at missing/corrupt images are skipped and counted; above this share, stop.
     max_bad_fraction: float = Field(default=0.05, ge=0.0, le=1.0)
     num_workers: int = Field(default=0, ge=0)
@@ -224,6 +231,13 @@ class DataConfig(_Strict):
         # `{name: files}` is short for `{name: {files: files}}`.
         if isinstance(value, dict):
             return {name: {"files": v} if isinstance(v, (str, list)) else v for name, v in value.items()}
+        return value
+
+    @field_validator("score_range")
+    @classmethod
+    def _ordered_range(cls, value: Any) -> Any:
+        if value is not None and value[0] > value[1]:
+            raise ValueError(f"is [{value[0]}, {value[1]}]; give [low, high] with low <= high")
         return value
 
     @model_validator(mode="after")

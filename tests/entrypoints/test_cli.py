@@ -211,3 +211,39 @@ def test_eval_and_export_arguments_out_of_range_are_one_line(tmp_path, capsys, d
         err = capsys.readouterr().err.strip()
         assert says in err and "\n" not in err, err
     assert taken.read_text() == "x"
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("text_score", "data.columns.score ('score'): score cell holds str 'high', not a number"),
+    ("out_of_range", "row 3: data.columns.score ('score'): score 2 is outside data.score_range [0, 1]"),
+    ("teacher_list_length", "a list of 3 teacher scores for a row with 1 hard negatives"),
+    ("guide_does_not_load", "gist_guide"),
+])
+def test_bad_scores_and_guide_are_one_line_exit_2_and_nothing_written(tiny_clip_recipe, dummy_data_dir, tmp_path,
+                                                                       case, expected):
+    import json
+
+    rows = [json.loads(line) for line in (dummy_data_dir / "train.jsonl").read_text().splitlines()][:8]
+    raw = {**tiny_clip_recipe, "loss_type": "cosent"}
+    for i, row in enumerate(rows):
+        row["score"] = float(i % 5)
+        row["negatives"] = [f"not {row['query']}"]
+    if case == "text_score":
+        rows[3]["score"] = "high"
+    if case == "out_of_range":
+        raw["data"] = {"score_range": [0, 1]}
+    if case == "teacher_list_length":
+        raw["loss_type"] = "distill_kl"
+        for row in rows:
+            row["score"] = [1.0, 0.5]
+        rows[5]["score"] = [1.0, 0.5, 0.2]
+    if case == "guide_does_not_load":
+        raw.update(loss_type="gist", gist_guide=str(tmp_path))  # a folder, but no model in it
+    train = tmp_path / "scored.jsonl"
+    train.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    raw["data"] = {**raw.get("data", {}), "train": str(train), "image_root": str(dummy_data_dir)}
+    result = _run([sys.executable, "-m", "vembed.entrypoints.train", str(_write_recipe(tmp_path, raw))], timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and expected in lines[0], result.stderr
+    assert not Path(raw["output_dir"]).exists()

@@ -152,3 +152,89 @@ def test_loss_parameters_are_compared_in_ddp_checks():
     assert names["siglip"] == ["encoder.weight", "encoder.bias", "loss.log_scale", "loss.bias"]
     assert names["matryoshka_infonce"] == ["encoder.weight", "encoder.bias", "loss.loss.log_scale"]
     assert names["infonce_qwen3_options"] == names["infonce"]
+
+
+# --- the scored and triplet losses (vembed/losses/scored.py, triplet.py) ---------------------------------------------
+# One launch computes every case on both ranks (a launch costs seconds; the cases cost milliseconds).
+
+def _scored_cases() -> dict:
+    from vembed.losses.scored import AnglELoss, CoSENTLoss, CosineSimilarityLoss, DistillKLDivLoss, MarginMSELoss
+    from vembed.losses.gist import GISTEmbedLoss
+    from vembed.losses.triplet import BatchHardTripletLoss, TripletLoss
+
+    return {
+        "cosent": (lambda: CoSENTLoss(scale=20.0), "pair"),
+        "angle": (lambda: AnglELoss(scale=20.0), "pair"),
+        "cosine_mse": (CosineSimilarityLoss, "pair"),
+        "triplet": (lambda: TripletLoss(margin=0.5, distance="euclidean"), None),
+        "batch_hard_triplet": (lambda: BatchHardTripletLoss(margin=0.5), "labels"),
+        "batch_hard_triplet_cosine": (lambda: BatchHardTripletLoss(margin=0.2, distance="cosine"), "labels"),
+        "margin_mse": (MarginMSELoss, "teacher"),
+        "distill_kl": (lambda: DistillKLDivLoss(temperature=0.5), "teacher"),
+        "matryoshka_cosent": (lambda: MatryoshkaLoss(CoSENTLoss(), dims=[OUT, 4], weights=[1.0, 0.5]), "pair"),
+        "matryoshka_batch_hard_triplet": (lambda: MatryoshkaLoss(BatchHardTripletLoss(margin=0.5), dims=[OUT, 4]),
+                                          "labels"),
+        "gist": (lambda: GISTEmbedLoss(temperature=0.05, margin=0.05), "guide"),
+        "gist_relative_no_blocks": (lambda: GISTEmbedLoss(temperature=0.05, margin_strategy="relative", margin=0.1,
+                                                          contrast_anchors=False, contrast_positives=False), "guide"),
+    }
+
+
+# Gold scores with ties across ranks, and teacher scores of [positive, K negatives].
+PAIR_SCORES = torch.tensor([0.9, 0.1, 0.5, 0.3, 0.5, 0.0, 0.75, 0.1])
+TEACHER_SCORES = torch.randn(WORLD * B, 1 + K, generator=torch.Generator().manual_seed(5))
+
+
+def _scored_inputs(kind: str | None, rows: slice) -> dict:
+    if kind == "pair":
+        return {"scores": PAIR_SCORES[rows]}
+    if kind == "teacher":
+        return {"scores": TEACHER_SCORES[rows]}
+    if kind == "labels":
+        return {"labels": LABELS[rows]}
+    if kind == "guide":  # the guide's embeddings: fixed, unrelated to the encoder, so some candidates get masked
+        generator = torch.Generator().manual_seed(9)
+        guide = [torch.randn(WORLD * B, 4, generator=generator), torch.randn(WORLD * B, 4, generator=generator),
+                 torch.randn(WORLD * B, K, 4, generator=generator)]
+        return {"guide": tuple(t[rows] for t in guide)}
+    return {}
+
+
+def _scored_loss_and_gradients(model: nn.Module, forward: nn.Module, batch, inputs: dict) -> dict:
+    model.zero_grad()
+    loss = model.loss(*forward(*batch), **inputs)
+    loss.backward()
+    return {"loss": loss.detach(), "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                                             if p.requires_grad and p.grad is not None}}
+
+
+def _scored_rank_worker(out_dir: str) -> None:
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    rows = slice(rank * B, (rank + 1) * B)
+    results = {}
+    for case, (build, kind) in _scored_cases().items():
+        model = EncoderWithLoss(build())
+        ddp = nn.parallel.DistributedDataParallel(model)
+        local = tuple(t[rows] for t in _global_batch())
+        results[case] = _scored_loss_and_gradients(model, ddp, local, _scored_inputs(kind, rows))
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+
+
+def test_scored_and_triplet_losses_ddp_gradients_match_single_process_full_batch(tmp_path):
+    # cosent / angle / batch-hard compare pairs across the whole batch: each rank gathers the other's; the others
+    # are per-pair means. Every case: two ranks' mean loss and DDP-averaged gradients = one process on 8 pairs.
+    run_on_ranks(_scored_rank_worker, str(tmp_path), world=WORLD)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    everything = slice(0, WORLD * B)
+    for case, (build, kind) in _scored_cases().items():
+        model = EncoderWithLoss(build())
+        expected = _scored_loss_and_gradients(model, model, _global_batch(), _scored_inputs(kind, everything))
+        assert expected["loss"] > 0, case
+        mean_loss = torch.stack([r[case]["loss"] for r in ranks]).mean()
+        assert _relative_difference(mean_loss, expected["loss"]) <= MAX_RELATIVE_DIFFERENCE, case
+        for r, result in enumerate(ranks):
+            assert result[case]["grads"].keys() == expected["grads"].keys(), case
+            for name, grad in expected["grads"].items():
+                difference = _relative_difference(result[case]["grads"][name], grad)
+                assert difference <= MAX_RELATIVE_DIFFERENCE, f"{case}, rank {r}, {name}: {difference:.2e}"

@@ -69,7 +69,7 @@ def _reference_step(raw: dict, rows: list[int], chunk: int | None, seed: int = 7
         embedded[side] = cat_tokens(parts)  # token vectors: padded to the longest chunk, as GradCache does
     loss = objective.loss(*objective.shape_embeddings(
         embedded["query"], embedded["positive"], embedded.get("negative"), int(batch.get("num_negatives") or 0)),
-        labels=batch.get("label_ids"))
+        **objective.loss_inputs(batch))
     loss.backward()
     return _grads(trainer), loss.item()
 
@@ -179,6 +179,48 @@ def test_cached_gradients_equal_whole_batch_for_colbert_token_vectors(text_pairs
     assert "adapter.projection.weight" in cached and "loss._infonce.log_scale" in cached
 
 
+@pytest.fixture
+def scored_text_pairs(text_pairs, tmp_path):
+    """The text pairs with a label, a gold score per pair (`gold`) and teacher scores of [positive, negatives]
+    (`teacher`); a recipe picks one with data.columns.score."""
+    rows = [{"query": f"question {i} about shape {i % 5}", "positive": f"answer {i}: a shape {i % 5}",
+             "negatives": [f"wrong answer {i}", f"another wrong answer {i + 1}"], "label": f"shape {i % 3}",
+             "gold": (i * 7 % 11) / 10, "teacher": [3.0 - i % 4, 0.5 * (i % 3), -1.0 + i % 2]} for i in range(16)]
+    path = tmp_path / "scored.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return dict(text_pairs, data={"train": str(path)})
+
+
+SCORED_LOSSES = {
+    "cosent": ("gold", {}), "angle": ("gold", {}), "cosine_mse": ("gold", {}),
+    "triplet": ("gold", {"triplet_margin": 0.5}), "batch_hard_triplet": ("gold", {"triplet_margin": 0.5}),
+    "margin_mse": ("teacher", {}), "distill_kl": ("teacher", {"temperature": 0.5}),
+    "matryoshka-cosent": ("gold", {"mrl_dims": [32, 8]}),
+    "gist": ("gold", {"gist_margin": 0.0}),  # the tiny guide scores every pair alike: no margin, or all is masked
+}
+
+
+@pytest.mark.parametrize("case", list(SCORED_LOSSES))
+def test_cached_gradients_equal_whole_batch_for_the_scored_and_triplet_losses(scored_text_pairs, case, tmp_path):
+    # Each is computed on the whole batch's embeddings, so GradCache must give the whole-batch gradient.
+    column, keys = SCORED_LOSSES[case]
+    raw = dict(scored_text_pairs, loss_type=case.split("-")[-1], use_gradient_cache=True, gradient_cache_chunk_size=3,
+               learnable_temperature=False, **keys)
+    raw["data"] = {**raw["data"], "columns": {"score": column}}
+    if case == "gist":  # the guide: another tiny text model, saved
+        from vembed.models import MODELS
+
+        torch.manual_seed(3)
+        MODELS.get("text").from_recipe(recipe_from_dict(scored_text_pairs)).save(tmp_path / "guide")
+        raw["gist_guide"] = str(tmp_path / "guide")
+    rows = list(range(BATCH))
+    cached, cached_loss = _cached_step(raw, rows)
+    reference, reference_loss = _reference_step(raw, rows, chunk=3)
+    assert cached_loss == pytest.approx(reference_loss, rel=1e-6)
+    assert reference_loss > 0
+    _assert_close(cached, reference)
+
+
 def test_without_dropout_cached_equals_the_plain_training_step(tiny_clip_recipe):
     raw = _no_dropout(dict(tiny_clip_recipe, batch_size=BATCH, use_gradient_cache=True, gradient_cache_chunk_size=3,
                            learnable_temperature=True))
@@ -271,6 +313,21 @@ def test_auto_rule_and_chunk_clamp():
     for kind in ("fsdp", "deepspeed"):
         skipped = choose({"gradient_checkpointing": True}, big, kind)
         assert not skipped.enabled and "not available" in skipped.reason
+
+
+def test_a_loss_that_cannot_run_under_grad_cache_is_refused_before_anything_is_built(monkeypatch):
+    from vembed.errors import RecipeError
+    from vembed.losses.scored import CoSENTLoss
+    from vembed.planning import choose_gradient_cache
+
+    monkeypatch.setattr(CoSENTLoss, "gradient_cache_refusal", "it needs the raw batch")
+    recipe = {"model_type": "clip", "model_config": TINY_CLIP_CONFIG, "batch_size": 4, "loss_type": "cosent"}
+    with pytest.raises(RecipeError, match="use_gradient_cache: loss_type cosent cannot run under GradCache: it needs"):
+        choose_gradient_cache(recipe_from_dict(dict(recipe, use_gradient_cache=True)), "ddp", 10)
+    automatic = choose_gradient_cache(recipe_from_dict(dict(recipe, gradient_checkpointing=True)), "ddp", 2 * 10**9)
+    assert not automatic.enabled and "with loss_type cosent" in automatic.reason
+    monkeypatch.undo()
+    assert choose_gradient_cache(recipe_from_dict(dict(recipe, use_gradient_cache=True)), "ddp", 10).enabled
 
 
 def test_cached_gradients_with_lora_and_gradient_checkpointing(tiny_clip_recipe):

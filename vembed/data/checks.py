@@ -26,26 +26,32 @@ if TYPE_CHECKING:
     import datasets
 
 # Skip codes in the order `RowReader.example` finds them; 0 is a usable row.
-REASONS = ("", "empty_query", "empty_positive", "missing_image", "bad_image", "bad_text")
+REASONS = ("", "empty_query", "empty_positive", "missing_image", "bad_image", "bad_text", "bad_score")
 CODE = {reason: code for code, reason in enumerate(REASONS)}
 TEXT, IMAGE = 1, 2  # modality bits
 CHECK_BATCH_ROWS = 10_000
 MIN_ROWS_FOR_PROCESSES, MAX_CHECK_PROCESSES = 100_000, 8
-CHECKS_VERSION = 2  # bump when the rules change: cached verdicts of older rules are not reused
-FIELDS = ("reason", "negatives", "modalities", "negative_modalities", "max_images")
+CHECKS_VERSION = 3  # bump when the rules change: cached verdicts of older rules are not reused
+FIELDS = ("reason", "negatives", "modalities", "negative_modalities", "max_images", "scores", "score_low",
+          "score_high")
+NO_SCORE, ONE_SCORE = 0, -1  # `scores` per row: no score, one number; n > 0: a list of n
 
 
 @dataclass
 class RowChecks:
     """Per row of a table: `reason` (a code of REASONS), `negatives` (usable hard negatives), `modalities` and
     `negative_modalities` (TEXT | IMAGE bits of the query and positive, and of the negatives), `max_images` (the
-    most images any side of the row has)."""
+    most images any side of the row has), `scores` (NO_SCORE, ONE_SCORE, or the length of a list of scores) and
+    `score_low` / `score_high` (the row's smallest and largest score; NaN without one)."""
 
     reason: np.ndarray
     negatives: np.ndarray
     modalities: np.ndarray
     negative_modalities: np.ndarray
     max_images: np.ndarray
+    scores: np.ndarray
+    score_low: np.ndarray
+    score_high: np.ndarray
     # This process read every page of a memory-mapped table to compute them (checked here, not in workers or the
     # cache): the caller may map the table afresh so those pages do not stay in its memory (vembed/data/sources.py).
     read_the_table: bool = False
@@ -94,13 +100,17 @@ class BatchChecker:
         reason = np.where(positive_text_error > 0, positive_text_error, reason)
         reason = np.where(query_error > 0, query_error, reason)
         reason = np.where(query_text_error > 0, query_text_error, reason).astype(np.int8)
+        scores, score_low, score_high, score_error = _scores(column("score"), size, self.reader.builder)
+        # Last: a bad score stops the run (vembed/data/sources.py), so it is reported only for rows usable otherwise.
+        reason = np.where((reason == 0) & (score_error > 0), score_error, reason).astype(np.int8)
         modalities = (np.where(query_text | positive_text, TEXT, 0)
                       | np.where((query_images > 0) | (positive_images > 0), IMAGE, 0)).astype(np.int8)
         most = np.maximum(np.maximum(query_images, positive_images), negative_images).astype(np.int16)
         # Prefixed: a data column may be called "negatives" too, and map() must not mix the two up.
         return {"checked_reason": reason, "checked_negatives": negatives.astype(np.int32),
                 "checked_modalities": modalities, "checked_negative_modalities": negative_modalities.astype(np.int8),
-                "checked_max_images": most}
+                "checked_max_images": most, "checked_scores": scores, "checked_score_low": score_low,
+                "checked_score_high": score_high}
 
     def _image_cells(self, values: Any, size: int) -> tuple[np.ndarray, np.ndarray]:
         """Images per cell and the skip code of cells that cannot be used (missing file, unreadable bytes)."""
@@ -146,6 +156,66 @@ class BatchChecker:
             except UnusableImage as bad:
                 errors[i] = CODE[bad.reason]
         return counts, modalities, most, errors
+
+
+def _scores(values: Any, size: int, builder: str) -> tuple[np.ndarray, ...]:
+    """Per score cell: NO_SCORE, ONE_SCORE or a list's length; its smallest and largest score; the `bad_score` code
+    where it is not a number or a list of numbers. Numeric columns and lists of numbers are read by pyarrow."""
+    counts = np.zeros(size, dtype=np.int16)
+    low, high = np.full(size, np.nan), np.full(size, np.nan)
+    errors = np.zeros(size, dtype=np.int8)
+    if values is None or _all_null(values):
+        return counts, low, high, errors
+    fast = _arrow_scores(values, size)
+    if fast is not None:
+        return (*fast, errors)
+    from vembed.data.reader import UnusableImage, score_of
+
+    for i, value in enumerate(_python(values)):
+        try:
+            score = score_of(value, builder)
+        except UnusableImage:
+            errors[i] = CODE["bad_score"]
+            continue
+        if score is None:
+            continue
+        found = score if isinstance(score, list) else [score]
+        counts[i] = len(found) if isinstance(score, list) else ONE_SCORE
+        if found:
+            low[i], high[i] = min(found), max(found)
+    return counts, low, high, errors
+
+
+def _arrow_scores(values: Any, size: int) -> tuple[np.ndarray, ...] | None:
+    """`_scores` of an Arrow column of numbers or of lists of numbers (None for any other column)."""
+    if not hasattr(values, "to_pylist"):
+        return None
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks()
+    kind = values.type
+    if pa.types.is_integer(kind) or pa.types.is_floating(kind):
+        numbers = np.asarray(pc.fill_null(pc.cast(values, pa.float64()), np.nan), dtype=np.float64)
+        present = ~np.isnan(numbers)
+        return np.where(present, ONE_SCORE, NO_SCORE).astype(np.int16), numbers.copy(), numbers.copy()
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not (
+            pa.types.is_integer(kind.value_type) or pa.types.is_floating(kind.value_type)):
+        return None
+    if values.null_count or pc.list_flatten(values).null_count:
+        return None  # a missing list or a missing teacher score: the Python path says which
+    lengths = np.asarray(pc.list_value_length(values), dtype=np.int64)
+    flat = np.asarray(pc.cast(pc.list_flatten(values), pa.float64()), dtype=np.float64)
+    if np.isnan(flat).any():
+        return None
+    low, high = np.full(size, np.nan), np.full(size, np.nan)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    filled = lengths > 0
+    if filled.any():
+        low[filled] = np.minimum.reduceat(flat, starts[filled])
+        high[filled] = np.maximum.reduceat(flat, starts[filled])
+    return lengths.astype(np.int16), low, high
 
 
 def _python(values: Any) -> list[Any]:
@@ -265,7 +335,7 @@ def _arrow_only(table: "datasets.Dataset", reader: RowReader) -> bool:
 
     schema = table.data.schema
     for part, name in reader.columns.items():
-        if part == "label" or name not in schema.names:
+        if part in ("label", "score") or name not in schema.names:  # label: not checked; score: numbers
             continue
         kind = schema.field(name).type
         if part in reader.json_parts or part.endswith("image") or part.endswith("images"):

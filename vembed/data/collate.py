@@ -24,14 +24,16 @@ class PairCollator:
      "labels": [B labels],                  # only when every example has a label
      "label_ids": LongTensor (B,),           # the same, as ids equal on every rank (labels=True): the loss masks
                                              # in-batch negatives that share the row's label
+     "scores": FloatTensor (B,) or (B, 1+k), # data.columns.score, only when every example has one
      "source": name}                         # the named source every example of the batch came from, if any
 
     A plain object holding the adapter (only its `preprocess` is called), so DataLoader workers can pickle it.
     """
 
-    def __init__(self, adapter: "EmbeddingAdapter", labels: bool = False):
+    def __init__(self, adapter: "EmbeddingAdapter", labels: bool = False, guide: "EmbeddingAdapter | None" = None):
         self.adapter = adapter
         self.labels = labels
+        self.guide = guide  # GISTEmbed's guide model: each side preprocessed for it too, under "guide"
 
     def __call__(self, examples: Sequence[Example]) -> dict[str, Any]:
         if not examples:
@@ -53,14 +55,37 @@ class PairCollator:
         }
         if num_negatives:
             batch["negative"] = self.adapter.preprocess([side for example in examples for side in example.negatives])
+        if self.guide is not None:
+            sides = {"query": [e.query for e in examples], "positive": [e.positive for e in examples]}
+            if num_negatives:
+                sides["negative"] = [side for example in examples for side in example.negatives]
+            batch["guide"] = {name: self.guide.preprocess(found) for name, found in sides.items()}
         if all(example.label is not None for example in examples):
             batch["labels"] = [example.label for example in examples]
             if self.labels:
                 batch["label_ids"] = label_ids(batch["labels"])
+        if all(example.score is not None for example in examples):
+            batch["scores"] = score_tensor(examples)
         names = {example.source_name for example in examples}
         if len(names) == 1 and None not in names:
             batch["source"] = names.pop()
         return batch
+
+
+def score_tensor(examples: Sequence[Example]) -> "torch.Tensor":
+    """The examples' scores as float32: (B,) for one number each, (B, m) for lists of m teacher scores."""
+    import torch
+
+    def shape(example: Example) -> int | None:
+        return len(example.score) if isinstance(example.score, list) else None
+
+    first = shape(examples[0])
+    odd = next((example for example in examples if shape(example) != first), None)
+    if odd is not None:
+        raise DataError("records of one batch have scores of different shapes (a number and a list, or lists of "
+                        "different lengths); give every row of data.columns.score the same shape", file=odd.source,
+                        row=odd.row)
+    return torch.tensor([example.score for example in examples], dtype=torch.float32)
 
 
 def label_ids(labels: Sequence[str]) -> "torch.Tensor":

@@ -138,15 +138,10 @@ class PairDataset(Dataset):
                            "against data.max_bad_fraction and in metrics.json (train.decode_failures)")
 
     def _decoded(self, example: Example) -> Example:
-        return Example(
-            query=self._decoded_side(example.query),
-            positive=self._decoded_side(example.positive),
-            negatives=[self._decoded_side(side) for side in example.negatives[: self.num_negatives]],
-            label=example.label,
-            row=example.row,
-            source=example.source,
-            source_name=example.source_name,
-        )
+        negatives = [self._decoded_side(side) for side in example.negatives[: self.num_negatives]]
+        score = example.score[: 1 + len(negatives)] if isinstance(example.score, list) else example.score
+        return dataclasses.replace(example, query=self._decoded_side(example.query),
+                                   positive=self._decoded_side(example.positive), negatives=negatives, score=score)
 
     def _decoded_side(self, side: Side) -> Side:
         if side.image is None:

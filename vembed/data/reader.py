@@ -25,9 +25,10 @@ SKIP_FIXES = {
     "bad_text": "give query/positive/negatives text (a column of numbers only is read as numbers: check that "
                 "data.columns maps the text columns)",
     "too_few_negatives": "lower data.num_hard_negatives or add negatives to those rows",
+    "bad_score": "give data.columns.score numbers (or lists of numbers), or map it to the score column",
 }
 
-PARTS = ("query", "query_image", "positive", "positive_image", "negatives", "negative_images", "label")
+PARTS = ("query", "query_image", "positive", "positive_image", "negatives", "negative_images", "label", "score")
 
 
 class UnusableImage(Exception):
@@ -67,6 +68,27 @@ def side_text(value: Any, part: str) -> str | None:
         shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
         raise UnusableImage("bad_text", f"{part} cell holds {type(value).__name__} {shown}, not text")
     return value if value.strip() else None
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise UnusableImage("bad_score", f"score cell holds {type(value).__name__} {shown}, not a number")
+    return float(value)
+
+
+def score_of(value: Any, builder: str) -> float | list[float] | None:
+    """A score cell: a number, a list of numbers (a CSV cell may hold one as JSON), or None when empty; anything
+    else (text, a list holding text) is `bad_score`. A NaN inside a list is bad too: a teacher score is missing."""
+    if is_null(value):
+        return None
+    if isinstance(value, (list, tuple)) or (builder == "csv" and isinstance(value, str)
+                                           and value.lstrip().startswith("[")):
+        numbers = [_number(item) for item in as_list(value, builder)]
+        if any(math.isnan(number) for number in numbers):
+            raise UnusableImage("bad_score", f"score list {value!r} holds NaN")
+        return numbers
+    return _number(value)
 
 
 def as_list(value: Any, builder: str) -> list[Any]:
@@ -165,6 +187,7 @@ class RowReader:
             images = as_list(get("negative_images"), self.builder)
             negatives = [Side(side_text(t, "negatives"), self.side_images(i), role="document")
                          for t, i in zip_longest(texts, images)]
+            score = score_of(get("score"), self.builder)
         except UnusableImage as bad:
             raise Skipped(bad.reason, bad.detail) from None
         source = self.source
@@ -177,6 +200,7 @@ class RowReader:
             positive=positive,
             negatives=[side for side in negatives if not side.is_empty],
             label=text_of(get("label")),
+            score=score,
             row=number,
             source=self.file,
             source_name=source.name,

@@ -44,6 +44,8 @@ class Example:
     positive: Side
     negatives: list[Side] = field(default_factory=list)
     label: str | None = None  # items sharing a label are relevant to each other in evaluation
+    # data.columns.score: a gold score of the pair, or teacher scores of [positive, negatives...]; None: no score
+    score: float | list[float] | None = None
     row: int | None = None  # row in the source file, for error messages
     source: str | None = None  # source file, for error messages
     source_name: str | None = None  # the named source (data.train: {name: ...}) it came from; None: unnamed

@@ -39,6 +39,8 @@ class TablePart:
             raise DataError(f"{skipped.detail} (it was usable when the run started)", file=self.reader.file,
                             row=position + 1) from None
         del example.negatives[self.num_negatives:]
+        if isinstance(example.score, list):  # teacher scores of [positive, negatives...]: cut with the negatives
+            del example.score[1 + self.num_negatives:]
         return example
 
     def _row(self, position: int) -> dict[str, Any]:
@@ -128,6 +130,18 @@ class PairRows(Sequence):
             if np.any((found & wanted) != wanted):
                 return False
         return True
+
+    def score_shapes(self) -> tuple[int, int, int]:
+        """How many records have no score, one number, and a list of teacher scores (from the checks)."""
+        from vembed.data.checks import NO_SCORE, ONE_SCORE
+
+        counts = [0, 0, 0]
+        for part in self.parts:
+            scores = part.checks.scores
+            counts[0] += int((scores == NO_SCORE).sum())
+            counts[1] += int((scores == ONE_SCORE).sum())
+            counts[2] += int((scores > 0).sum())
+        return counts[0], counts[1], counts[2]
 
     def most_images_per_side(self) -> tuple[int, int | None]:
         """The most images any side of any record has (negatives a record keeps included) and the first record with

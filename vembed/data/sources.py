@@ -430,13 +430,14 @@ def load_rows(
     if sources is None:
         wanted = num_hard_negatives if num_hard_negatives is not None else data_cfg.num_hard_negatives
         return _load_source(value, split, data_cfg.format, data_cfg.columns.model_dump(), data_cfg.image_root,
-                            wanted, data_cfg.max_bad_fraction, SourceSettings())
+                            wanted, data_cfg.max_bad_fraction, SourceSettings(), data_cfg.score_range)
     loaded = {}
     for name, source in sources.items():
         wanted = num_hard_negatives if num_hard_negatives is not None else source.num_hard_negatives
         settings = SourceSettings(name, source.query_prompt, source.query_instruction)
         loaded[name] = _load_source(source.files, split, source.format, source.columns.model_dump(),
-                                    source.image_root, wanted, data_cfg.max_bad_fraction, settings)
+                                    source.image_root, wanted, data_cfg.max_bad_fraction, settings,
+                                    data_cfg.score_range)
     rows = PairRows.concat([rows for rows, _ in loaded.values()])
     return rows, SourcesReport(split, {name: report for name, (_, report) in loaded.items()})
 
@@ -482,8 +483,8 @@ def load_examples(
 
 
 def _load_source(value: Any, split: str, format: str, columns: dict[str, str], image_root: str | None,
-                 wanted: int | None, max_bad_fraction: float, settings: SourceSettings
-                 ) -> "tuple[PairRows, DataReport]":
+                 wanted: int | None, max_bad_fraction: float, settings: SourceSettings,
+                 score_range: tuple[float, float] | None = None) -> "tuple[PairRows, DataReport]":
     from vembed.data.checks import check_rows
     from vembed.data.rows import PairRows, TablePart
 
@@ -507,6 +508,7 @@ def _load_source(value: Any, split: str, format: str, columns: dict[str, str], i
                 # rows from a fresh mapping of the same file, and the old one (and its pages) is let go.
                 table = _open_table(file, builder, split, columns)
         report.total += table.num_rows
+        check_scores(reader, table, checks, score_range)
         _count_skipped(report, reader, table, checks)
         checked.append((reader, table, checks))
 
@@ -549,6 +551,45 @@ def _select(checks: "RowChecks", positions: np.ndarray) -> "RowChecks":
     from vembed.data.checks import FIELDS, RowChecks
 
     return RowChecks(*(getattr(checks, name)[positions] for name in FIELDS))
+
+
+def check_scores(reader: RowReader, table: Any, checks: "RowChecks",
+                 score_range: tuple[float, float] | None) -> None:
+    """Scores are the training target, so a bad one stops the run (a skipped row would silently change it): a cell
+    that is not a number or a list of numbers, a score outside data.score_range, a list of teacher scores whose
+    length is not 1 + the row's hard negatives. One `DataError` naming the first such row."""
+    from vembed.data.checks import CODE
+    from vembed.data.rows import TablePart
+
+    key = f"data.columns.score ({reader.columns['score']!r})"
+    bad = np.flatnonzero(checks.reason == CODE["bad_score"])
+    if len(bad):
+        detail = "not a number"
+        try:
+            reader.example(TablePart(reader, table, bad, checks, 0)._row(int(bad[0])), int(bad[0]) + 1)
+        except Skipped as skipped:
+            detail = skipped.detail
+        raise DataError(f"{key}: {detail} ({len(bad)} such rows); {SKIP_FIXES['bad_score']}", file=reader.file,
+                        row=int(bad[0]) + 1)
+    usable = checks.reason == 0
+    if score_range is not None:
+        low, high = score_range
+        with np.errstate(invalid="ignore"):
+            outside = usable & ((checks.score_low < low) | (checks.score_high > high))
+        if outside.any():
+            first = int(np.flatnonzero(outside)[0])
+            found = checks.score_low[first] if checks.score_low[first] < low else checks.score_high[first]
+            raise DataError(f"{key}: score {found:g} is outside data.score_range [{low:g}, {high:g}] "
+                            f"({int(outside.sum())} such rows); fix the rows or widen data.score_range",
+                            file=reader.file, row=first + 1)
+    lists = usable & (checks.scores > 0)
+    wrong = lists & (checks.scores != checks.negatives + 1)
+    if wrong.any():
+        first = int(np.flatnonzero(wrong)[0])
+        raise DataError(f"{key}: a list of {int(checks.scores[first])} teacher scores for a row with "
+                        f"{int(checks.negatives[first])} hard negatives; give one score for the positive and one per "
+                        f"negative ({int(checks.negatives[first]) + 1}), in order ({int(wrong.sum())} such rows)",
+                        file=reader.file, row=first + 1)
 
 
 def _count_skipped(report: "DataReport", reader: RowReader, table: Any, checks: "RowChecks") -> None:

@@ -4,6 +4,8 @@ records, and turning a raw record into an `Example` with its images decoded, or 
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -232,5 +234,5 @@ def _decoded(example: Example) -> Example:
         images = [load_image(i) for i in s.image] if isinstance(s.image, list) else load_image(s.image)
         return Side(s.text, images, s.role)
 
-    return Example(side(example.query), side(example.positive), [side(n) for n in example.negatives],
-                   example.label, example.row, example.source)
+    return dataclasses.replace(example, query=side(example.query), positive=side(example.positive),
+                               negatives=[side(n) for n in example.negatives])

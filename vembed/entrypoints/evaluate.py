@@ -163,14 +163,17 @@ def _evaluate_pairs(args: argparse.Namespace, accelerator: "Accelerator") -> dic
     if too_big:
         raise RecipeError("--mrl-dims", f"{too_big} are not in 1..{adapter.embedding_dim}, the model's "
                                         "embedding size")
-    examples, report = load_examples(data, "test", num_hard_negatives=0)
+    # Negatives kept (as many as every record has) for triplet accuracy; retrieval reads only queries and positives.
+    examples, report = load_examples(data, "test", num_hard_negatives=None)
     check_images_per_side(adapter.model_type, examples)
     if args.max_samples:
         examples = examples[: args.max_samples]
     from vembed.evaluation.retrieval import evaluate_retrieval
+    from vembed.evaluation.scored import evaluate_scored
 
-    return evaluate_retrieval(adapter.to(accelerator.device), examples, batch_size=args.batch_size,
-                              mrl_dims=args.mrl_dims, show_progress=True, accelerator=accelerator)
+    metrics = evaluate_retrieval(adapter.to(accelerator.device), examples, batch_size=args.batch_size,
+                                 mrl_dims=args.mrl_dims, show_progress=True, accelerator=accelerator)
+    return {**metrics, **evaluate_scored(adapter, examples, batch_size=args.batch_size, accelerator=accelerator)}
 
 
 def _check_output_file(path: Path, overwrite: bool) -> None:

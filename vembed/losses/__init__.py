@@ -11,7 +11,8 @@ if TYPE_CHECKING:
     from vembed.recipe import Recipe
 
 LOSSES: Registry[type[EmbeddingLoss]] = Registry(
-    "loss_type", modules=("vembed.losses.contrastive", "vembed.losses.late_interaction")
+    "loss_type", modules=("vembed.losses.contrastive", "vembed.losses.scored", "vembed.losses.triplet",
+                          "vembed.losses.gist", "vembed.losses.late_interaction")
 )
 
 

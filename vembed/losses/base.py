@@ -49,11 +49,13 @@ class EmbeddingLossSettings(Settings):
 
 
 class EmbeddingLoss(nn.Module):
-    """Base class. `forward(query, positive, negatives=None, labels=None) -> scalar loss`.
+    """Base class. `forward(query, positive, negatives=None, labels=None, scores=None) -> scalar loss`.
 
     Shapes: `query` and `positive` are `(B, d)` for this process's B local pairs; `negatives`, when given, is
     `(B, k, d)` hard negatives; `labels`, when given, `(B,)` int64 class ids: pairs sharing one are not each
-    other's in-batch negatives (losses without in-batch negatives ignore them). Under torch.distributed a loss
+    other's in-batch negatives (losses without in-batch negatives ignore them); `scores`, when given, the data's
+    score column as float32: `(B,)` one gold score per pair, or `(B, 1 + k)` teacher scores of the positive and
+    each hard negative (losses that do not read scores ignore them). Under torch.distributed a loss
     gathers what it needs from other ranks itself and returns this rank's share, scaled so that averaging gradients
     over ranks (what DDP does) gives the gradient of the loss on the concatenated global batch.
     """
@@ -62,6 +64,15 @@ class EmbeddingLoss(nn.Module):
     # Whether it scores token vectors `(B, T, d)` (late interaction, `embedding: multi_vector`) rather than one
     # vector per side `(B, d)`; the recipe check pairs it with the adapter's `embedding`.
     token_vectors: ClassVar[bool] = False
+    # What a batch must carry for this loss, checked against the data before training (vembed/losses/inputs.py):
+    needs_scores: ClassVar[str | None] = None  # "pair": one score per pair; "candidates": a list of 1 + k
+    needs_labels: ClassVar[bool] = False  # a label per pair (data.columns.label)
+    min_negatives: ClassVar[int] = 0  # hard negatives per pair
+    needs_guide: ClassVar[bool] = False  # guide= the guide model's embeddings of the batch (GISTEmbed)
+    uses_negatives: ClassVar[bool] = True  # False: hard negatives are not read, so they are not loaded or encoded
+    # Why this loss cannot run under GradCache (the launch plan refuses it, naming the reason); None: it can, because
+    # it is computed on the whole batch's embeddings.
+    gradient_cache_refusal: ClassVar[str | None] = None
 
     @classmethod
     def from_recipe(cls, recipe: "Recipe") -> "EmbeddingLoss":
@@ -69,7 +80,7 @@ class EmbeddingLoss(nn.Module):
 
     def forward(
         self, query: torch.Tensor, positive: torch.Tensor, negatives: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None, scores: torch.Tensor | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError
 

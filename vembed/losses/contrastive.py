@@ -246,7 +246,7 @@ class InfoNCELoss(EmbeddingLoss):
 
     def forward(
         self, query: torch.Tensor, positive: torch.Tensor, negatives: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None, scores: torch.Tensor | None = None,
     ) -> torch.Tensor:
         _check_shapes(query, positive, negatives)
         with _full_precision(query.device):
@@ -370,7 +370,7 @@ class SigLIPLoss(EmbeddingLoss):
 
     def forward(
         self, query: torch.Tensor, positive: torch.Tensor, negatives: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None, scores: torch.Tensor | None = None,
     ) -> torch.Tensor:
         _check_shapes(query, positive, negatives)
         with _full_precision(query.device):

@@ -46,6 +46,10 @@ class MatryoshkaLoss(EmbeddingLoss):
 
     def __init__(self, loss: EmbeddingLoss, dims: Sequence[int], weights: Sequence[float] | None = None):
         super().__init__()
+        # What the inner loss needs of a batch, it needs through the wrapper too.
+        for attribute in ("needs_scores", "needs_labels", "min_negatives", "uses_negatives",
+                          "needs_guide", "gradient_cache_refusal"):
+            setattr(self, attribute, getattr(loss, attribute))
         dims = [int(d) for d in dims]
         if not dims or any(d <= 0 for d in dims):
             raise ValueError(f"dims must be a non-empty list of positive sizes, got {dims}")
@@ -59,7 +63,7 @@ class MatryoshkaLoss(EmbeddingLoss):
 
     def forward(
         self, query: torch.Tensor, positive: torch.Tensor, negatives: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None, scores: torch.Tensor | None = None, **inputs: Any,
     ) -> torch.Tensor:
         size = query.shape[-1]
         too_big = [d for d in self.dims if d > size]
@@ -72,6 +76,8 @@ class MatryoshkaLoss(EmbeddingLoss):
                 _truncate(positive, dim),
                 _truncate(negatives, dim) if negatives is not None else None,
                 labels=labels,
+                scores=scores,
+                **inputs,  # a guide's embeddings (GISTEmbed) are another model's: not truncated
             )
             total = term if total is None else total + term
         return total

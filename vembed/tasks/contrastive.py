@@ -32,11 +32,29 @@ class ContrastiveObjective(nn.Module):
     learnable temperature or SigLIP bias lives in the loss; keeping the loss inside the wrapped module is what makes
     DDP average its gradient like every other parameter."""
 
-    def __init__(self, adapter: EmbeddingAdapter, loss: EmbeddingLoss, length_chunks: int = 1):
+    def __init__(self, adapter: EmbeddingAdapter, loss: EmbeddingLoss, length_chunks: int = 1,
+                 guide: EmbeddingAdapter | None = None):
         super().__init__()
         self.adapter = adapter
         self.loss = loss
         self.length_chunks = length_chunks if adapter.length_chunking else 1
+        # GISTEmbed's frozen guide: kept out of the module tree, so no wrapper syncs, shards or saves it.
+        self.__dict__["guide"] = guide
+
+    def loss_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """What the loss takes from a batch besides the embeddings: labels, scores and, for GISTEmbed, the guide's
+        embeddings of every side (computed once per batch, without a graph)."""
+        inputs = {"labels": batch.get("label_ids"), "scores": batch.get("scores")}
+        if self.guide is not None:
+            sides = batch["guide"]
+            device = next(p.device for p in self.adapter.parameters())
+            self.guide.to(device)
+            with torch.no_grad(), torch.autocast(device.type, enabled=False):
+                embedded = {side: self.guide(inputs).float() for side, inputs in sides.items()}
+            k = int(batch.get("num_negatives") or 0)
+            negative = embedded["negative"].view(embedded["query"].shape[0], k, -1) if k else None
+            inputs["guide"] = (embedded["query"], embedded["positive"], negative)
+        return inputs
 
     def encode_side(self, inputs: dict[str, Any]) -> torch.Tensor:
         """One side's embeddings, through the adapter's call (see `embed`), length-aware where it applies."""
@@ -79,7 +97,7 @@ class ContrastiveObjective(nn.Module):
             return self._encode_in_full_precision(encode)
         if run_inside is not None:
             return run_inside(self)
-        return self.loss(*self.embed(batch), labels=batch.get("label_ids"))
+        return self.loss(*self.embed(batch), **self.loss_inputs(batch))
 
     def _encode_in_full_precision(self, inputs: dict[str, Any]) -> torch.Tensor:
         # Evaluation measures the model that is saved, as `vembed eval` runs it: in the dtype of its weights (float32;
@@ -122,6 +140,10 @@ class ContrastiveTask(Task):
         adapter_cls.check_recipe(recipe)
         _check_source_and_stage_keys(recipe, adapter_cls)
         _check_token_vectors(recipe)
+        if getattr(recipe.loss, "gist_guide", None) is not None:
+            from vembed.losses.guide import check_guide_folder
+
+            check_guide_folder(recipe.loss.gist_guide)
         _resolve_best_metric(recipe, check=True)
         dim = adapter_cls.embedding_dim_for(recipe)  # reads the config only: a bad model_name fails here, cheaply
         if recipe.loss.mrl_dims:
@@ -138,8 +160,15 @@ class ContrastiveTask(Task):
             return self._open_train_stream()
         # Records are made when fetched; what is known of every row (images per side, modalities) comes from the
         # checks, so nothing here walks a million rows in Python.
-        self.train_rows, report = load_rows(self.recipe.data, "train")
+        from vembed.components import loss_class
+
+        # A loss that reads no hard negatives (cosent, batch_hard_triplet, ...) gets none: nothing to encode.
+        unused = not getattr(loss_class(self.recipe), "uses_negatives", True)
+        self.train_rows, report = load_rows(self.recipe.data, "train", num_hard_negatives=0 if unused else None)
         check_images_per_side(self.recipe.model_type, self.train_rows)
+        from vembed.losses.inputs import check_loss_inputs
+
+        check_loss_inputs(self.recipe, self.train_rows)
         return report
 
     def every_step_uses_every_parameter(self) -> bool:
@@ -177,7 +206,13 @@ class ContrastiveTask(Task):
             adapter.enable_gradient_checkpointing()
         if recipe.use_lora:
             adapter.apply_lora(recipe)
-        return ContrastiveObjective(adapter, build_loss(recipe), recipe.length_chunks)
+        loss = build_loss(recipe)
+        guide = None
+        if getattr(loss, "needs_guide", False):
+            from vembed.losses.guide import load_guide
+
+            guide = load_guide(recipe.loss.gist_guide)
+        return ContrastiveObjective(adapter, loss, recipe.length_chunks, guide)
 
     def train_dataset(self, objective: "nn.Module"):
         from vembed.data.collate import PairCollator
@@ -185,9 +220,16 @@ class ContrastiveTask(Task):
 
         if self.train_rows is None:
             return self._train_stream(objective), None
-        collate = PairCollator(objective.adapter, labels=self.recipe.data.mask_same_label)
+        collate = PairCollator(objective.adapter, labels=self._label_ids(), guide=objective.guide)
         self.image_cache = self._image_cache(objective.adapter)
         return PairDataset(self.train_rows, image_cache=self.image_cache), collate
+
+    def _label_ids(self) -> bool:
+        """Batches carry label ids where the loss masks same-label negatives (data.mask_same_label) or mines on
+        labels (batch_hard_triplet)."""
+        from vembed.components import loss_class
+
+        return self.recipe.data.mask_same_label or bool(getattr(loss_class(self.recipe), "needs_labels", False))
 
     def _image_cache(self, adapter: EmbeddingAdapter) -> "ImageCache | None":
         """The training images resized once (data.image_cache), for adapters whose images have one fixed size."""
@@ -230,7 +272,7 @@ class ContrastiveTask(Task):
         adapter_cls = MODELS.get(recipe.model_type)
         decoder = SampleDecoder(data.columns.model_dump(), data.image_root, data.num_hard_negatives or 0,
                                 adapter_cls.max_images_per_side, required_modalities=adapter_cls.modalities_per_record)
-        collate = PairCollator(objective.adapter, labels=data.mask_same_label)
+        collate = PairCollator(objective.adapter, labels=self._label_ids(), guide=objective.guide)
         return ShardStream(self.stream_backend, self.stream_shards, decoder, collate,
                            batch_size=recipe.batch_size, seed=recipe.seed, shuffle_buffer=data.shuffle_buffer)
 
@@ -258,7 +300,10 @@ class ContrastiveTask(Task):
             if corpora else None
         if pairs is None or pairs:
             pair_data = data if pairs is None else data.model_copy(update={split: pairs})
-            rows, report = load_rows(pair_data, split, num_hard_negatives=0)
+            # Negatives as many as every record of the split has (its own count, not data.num_hard_negatives, so
+            # no record is skipped for too few): triplet accuracy reads the first (vembed/evaluation/scored.py).
+            pair_data = pair_data.model_copy(update={"num_hard_negatives": None})
+            rows, report = load_rows(pair_data, split)
             per_source.update({name: rows[start:stop] for name, start, stop in rows.source_ranges()})
             # rows read, kept and skipped, plus how many are evaluated (eval_max_samples)
             read = report.to_dict()
@@ -321,7 +366,9 @@ class ContrastiveTask(Task):
                                    forward=forward)
         if not data:
             return {}
-        return evaluate_retrieval(
+        from vembed.evaluation.scored import evaluate_scored
+
+        metrics = evaluate_retrieval(
             model,
             data,
             batch_size=self.recipe.resolved_eval_batch_size,
@@ -331,9 +378,13 @@ class ContrastiveTask(Task):
             show_progress=accelerator.is_local_main_process and len(data) >= 2000,
             forward=forward,
         )
+        # Graded pairs (a score column) and triplets (hard negatives): similarity and triplet metrics too.
+        return {**metrics, **evaluate_scored(model, data, batch_size=self.recipe.resolved_eval_batch_size,
+                                             accelerator=accelerator, forward=forward)}
 
     def headline(self, metrics: dict[str, float]) -> str:
-        keys = ("q2d/recall@1", "q2d/recall@5", "q2d/recall@10", "q2d/mrr", "d2q/recall@1", "corpus/ndcg@10",
+        keys = ("similarity/spearman_cosine", "triplet/cosine_accuracy",
+                "q2d/recall@1", "q2d/recall@5", "q2d/recall@10", "q2d/mrr", "d2q/recall@1", "corpus/ndcg@10",
                 "corpus/recall@100", "corpus/mrr@10")
         return "  ".join(f"{k}={metrics[k]:.3f}" for k in keys if k in metrics)
 
@@ -379,12 +430,23 @@ def validation_metric_names(recipe: "Recipe") -> list[str]:
     if data.validation is None:
         return []
     corpora = corpus_sources(data, "validation")
-    pairs, corpus = retrieval_metric_names(recipe.loss.mrl_dims), corpus_metric_names()
+    pairs, corpus = retrieval_metric_names(recipe.loss.mrl_dims) + _scored_metric_names(recipe), corpus_metric_names()
     if not isinstance(data.validation, dict):
         return corpus if None in corpora else pairs
     per_source = {name: corpus if name in corpora else pairs for name in data.validation}
     shared = [key for key in pairs + corpus if all(key in keys for keys in per_source.values())]
     return shared + [f"{name}/{key}" for name, keys in per_source.items() for key in keys]
+
+
+def _scored_metric_names(recipe: "Recipe") -> list[str]:
+    """Similarity metrics where the loss trains on gold scores, triplet accuracy where on hard negatives: what a
+    validation split of the same shape as the training data gives (vembed/evaluation/scored.py)."""
+    from vembed.components import loss_class
+    from vembed.evaluation.scored import SIMILARITY_METRICS, TRIPLET_METRICS
+
+    loss = loss_class(recipe)
+    names = list(SIMILARITY_METRICS) if getattr(loss, "needs_scores", None) == "pair" else []
+    return names + (list(TRIPLET_METRICS) if getattr(loss, "min_negatives", 0) >= 1 else [])
 
 
 def _resolve_best_metric(recipe: "Recipe", check: bool = False) -> None:

@@ -105,10 +105,13 @@ class GradCacheStep:
         query, positive, negatives = self.objective.shape_embeddings(
             leaves["query"], leaves["positive"], leaves.get("negative"), int(batch.get("num_negatives") or 0)
         )
-        labels = batch.get("label_ids")
+        inputs = self.objective.loss_inputs(batch)  # labels, scores, a guide's embeddings: once per batch
         with acc.autocast():
-            loss = self.objective.loss(query, positive, negatives, labels=labels)
-        grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+            loss = self.objective.loss(query, positive, negatives, **inputs)
+        # A side the loss does not read (hard negatives under a pair loss) gets a zero gradient.
+        found = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+        grads = {side: torch.zeros_like(leaf) if grad is None else grad
+                 for (side, leaf), grad in zip(leaves.items(), found)}
         for chunk in chunks:
             chunk.grad = chunk.of(grads[chunk.side])
 
@@ -119,7 +122,7 @@ class GradCacheStep:
                 with acc.no_sync(self.model):
                     acc.backward(self.model(run_inside=lambda objective, c=chunk: _replayed(objective, c)))
         detached = tuple(None if t is None else t.detach() for t in (query, positive, negatives))
-        acc.backward(self.model(run_inside=lambda objective: _last_pass(objective, final, detached, labels)))
+        acc.backward(self.model(run_inside=lambda objective: _last_pass(objective, final, detached, inputs)))
         return loss.detach()
 
     @torch.no_grad()
@@ -162,12 +165,12 @@ def _replayed(objective: "ContrastiveObjective", chunk: Chunk) -> torch.Tensor:
 
 
 def _last_pass(objective: "ContrastiveObjective", final: list[Chunk],
-               detached: tuple[torch.Tensor | None, ...], labels: torch.Tensor | None = None) -> torch.Tensor:
+               detached: tuple[torch.Tensor | None, ...], inputs: dict[str, Any]) -> torch.Tensor:
     """The synced pass: the final chunk of every side; the loss on constant embeddings, which reaches only the loss's
     own parameters (temperature, bias); and a zero-weighted touch of every trainable parameter, which puts all of them
     in this pass's graph, so DDP all-reduces each exactly once, including towers that only earlier chunks used."""
     surrogate = sum(_replayed(objective, chunk) for chunk in final)
-    surrogate = surrogate + objective.loss(*detached, labels=labels)
+    surrogate = surrogate + objective.loss(*detached, **inputs)
     return surrogate + sum(p.view(-1)[0] for p in objective.parameters() if p.requires_grad) * 0.0
 
 

@@ -1,0 +1,91 @@
+"""The score column (data.columns.score): a number per pair or a list of teacher scores, read by the row checks and
+the records alike, and refused with one line naming the row when it is text, outside data.score_range, or a list of
+the wrong length."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from vembed.data.collate import score_tensor
+from vembed.data.sources import load_rows
+from vembed.errors import DataError
+from vembed.recipe import DataConfig
+
+
+def _jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def _parquet(path: Path, rows: list[dict]) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+PAIRS = [{"query": f"a{i}", "positive": f"b{i}", "score": s} for i, s in enumerate([0.0, 2.5, 5, 4.25])]
+CANDIDATES = [{"query": f"q{i}", "positive": f"p{i}", "negatives": [f"n{i}a", f"n{i}b"],
+               "score": [9.0 - i, 1.0, -2.0 + i]} for i in range(4)]
+
+
+@pytest.mark.parametrize("write", [_jsonl, _parquet], ids=["jsonl", "parquet"])
+def test_a_number_per_pair_reaches_the_records_and_the_batch(tmp_path, write):
+    path = write(tmp_path / f"pairs.{'jsonl' if write is _jsonl else 'parquet'}", PAIRS)
+    rows, _ = load_rows(DataConfig(train=str(path), score_range=(0, 5)), "train")
+    assert [example.score for example in rows] == [0.0, 2.5, 5.0, 4.25]
+    assert rows.score_shapes() == (0, 4, 0)
+    assert torch.equal(score_tensor(list(rows)), torch.tensor([0.0, 2.5, 5.0, 4.25]))
+
+
+@pytest.mark.parametrize("write", [_jsonl, _parquet], ids=["jsonl", "parquet"])
+def test_teacher_score_lists_are_cut_with_the_negatives(tmp_path, write):
+    path = write(tmp_path / f"c.{'jsonl' if write is _jsonl else 'parquet'}", CANDIDATES)
+    rows, _ = load_rows(DataConfig(train=str(path)), "train")
+    assert rows.score_shapes() == (0, 0, 4)
+    assert score_tensor(list(rows)).shape == (4, 3)
+    one, _ = load_rows(DataConfig(train=str(path), num_hard_negatives=1), "train")
+    assert [example.score for example in one] == [[9.0 - i, 1.0] for i in range(4)]
+
+
+def test_a_csv_cell_may_hold_the_list_as_json(tmp_path):
+    path = tmp_path / "c.csv"
+    path.write_text('query,positive,negatives,score\nq,p,"[""n""]","[0.5, 0.25]"\n')
+    rows, _ = load_rows(DataConfig(train=str(path)), "train")
+    assert rows[0].score == [0.5, 0.25]
+
+
+@pytest.mark.parametrize("write", [_jsonl, _parquet], ids=["jsonl", "parquet"])
+def test_a_score_column_with_text_stops_naming_the_row(tmp_path, write):
+    rows = [dict(row) for row in PAIRS]
+    rows[2]["score"] = "high"
+    if write is _parquet:
+        for row in rows:
+            row["score"] = str(row["score"])
+    path = write(tmp_path / f"t.{'jsonl' if write is _jsonl else 'parquet'}", rows)
+    with pytest.raises(DataError) as found:
+        load_rows(DataConfig(train=str(path)), "train")
+    message = str(found.value)
+    assert "data.columns.score" in message and "not a number" in message
+    assert f"row {1 if write is _parquet else 3}" in message  # parquet: every cell is text, the first row says so
+
+
+@pytest.mark.parametrize("write", [_jsonl, _parquet], ids=["jsonl", "parquet"])
+def test_scores_outside_the_declared_range_stop_naming_the_row(tmp_path, write):
+    path = write(tmp_path / f"r.{'jsonl' if write is _jsonl else 'parquet'}", PAIRS)
+    with pytest.raises(DataError, match=r"row 2: .*score 2.5 is outside data.score_range \[0, 1\] \(3 such rows\)"):
+        load_rows(DataConfig(train=str(path), score_range=(0, 1)), "train")
+
+
+@pytest.mark.parametrize("write", [_jsonl, _parquet], ids=["jsonl", "parquet"])
+def test_a_teacher_score_list_of_the_wrong_length_stops_naming_the_row(tmp_path, write):
+    rows = [dict(row) for row in CANDIDATES]
+    rows[1]["score"] = [1.0, 2.0]
+    path = write(tmp_path / f"w.{'jsonl' if write is _jsonl else 'parquet'}", rows)
+    with pytest.raises(DataError, match=r"row 2: .*a list of 2 teacher scores for a row with 2 hard negatives"):
+        load_rows(DataConfig(train=str(path)), "train")
