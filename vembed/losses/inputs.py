@@ -9,13 +9,12 @@ from vembed.errors import DataError
 
 if TYPE_CHECKING:
     from vembed.data.rows import PairRows
+    from vembed.losses.base import EmbeddingLoss
     from vembed.recipe import Recipe
 
 
-def check_loss_inputs(recipe: "Recipe", rows: "PairRows") -> None:
-    from vembed.components import loss_class
-
-    loss = loss_class(recipe)
+def check_loss_inputs(loss: "type[EmbeddingLoss]", recipe: "Recipe", rows: "PairRows") -> None:
+    """`loss` (the recipe's loss class) against the training rows: hard negatives, and the score column's shape."""
     column = f"data.columns.score ({recipe.data.columns.score!r})"
     negatives = min(rows.num_negatives(), default=0)
     if negatives < loss.min_negatives:

@@ -168,7 +168,7 @@ class ContrastiveTask(Task):
         check_images_per_side(self.recipe.model_type, self.train_rows)
         from vembed.losses.inputs import check_loss_inputs
 
-        check_loss_inputs(self.recipe, self.train_rows)
+        check_loss_inputs(loss_class(self.recipe), self.recipe, self.train_rows)
         return report
 
     def every_step_uses_every_parameter(self) -> bool:
