@@ -86,7 +86,7 @@ class LateInteractionLoss(EmbeddingLoss):
 
     def forward(
         self, query: torch.Tensor, positive: torch.Tensor, negatives: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None, scores: torch.Tensor | None = None,  # no score column: scores unused
     ) -> torch.Tensor:
         _check_shapes(query, positive, negatives)
         with _full_precision(query.device):
@@ -94,9 +94,9 @@ class LateInteractionLoss(EmbeddingLoss):
             documents = [gather_tokens(positive)]
             if negatives is not None:
                 documents.append(gather_tokens(_upcast(negatives).flatten(0, 1)))
-            scores = maxsim(query, cat_tokens(documents))
+            similarity = maxsim(query, cat_tokens(documents))  # (B, all documents of every rank)
             columns = _positive_columns(query.shape[0], query.device)
-            logits = self._infonce._logits(self._infonce.scale(), scores, columns, [],
+            logits = self._infonce._logits(self._infonce.scale(), similarity, columns, [],
                                            _same_label(labels, _global_batch(query)), [0])
             return F.cross_entropy(logits, columns)
 
