@@ -44,7 +44,7 @@ def classification_metrics(scores: np.ndarray, labels: np.ndarray, names: list[s
     k = min(top_k, num_classes)
     metrics: dict[str, Any] = {
         "accuracy": float((predictions == labels).mean()) if len(labels) else 0.0,
-        f"top{k}_accuracy": top_k_accuracy(scores, labels, k),
+        "top5_accuracy": top_k_accuracy(scores, labels, k),  # top-k with k = min(5, classes)
         "macro_precision": float(precision.mean()), "macro_recall": float(recall.mean()),
         "macro_f1": float(f1.mean()),
         "micro_precision": float(_ratio(tp.sum(), predicted.sum())),

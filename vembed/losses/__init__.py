@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from vembed.recipe import Recipe
 
 LOSSES: Registry[type[EmbeddingLoss]] = Registry(
-    "loss_type", modules=("vembed.losses.contrastive",)
+    "loss_type", modules=("vembed.losses.contrastive", "vembed.losses.classification")
 )
 
 

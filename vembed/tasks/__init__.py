@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from vembed.training.stages import Stage
 
 TASKS: Registry[type["Task"]] = Registry(
-    "task", modules=("vembed.tasks.contrastive", "vembed.generation.task")
+    "task", modules=("vembed.tasks.contrastive", "vembed.generation.task", "vembed.tasks.classification")
 )
 
 
