@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from vembed import recipe as schema
 from vembed.errors import RecipeError, did_you_mean
 from vembed.generation import FLOW_LOSSES, GENERATORS
-from vembed.losses import LOSSES
+from vembed.losses import CLASSIFICATION_LOSSES, LOSSES
 from vembed.models import MODELS
 
 if TYPE_CHECKING:
@@ -61,8 +61,9 @@ def _keys(settings: type["Settings"]) -> set[str]:
     return {field.alias or name for name, field in settings.model_fields.items()}
 
 
-# Embedding adapters and losses, then the generative path's (vembed.generation).
-CATALOG = RegistryCatalog({"model_type": (MODELS, GENERATORS), "loss_type": (LOSSES, FLOW_LOSSES)})
+# Embedding adapters and losses, then the generative path's (vembed.generation), then losses on class logits.
+CATALOG = RegistryCatalog({"model_type": (MODELS, GENERATORS),
+                           "loss_type": (LOSSES, FLOW_LOSSES, CLASSIFICATION_LOSSES)})
 
 
 def recipe_from_dict(raw: dict[str, Any], source: str | None = None) -> "Recipe":

@@ -11,8 +11,10 @@ if TYPE_CHECKING:
     from vembed.recipe import Recipe
 
 LOSSES: Registry[type[EmbeddingLoss]] = Registry(
-    "loss_type", modules=("vembed.losses.contrastive", "vembed.losses.classification")
+    "loss_type", modules=("vembed.losses.contrastive",)
 )
+# Losses on class logits (the classification task), apart: they take no embeddings and no Matryoshka wrapper.
+CLASSIFICATION_LOSSES: Registry = Registry("loss_type", modules=("vembed.losses.classification",))
 
 
 def build_loss(recipe: "Recipe") -> EmbeddingLoss:
@@ -24,4 +26,4 @@ def build_loss(recipe: "Recipe") -> EmbeddingLoss:
     return loss
 
 
-__all__ = ["LOSSES", "EmbeddingLoss", "build_loss"]
+__all__ = ["CLASSIFICATION_LOSSES", "LOSSES", "EmbeddingLoss", "build_loss"]

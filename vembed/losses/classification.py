@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from vembed.losses import LOSSES
+from vembed.losses import CLASSIFICATION_LOSSES
 from vembed.recipe import Settings
 
 if TYPE_CHECKING:
@@ -20,7 +20,7 @@ class CrossEntropySettings(Settings):
     label_smoothing: float = Field(default=0.0, ge=0.0, lt=1.0)  # share of the target spread over all classes
 
 
-@LOSSES.register("cross_entropy")
+@CLASSIFICATION_LOSSES.register("cross_entropy")
 class CrossEntropyLoss(nn.Module):
     """`forward(logits (B, C), labels (B,)) -> mean cross-entropy`, in float32. Each rank averages its own batch;
     DDP's gradient mean then gives the loss of the global batch (equal batch sizes per rank)."""
