@@ -119,3 +119,37 @@ def test_bad_labelled_data_stops_with_one_line_and_writes_nothing(digits, tmp_pa
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and re.search(message, err), err
     assert not (tmp_path / "run").exists()
+
+
+SPREAD = [0, 13, 25, 1, 14, 26, 2, 15]  # rows of the ImageFolder dataset from all three classes; 4 per rank
+
+
+def _classification_worker(raw_path: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from tests.training.test_ddp_step import _gradients
+
+    raw = json.loads(Path(raw_path).read_text())
+    rank = dist.get_rank()
+    grads = _gradients(raw, SPREAD[rank * 4:(rank + 1) * 4])
+    if rank == 0:
+        torch.save(grads, Path(out_dir, "ddp.pt"))
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_take_the_step_one_process_takes_on_both_halves(digits, tmp_path):
+    from ranks import run_on_ranks
+
+    from tests.training.test_ddp_step import _gradients
+
+    raw = recipe(digits, tmp_path / "run", batch_size=4, projection_dim=16)
+    raw_path = tmp_path / "raw.json"
+    raw_path.write_text(json.dumps(raw))
+    run_on_ranks(_classification_worker, str(raw_path), str(tmp_path), world=2)
+    ddp = torch.load(tmp_path / "ddp.pt", weights_only=True)
+    single = _gradients(dict(raw, batch_size=8), SPREAD)
+    assert ddp.keys() == single.keys() and any(name.startswith("adapter.classifier") for name in single)
+    reference = torch.cat([g.flatten() for g in single.values()])
+    actual = torch.cat([ddp[name].flatten() for name in single])
+    relative = ((actual - reference).norm() / reference.norm()).item()
+    assert relative <= 1e-5, f"relative gradient difference {relative:.2e}"
