@@ -180,6 +180,16 @@ class VisionAdapter(TransformersAdapter):
             save_file(heads, str(Path(path, HEADS_FILE)))
         self.write_adapter_file(path)
 
+    # --- sizes for the memory planner (vembed/planning.py) ---------------------------------------------------------
+    def encoder_configs(self) -> "dict[str, PretrainedConfig]":
+        return {"image": self.model.config}
+
+    def planning_tokens(self, recipe: "Recipe") -> dict[str, dict[str, int]]:
+        """One image per sample through the backbone: its patches plus CLS and registers."""
+        config = self.model.config
+        patches = (config.image_size // config.patch_size) ** 2
+        return {"image": {"image": patches + self.prefix_tokens(config)}}
+
     # --- used by the loop ------------------------------------------------------------------------------------------
     def preprocess(self, sides: Sequence["Side"]) -> dict[str, torch.Tensor]:
         texts, images, batch = split_sides(sides)
