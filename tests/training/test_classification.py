@@ -68,8 +68,13 @@ def test_trains_saves_and_the_saved_model_classifies_as_the_run_measured(digits,
     from vembed.models import load_adapter
     from vembed.tasks.classification import ClassificationCollator, LabelledImageDataset
 
-    assert train(recipe(digits, tmp_path / "run"), tmp_path / "recipe.yaml") == 0
+    # Evaluated mid-run too, logged to TensorBoard: trackers and the history get the numbers, not the reports.
+    raw = recipe(digits, tmp_path / "run", eval_steps=3, save_steps=3, report_to=["tensorboard"])
+    assert train(raw, tmp_path / "recipe.yaml") == 0
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert [entry["step"] for entry in metrics["eval_history"]] == [3, 6]
+    assert all(isinstance(v, (int, float)) for entry in metrics["eval_history"] for v in entry.values())
+    assert metrics["best"]["value"] == max(entry["accuracy"] for entry in metrics["eval_history"])
     validation = metrics["validation"]
     assert set(validation["per_class"]) == set(CLASSES) and validation["num_samples"] == 18
     assert sum(map(sum, validation["confusion_matrix"]["counts"])) == 18
