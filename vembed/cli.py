@@ -1,4 +1,4 @@
-"""The `vembed` command: train | eval | export | plan | bench | extract | mine | data | demo."""
+"""The `vembed` command: train | eval | export | plan | bench | extract | mine | data | demo | demo-vision."""
 
 from __future__ import annotations
 
