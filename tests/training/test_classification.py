@@ -158,3 +158,12 @@ def test_two_gloo_ranks_take_the_step_one_process_takes_on_both_halves(digits, t
     actual = torch.cat([ddp[name].flatten() for name in single])
     relative = ((actual - reference).norm() / reference.norm()).item()
     assert relative <= 1e-5, f"relative gradient difference {relative:.2e}"
+
+
+def test_gradient_checkpointing_on_a_big_backbone_does_not_turn_gradient_cache_on(digits, tmp_path):
+    """The automatic GradCache rule (checkpointing, >1B parameters) is for contrastive losses only."""
+    from vembed.components import recipe_from_dict
+    from vembed.planning import choose_gradient_cache
+
+    raw = recipe(digits, tmp_path / "run", gradient_checkpointing=True)
+    assert not choose_gradient_cache(recipe_from_dict(raw), "ddp", num_parameters=2_000_000_000).enabled
