@@ -99,6 +99,7 @@ def test_trains_saves_and_the_saved_model_classifies_as_the_run_measured(digits,
     ("empty_class", "class folder 'three' has no images"),
     ("label_range", "row 1: label 7 is outside the classes 0..2"),
     ("unknown_label", "label 'seven' is not one of the training classes"),
+    ("missing_images", "2 of 3 rows have no image file .*max_bad_fraction=0.05"),
 ])
 def test_bad_labelled_data_stops_with_one_line_and_writes_nothing(digits, tmp_path, capsys, case, message):
     import re
@@ -113,7 +114,9 @@ def test_bad_labelled_data_stops_with_one_line_and_writes_nothing(digits, tmp_pa
         raw["data"]["train"] = str(tmp_path / "train")
     else:  # CSV data: integer labels must fit the head; held-out labels must be training classes
         raw["data"] = {"train": str(tmp_path / "train.csv"), "image_root": str(digits / "train")}
-        if case == "label_range":
+        if case == "missing_images":
+            (tmp_path / "train.csv").write_text("image,label\nzero/0.png,zero\ngone.png,one\nnone.png,two\n")
+        elif case == "label_range":
             raw["num_labels"] = 3
             (tmp_path / "train.csv").write_text("image,label\nzero/0.png,0\none/1.png,7\ntwo/2.png,2\n")
         else:
