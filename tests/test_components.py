@@ -65,7 +65,7 @@ def test_keys_of_the_replaced_toolkit_point_at_vembeds_name(key):
      "is a qwen_vl setting; this recipe's model_type is clip"),
     ({"model_type": "clip", "min_pixels": 4096}, "min_pixels", "is a qwen_vl setting"),
     ({"model_type": "clip", "prompt_ending": "endoftext"}, "prompt_ending", "is a qwen_vl setting"),
-    ({"model_type": "clip", "pooling": "cls"}, "pooling", "is a composed / text setting"),
+    ({"model_type": "clip", "pooling": "cls"}, "pooling", "is a composed / text / vision setting"),
     ({"dit": {"size": "tiny"}}, "dit", "is a blip3o_dit setting; this recipe's model_type is clip"),
     ({"flow": {"num_steps": 4}}, "flow", "is a flow_matching setting; this recipe's loss_type is infonce"),
     ({"loss_type": "siglip", "query_query_loss": True}, "query_query_loss",

@@ -1,4 +1,4 @@
-"""The `vembed` command: train | eval | export | plan | bench | extract | mine | data | demo."""
+"""The `vembed` command: train | eval | export | plan | bench | extract | mine | data | demo | demo-vision."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def _index_command(paths: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vembed.entrypoints import bench_strategies, demo, evaluate, export, extract, launch, mine, plan
+    from vembed.entrypoints import bench_strategies, demo, demo_vision, evaluate, export, extract, launch, mine, plan
 
     parser = argparse.ArgumentParser(prog="vembed", description="Fine-tune embedding models from a YAML recipe.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     dm = sub.add_parser("demo", help="the offline demo: digits data, a tiny CLIP, train, evaluate, export")
     demo.add_arguments(dm)
     dm.set_defaults(func=demo.run)
+    dv = sub.add_parser("demo-vision", help="the offline image-classification demo: digit images, a tiny ViT")
+    demo_vision.add_arguments(dv)
+    dv.set_defaults(func=demo_vision.run)
     return parser
 
 

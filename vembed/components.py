@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from vembed import recipe as schema
 from vembed.errors import RecipeError, did_you_mean
 from vembed.generation import FLOW_LOSSES, GENERATORS
-from vembed.losses import LOSSES
+from vembed.losses import CLASSIFICATION_LOSSES, LOSSES
 from vembed.models import MODELS
 from vembed.reranking import RANKING_LOSSES, RERANKERS
 
@@ -62,9 +62,10 @@ def _keys(settings: type["Settings"]) -> set[str]:
     return {field.alias or name for name, field in settings.model_fields.items()}
 
 
-# Embedding adapters and losses, then the generative path's (vembed.generation), then rerankers' (vembed.reranking).
+# Embedding adapters and losses, then the generative path's (vembed.generation), then rerankers' (vembed.reranking),
+# then losses on class logits.
 CATALOG = RegistryCatalog({"model_type": (MODELS, GENERATORS, RERANKERS),
-                           "loss_type": (LOSSES, FLOW_LOSSES, RANKING_LOSSES)})
+                           "loss_type": (LOSSES, FLOW_LOSSES, RANKING_LOSSES, CLASSIFICATION_LOSSES)})
 
 
 def recipe_from_dict(raw: dict[str, Any], source: str | None = None) -> "Recipe":

@@ -118,6 +118,10 @@ def choose_gradient_cache(recipe: "Recipe", kind: LaunchKind,
         return GradientCacheChoice(True, _chunk(recipe), "on (use_gradient_cache)")
     if recipe.use_gradient_cache is False or not recipe.gradient_checkpointing:
         return GradientCacheChoice(False, None, "off")
+    from vembed.tasks import task_for
+
+    if not task_for(recipe).uses_gradient_cache:  # e.g. classification: its loss is per sample, nothing to cache
+        return GradientCacheChoice(False, None, "off")
     if unavailable:
         where = {"fsdp": "under FSDP", "deepspeed": "under DeepSpeed"}.get(kind, f"with loss_type {recipe.loss_type}")
         return GradientCacheChoice(False, None, f"off (not available {where}; the >1B + checkpointing rule does not "

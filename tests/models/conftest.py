@@ -58,6 +58,8 @@ def recipe_for(tiny_tokenizer_dir, token_ids, qwen_tokenizer_dir):
         },
         "qwen_vl": {"model_config": {"model_type": "qwen3_vl", **QWEN_BACKBONES["qwen3_vl"]}, **QWEN_PIXELS,
                     "tokenizer_name": qwen_tokenizer_dir},
+        "vision": {"model_config": {"model_type": "vit", **SMALL_VISION, **NO_DROPOUT}, "num_labels": 3,
+                   "projection_dim": 24},
     }
 
     def make(model_type: str, **overrides):
@@ -116,6 +118,15 @@ def mixed_sides(image_file):
         Side(image=_image(3, (36, 36), mode="L")),
         Side(text="an empty white page", image=_image(4, (64, 40))),
     ]
+
+
+@pytest.fixture
+def image_sides(image_file):
+    """Image-only sides (PIL, grey PIL, a file path) of several sizes: what model_type vision embeds."""
+    from vembed.data.records import Side
+
+    return [Side(image=_image(1, (40, 32))), Side(image=image_file), Side(image=_image(3, (36, 36), mode="L")),
+            Side(image=_image(4, (64, 40)))]
 
 
 # --- the shared behaviour checks --------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from vembed.models import MODELS
 # tests/models/conftest.py `recipe_for` gives it a tiny config).
 ADAPTERS = MODELS.names()
 # Parameters an adapter adds outside its towers: they stay trainable beside LoRA.
-OUTSIDE_TOWERS = {"composed": ("text_projection", "vision_projection")}
+OUTSIDE_TOWERS = {"composed": ("text_projection", "vision_projection"), "vision": ("projection", "classifier")}
 # Settings under which every layer gets gradients (qwen_vl freezes its vision tower by default).
 ALL_TRAINABLE = {"qwen_vl": {"train_vision_tower": True}}
 
@@ -29,8 +29,8 @@ def model_type(request):
 
 
 @pytest.fixture
-def sides(model_type, text_sides, mixed_sides):
-    return text_sides if model_type == "text" else mixed_sides
+def sides(model_type, text_sides, mixed_sides, image_sides):
+    return {"text": text_sides, "vision": image_sides}.get(model_type, mixed_sides)
 
 
 def test_encodes_every_side_to_a_float32_unit_row_of_embedding_dim(build, model_type, sides, checks):
@@ -115,9 +115,9 @@ def test_builds_from_a_saved_folder_named_in_the_recipe(build, recipe_for, model
         pretrained = {"model_config": None, "tokenizer_name": None, "model_name": str(tmp_path)}
     recipe = recipe_for(model_type, **pretrained)
     rebuilt = MODELS.get(model_type).from_recipe(recipe).eval()
-    if model_type == "composed":  # the towers come from the folders; the projections are new (a fresh pairing)
-        for name in ("text_projection", "vision_projection"):
-            getattr(rebuilt, name).load_state_dict(getattr(adapter, name).state_dict())
+    # The towers come from the folders; what an adapter adds outside them is new (a fresh pairing or head).
+    for name in OUTSIDE_TOWERS.get(model_type, ()):
+        getattr(rebuilt, name).load_state_dict(getattr(adapter, name).state_dict())
     assert MODELS.get(model_type).embedding_dim_for(recipe) == rebuilt.embedding_dim == adapter.embedding_dim
     torch.testing.assert_close(checks.encode(rebuilt, sides), checks.encode(adapter, sides), atol=1e-5, rtol=0)
 

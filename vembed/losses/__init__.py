@@ -14,6 +14,8 @@ LOSSES: Registry[type[EmbeddingLoss]] = Registry(
     "loss_type", modules=("vembed.losses.contrastive", "vembed.losses.scored", "vembed.losses.triplet",
                           "vembed.losses.gist", "vembed.losses.late_interaction")
 )
+# Losses on class logits (the classification task), apart: they take no embeddings and no Matryoshka wrapper.
+CLASSIFICATION_LOSSES: Registry = Registry("loss_type", modules=("vembed.losses.classification",))
 
 
 def build_loss(recipe: "Recipe") -> EmbeddingLoss:
@@ -25,4 +27,4 @@ def build_loss(recipe: "Recipe") -> EmbeddingLoss:
     return loss
 
 
-__all__ = ["LOSSES", "EmbeddingLoss", "build_loss"]
+__all__ = ["CLASSIFICATION_LOSSES", "LOSSES", "EmbeddingLoss", "build_loss"]

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from vembed.training.stages import Stage
 
 TASKS: Registry[type["Task"]] = Registry(
-    "task", modules=("vembed.tasks.contrastive", "vembed.generation.task", "vembed.reranking.task")
+    "task", modules=("vembed.tasks.contrastive", "vembed.generation.task", "vembed.reranking.task",
+                     "vembed.tasks.classification")
 )
 
 

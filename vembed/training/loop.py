@@ -610,8 +610,11 @@ class Trainer:
         improved = False
         if due_eval and self.eval_examples:
             result = self.evaluate(self.eval_examples)
-            state.eval_history.append({"step": step, **result})
-            self.accelerator.log({f"eval/{k}": v for k, v in result.items()}, step=step)
+            # Trackers and the history take numbers; reports (a task's per-class table, confusion matrix) go to
+            # metrics.json with the final evaluation.
+            numbers = {k: v for k, v in result.items() if isinstance(v, (int, float))}
+            state.eval_history.append({"step": step, **numbers})
+            self.accelerator.log({f"eval/{k}": v for k, v in numbers.items()}, step=step)
             value = result.get(recipe.metric_for_best_model)
             if value is None:
                 self.accelerator.print(

@@ -1,0 +1,172 @@
+"""The classification task end to end: a tiny ViT trained on labelled images (an ImageFolder tree and a CSV) through
+the train entrypoint; what it saves classifies as the run measured; bad labelled data stops with one line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+VIT = {"model_type": "vit", "hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2,
+       "num_attention_heads": 4, "image_size": 32, "patch_size": 8}
+CLASSES = ["zero", "one", "two"]
+
+
+def write_digits(root: Path, per_class: int = 12, offset: int = 0) -> list[tuple[str, str]]:
+    """scikit-learn's digits 0-2 as PNGs in `root/<class>/`; the (relative path, class) of each."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    rows = []
+    for label, name in enumerate(CLASSES):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        picks = np.flatnonzero(digits.target == label)[offset:offset + per_class]
+        for i in picks:
+            pixels = (digits.images[i] * 255 / 16).astype(np.uint8)
+            Image.fromarray(pixels).resize((32, 32)).save(root / name / f"{i}.png")
+            rows.append((f"{name}/{i}.png", name))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    root = tmp_path_factory.mktemp("digits")
+    write_digits(root / "train")
+    rows = write_digits(root / "validation", per_class=6, offset=40)
+    lines = ["image,label"] + [f"{path},{label}" for path, label in rows]
+    (root / "validation" / "labels.csv").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def recipe(digits: Path, output_dir: Path, **changes) -> dict:
+    raw = {"model_type": "vision", "model_config": {**VIT, "hidden_dropout_prob": 0.0,
+                                                    "attention_probs_dropout_prob": 0.0},
+           "loss_type": "cross_entropy", "label_smoothing": 0.1,
+           "data": {"train": str(digits / "train"), "validation": str(digits / "validation" / "labels.csv")},
+           "metric_for_best_model": "accuracy", "output_dir": str(output_dir), "batch_size": 6,
+           "learning_rate": 2e-3, "max_steps": 6, "logging_steps": 2, "seed": 0, "save_total_limit": 1}
+    raw.update(changes)
+    return raw
+
+
+def train(raw: dict, path: Path) -> int:
+    from vembed.entrypoints.train import run
+
+    path.write_text(yaml.safe_dump(raw))
+    return run(argparse.Namespace(recipe=str(path), config_override=[], debug=False))
+
+
+def test_trains_saves_and_the_saved_model_classifies_as_the_run_measured(digits, tmp_path):
+    from vembed.data.labelled import read_labelled_images
+    from vembed.evaluation.classification import classification_metrics
+    from vembed.models import load_adapter
+    from vembed.tasks.classification import ClassificationCollator, LabelledImageDataset
+
+    # Evaluated mid-run too, logged to TensorBoard: trackers and the history get the numbers, not the reports.
+    raw = recipe(digits, tmp_path / "run", eval_steps=3, save_steps=3, report_to=["tensorboard"])
+    assert train(raw, tmp_path / "recipe.yaml") == 0
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert [entry["step"] for entry in metrics["eval_history"]] == [3, 6]
+    assert all(isinstance(v, (int, float)) for entry in metrics["eval_history"] for v in entry.values())
+    assert metrics["best"]["value"] == max(entry["accuracy"] for entry in metrics["eval_history"])
+    validation = metrics["validation"]
+    assert set(validation["per_class"]) == set(CLASSES) and validation["num_samples"] == 18
+    assert sum(map(sum, validation["confusion_matrix"]["counts"])) == 18
+    assert metrics["train"]["loss"] == {"name": "CrossEntropyLoss", "label_smoothing": 0.1}
+    assert (tmp_path / "run" / "confusion_matrix.png").is_file()
+
+    model = load_adapter(tmp_path / "run" / "final").eval()
+    assert model.settings.label_names == sorted(CLASSES) and model.settings.num_labels == 3
+    data = read_labelled_images(str(digits / "validation" / "labels.csv"), "data.validation",
+                                names=model.settings.label_names)
+    batch = ClassificationCollator(model)([LabelledImageDataset(data)[i] for i in range(len(data))])
+    with torch.no_grad():
+        scores = model.classify(batch["inputs"]).numpy()
+    again = classification_metrics(scores, np.array(data.labels), model.settings.label_names)
+    assert again["confusion_matrix"] == validation["confusion_matrix"]
+    for key in ("accuracy", "top5_accuracy", "macro_f1", "micro_f1"):
+        assert again[key] == pytest.approx(validation[key], abs=1e-9)
+
+
+@pytest.mark.parametrize("case,message", [
+    ("num_labels", "num_labels: is 5 but .* has 3 classes; set num_labels: 3"),
+    ("empty_class", "class folder 'three' has no images"),
+    ("label_range", "row 1: label 7 is outside the classes 0..2"),
+    ("unknown_label", "label 'seven' is not one of the training classes"),
+    ("missing_images", "2 of 3 rows have no image file .*max_bad_fraction=0.05"),
+])
+def test_bad_labelled_data_stops_with_one_line_and_writes_nothing(digits, tmp_path, capsys, case, message):
+    import re
+    import shutil
+
+    raw = recipe(digits, tmp_path / "run")
+    if case == "num_labels":
+        raw["num_labels"] = 5
+    elif case == "empty_class":
+        shutil.copytree(digits / "train", tmp_path / "train")
+        (tmp_path / "train" / "three").mkdir()
+        raw["data"]["train"] = str(tmp_path / "train")
+    else:  # CSV data: integer labels must fit the head; held-out labels must be training classes
+        raw["data"] = {"train": str(tmp_path / "train.csv"), "image_root": str(digits / "train")}
+        if case == "missing_images":
+            (tmp_path / "train.csv").write_text("image,label\nzero/0.png,zero\ngone.png,one\nnone.png,two\n")
+        elif case == "label_range":
+            raw["num_labels"] = 3
+            (tmp_path / "train.csv").write_text("image,label\nzero/0.png,0\none/1.png,7\ntwo/2.png,2\n")
+        else:
+            raw["data"]["validation"] = str(tmp_path / "validation.csv")
+            (tmp_path / "train.csv").write_text("image,label\nzero/0.png,zero\none/1.png,one\n")
+            (tmp_path / "validation.csv").write_text("image,label\nzero/0.png,zero\none/1.png,seven\n")
+    assert train(raw, tmp_path / "recipe.yaml") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(message, err), err
+    assert not (tmp_path / "run").exists()
+
+
+SPREAD = [0, 13, 25, 1, 14, 26, 2, 15]  # rows of the ImageFolder dataset from all three classes; 4 per rank
+
+
+def _classification_worker(raw_path: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from tests.training.test_ddp_step import _gradients
+
+    raw = json.loads(Path(raw_path).read_text())
+    rank = dist.get_rank()
+    grads = _gradients(raw, SPREAD[rank * 4:(rank + 1) * 4])
+    if rank == 0:
+        torch.save(grads, Path(out_dir, "ddp.pt"))
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_take_the_step_one_process_takes_on_both_halves(digits, tmp_path):
+    from ranks import run_on_ranks
+
+    from tests.training.test_ddp_step import _gradients
+
+    raw = recipe(digits, tmp_path / "run", batch_size=4, projection_dim=16)
+    raw_path = tmp_path / "raw.json"
+    raw_path.write_text(json.dumps(raw))
+    run_on_ranks(_classification_worker, str(raw_path), str(tmp_path), world=2)
+    ddp = torch.load(tmp_path / "ddp.pt", weights_only=True)
+    single = _gradients(dict(raw, batch_size=8), SPREAD)
+    assert ddp.keys() == single.keys() and any(name.startswith("adapter.classifier") for name in single)
+    reference = torch.cat([g.flatten() for g in single.values()])
+    actual = torch.cat([ddp[name].flatten() for name in single])
+    relative = ((actual - reference).norm() / reference.norm()).item()
+    assert relative <= 1e-5, f"relative gradient difference {relative:.2e}"
+
+
+def test_gradient_checkpointing_on_a_big_backbone_does_not_turn_gradient_cache_on(digits, tmp_path):
+    """The automatic GradCache rule (checkpointing, >1B parameters) is for contrastive losses only."""
+    from vembed.components import recipe_from_dict
+    from vembed.planning import choose_gradient_cache
+
+    raw = recipe(digits, tmp_path / "run", gradient_checkpointing=True)
+    assert not choose_gradient_cache(recipe_from_dict(raw), "ddp", num_parameters=2_000_000_000).enabled

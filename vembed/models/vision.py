@@ -1,0 +1,240 @@
+"""Images alone: a Hugging Face vision backbone (ViT, DINOv2 with or without registers, the vision tower of CLIP or
+SigLIP) built through transformers' Auto classes, its tokens pooled into one vector, optionally projected, and, when
+the recipe names classes, a linear classification head on top (the `classification` task, vembed/tasks/
+classification.py).
+
+Saved as the backbone's HF folder (loadable by `AutoModel` on its own) plus `heads.safetensors` (projection and
+classifier, when present); the class names are in vembed.json.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import nn
+
+from vembed.errors import RecipeError
+from vembed.models import MODELS
+from vembed.models.base import PretrainedSettings, TransformersAdapter
+from vembed.models.batch import IMAGE_INDEX, PIXEL_VALUES, TEXT_INDEX, process_images, split_sides
+from vembed.models.hf import clip_image_processor, load_image_processor, load_model, save_hf_model
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    from vembed.data.records import Side
+    from vembed.recipe import Recipe
+
+HEADS_FILE = "heads.safetensors"
+# Vision towers without a CLS token: their own pooling head gives the image vector for `pooling: cls`.
+NO_CLS_TOKEN = frozenset({"siglip_vision_model", "siglip2_vision_model"})
+
+
+class VisionSettings(PretrainedSettings):
+    """`model_type: vision`: a vision backbone from `model_name` or `model_config` (e.g. `model_type: vit` or
+    `dinov2` inside it), pooled and optionally projected and classified."""
+
+    pooling: Literal["cls", "mean", "gem"] = "cls"  # CLS token / mean of patch tokens / generalised mean of patches
+    gem_p: float = Field(default=3.0, gt=0)  # GeM's exponent (1: mean; large: towards max)
+    projection_dim: int | None = Field(default=None, gt=0)  # a linear projection after pooling (unset: none)
+    # The classification head: classes it predicts (the classification task checks them against its data) and their
+    # names, in label-id order (filled from the data when unset).
+    num_labels: int | None = Field(default=None, gt=0)
+    label_names: list[str] | None = None
+
+
+@MODELS.register("vision")
+class VisionAdapter(TransformersAdapter):
+    model_type = "vision"
+    task: ClassVar[str] = "classification"  # vembed.tasks: trained by the classification task
+    Settings: ClassVar[type[VisionSettings]] = VisionSettings
+    modalities = frozenset({"image"})
+    image_cache: ClassVar[bool] = True
+    default_lora_target_modules = ("query", "key", "value", "q_proj", "k_proj", "v_proj")
+
+    def __init__(self, model: "PreTrainedModel", tokenizer: Any, image_processor: Any, settings: VisionSettings):
+        super().__init__(model, tokenizer, image_processor, settings)
+        width = self.hidden_size(model.config)
+        self.projection = nn.Linear(width, settings.projection_dim, bias=False) if settings.projection_dim else None
+        dim = settings.projection_dim or width
+        self.classifier = nn.Linear(dim, settings.num_labels) if settings.num_labels else None
+        # Parts of the backbone this pooling never reaches get no gradient; DDP (without find_unused_parameters)
+        # fails on those, so they are frozen (still saved: the folder stays a complete HF model).
+        for name in self.unreached_modules(model, settings.pooling):
+            model.get_submodule(name).requires_grad_(False)
+
+    # --- what the config says --------------------------------------------------------------------------------------
+    @staticmethod
+    def hidden_size(config: "PretrainedConfig") -> int:
+        return config.hidden_size
+
+    @classmethod
+    def embedding_dim_of(cls, config: "PretrainedConfig") -> int:
+        return cls.hidden_size(config)
+
+    @classmethod
+    def embedding_dim_for(cls, recipe: "Recipe") -> int:
+        settings = cls.settings_of(recipe)
+        return settings.projection_dim or cls.hidden_size(cls.hf_config(settings))
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.settings.projection_dim or self.hidden_size(self.model.config)
+
+    @staticmethod
+    def prefix_tokens(config: "PretrainedConfig") -> int:
+        """Tokens before the patches: CLS (none in SigLIP) and DINOv2's registers."""
+        if config.model_type in NO_CLS_TOKEN:
+            return 0
+        return 1 + int(getattr(config, "num_register_tokens", 0) or 0)
+
+    @classmethod
+    def unreached_modules(cls, model: nn.Module, pooling: str) -> list[str]:
+        names = [n for n in ("pooler",) if isinstance(getattr(model, n, None), nn.Module)]  # ViT's dense+tanh pooler
+        if model.config.model_type in NO_CLS_TOKEN and pooling != "cls":
+            names += [n for n, _ in model.named_modules() if n.endswith(".head") or n == "head"]
+        return names
+
+    @classmethod
+    def check_config(cls, config: "PretrainedConfig", key: str) -> None:
+        if getattr(config, "vision_config", None) is not None or not hasattr(config, "hidden_size"):
+            raise RecipeError(key, f"{config.model_type!r} is not a vision backbone; name one (vit, dinov2, "
+                                   "dinov2_with_registers, clip_vision_model, siglip_vision_model)")
+
+    @classmethod
+    def new_image_processor(cls, config: "PretrainedConfig") -> Any:
+        return clip_image_processor(config.image_size)
+
+    # --- built from a recipe / a folder ----------------------------------------------------------------------------
+    @classmethod
+    def check_recipe(cls, recipe: "Recipe") -> None:
+        settings = cls.settings_of(recipe)
+        if (settings.model_name is None) == (settings.model_config_dict is None):
+            raise RecipeError("model_name", "model_type 'vision' needs exactly one of model_name (pretrained) or "
+                                            "model_config (random init)")
+        if settings.model_config_dict is not None:
+            from vembed.models.hf import require_model_type
+
+            require_model_type(settings.model_config_dict, "model_config")
+        if settings.label_names is not None and settings.num_labels not in (None, len(settings.label_names)):
+            raise RecipeError("label_names", f"names {len(settings.label_names)} classes but num_labels is "
+                                             f"{settings.num_labels}; give one name per class")
+
+    @classmethod
+    def from_recipe(cls, recipe: "Recipe") -> "VisionAdapter":
+        from transformers import AutoModel
+
+        from vembed.models.hf import hf_kwargs
+
+        cls.check_recipe(recipe)
+        settings = cls.settings_of(recipe)
+        config = cls.hf_config(settings)
+        if settings.model_name is not None:
+            model = load_model(settings.model_name, None, key="model_name",
+                               trust_remote_code=settings.trust_remote_code,
+                               attn_implementation=settings.attn_implementation)
+        else:
+            model = AutoModel.from_config(config, **hf_kwargs(settings.trust_remote_code, settings.attn_implementation))
+        processor = cls.image_processor_for(settings.model_name, model.config, settings)
+        return cls(model, None, processor, settings)
+
+    @classmethod
+    def on_meta(cls, recipe: "Recipe") -> "VisionAdapter":
+        adapter = super().on_meta(recipe)
+        return adapter.to("meta")
+
+    @classmethod
+    def resolve(cls, settings, tokenizer, config):  # no texts, so no max_length to decide
+        return settings
+
+    @classmethod
+    def load(cls, path: str | Path, *, trust_remote_code: bool = False) -> "VisionAdapter":
+        from safetensors.torch import load_file
+
+        info, settings = cls.saved_settings(path, trust_remote_code)
+        model = load_model(str(path), None, key="model", trust_remote_code=trust_remote_code,
+                           attn_implementation=settings.attn_implementation)
+        processor = load_image_processor(str(path), trust_remote_code)
+        adapter = cls(model, None, processor, settings)
+        heads = Path(path, HEADS_FILE)
+        if heads.is_file():
+            missing, unexpected = adapter.load_state_dict(load_file(str(heads)), strict=False)
+            if unexpected or any(not k.startswith("model.") for k in missing):
+                raise RecipeError("model", f"{str(heads)!r} does not fit the model in {str(path)!r}")
+        return adapter
+
+    def save(self, path: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        save_hf_model(self.model, path)
+        self.image_processor.save_pretrained(path)
+        heads = {f"{name}.{key}": value.detach().cpu().contiguous()
+                 for name in ("projection", "classifier") if getattr(self, name) is not None
+                 for key, value in getattr(self, name).state_dict().items()}
+        if heads:
+            save_file(heads, str(Path(path, HEADS_FILE)))
+        self.write_adapter_file(path)
+
+    # --- sizes for the memory planner (vembed/planning.py) ---------------------------------------------------------
+    def encoder_configs(self) -> "dict[str, PretrainedConfig]":
+        return {"image": self.model.config}
+
+    def planning_tokens(self, recipe: "Recipe") -> dict[str, dict[str, int]]:
+        """One image per sample through the backbone: its patches plus CLS and registers."""
+        config = self.model.config
+        patches = (config.image_size // config.patch_size) ** 2
+        return {"image": {"image": patches + self.prefix_tokens(config)}}
+
+    # --- used by the loop ------------------------------------------------------------------------------------------
+    def preprocess(self, sides: Sequence["Side"]) -> dict[str, torch.Tensor]:
+        texts, images, batch = split_sides(sides)
+        if texts:
+            raise ValueError("model_type vision embeds images only, but the batch has text; use clip, siglip or "
+                             "composed for text")
+        batch[PIXEL_VALUES] = process_images(images, self.image_processor)
+        return batch
+
+    def num_sides(self, inputs: dict[str, torch.Tensor]) -> int:
+        return int(inputs[IMAGE_INDEX].shape[0])
+
+    def features(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Pooled (and projected) image vectors, unnormalised: what the classifier reads."""
+        pixels = inputs[PIXEL_VALUES].to(self.model.dtype)
+        output = self.model(pixel_values=pixels)
+        pooled = self.pool(output, self.settings.pooling)
+        return self.projection(pooled) if self.projection is not None else pooled
+
+    def pool(self, output: Any, pooling: str) -> torch.Tensor:
+        hidden = output.last_hidden_state
+        prefix = self.prefix_tokens(self.model.config)
+        if pooling == "cls":
+            return hidden[:, 0] if prefix else output.pooler_output
+        patches = hidden[:, prefix:].float()
+        if pooling == "mean":
+            return patches.mean(1).to(hidden.dtype)
+        p = self.settings.gem_p  # GeM: (mean x^p)^(1/p) over patches, on features clamped positive
+        return patches.clamp(min=1e-6).pow(p).mean(1).pow(1.0 / p).to(hidden.dtype)
+
+    def encode(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        embeddings = self.features(inputs).float()
+        return F.normalize(embeddings, dim=-1) if self.settings.normalize else embeddings
+
+    def classify(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Class logits `(n, num_labels)` in float32."""
+        if self.classifier is None:
+            raise RecipeError("num_labels", "this vision model has no classification head; set num_labels")
+        return self.classifier(self.features(inputs)).float()
+
+    def forward_flops(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor | int:
+        from vembed.models.flops import vision_flops
+
+        heads = sum(self.matmul_weights(m) for m in (self.projection, self.classifier) if m is not None)
+        return vision_flops(self.model.config, self.matmul_weights(self.model), heads, inputs[PIXEL_VALUES])
+
+
+__all__ = ["HEADS_FILE", "TEXT_INDEX", "VisionAdapter", "VisionSettings"]

@@ -1,0 +1,183 @@
+"""Image classification: model_type vision with its linear head, trained by cross-entropy (loss_type cross_entropy)
+on labelled images (vembed/data/labelled.py), measured by accuracy, per-class precision/recall/F1 and the confusion
+matrix (vembed/evaluation/classification.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from vembed.errors import RecipeError
+from vembed.tasks import TASKS, Task
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from vembed.data.labelled import LabelledImages
+    from vembed.recipe import Recipe
+
+METRICS = ("accuracy", "top5_accuracy", "macro_f1", "micro_f1", "macro_precision", "macro_recall")
+CONFUSION_PNG = "confusion_matrix.png"
+
+
+class ClassificationObjective(nn.Module):
+    """The adapter (backbone, pooling, head) and the loss in one module. `forward(batch)`: the loss of
+    `{"inputs": preprocessed images, "labels": (B,)}`; `forward(classify=inputs)`: the logits (evaluation goes
+    through the prepared wrapper, so ZeRO-3 gathers the weights as in training)."""
+
+    def __init__(self, adapter: nn.Module, loss: nn.Module):
+        super().__init__()
+        self.adapter = adapter
+        self.loss = loss
+
+    def forward(self, batch: dict[str, Any] | None = None, classify: dict[str, torch.Tensor] | None = None):
+        if classify is not None:
+            return self.adapter.classify(classify)
+        return self.loss(self.adapter.classify(batch["inputs"]), batch["labels"])
+
+
+class LabelledImageDataset(Dataset):
+    def __init__(self, data: "LabelledImages"):
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> tuple[str, int]:
+        return self.data.paths[index], self.data.labels[index]
+
+
+class ClassificationCollator:
+    """(path, label) pairs -> the adapter's preprocessed images and a label tensor (runs in DataLoader workers)."""
+
+    def __init__(self, adapter: nn.Module):
+        self.adapter = adapter
+
+    def __call__(self, items: list[tuple[str, int]]) -> dict[str, Any]:
+        from vembed.data.records import Side
+
+        return {"inputs": self.adapter.preprocess([Side(image=path) for path, _ in items]),
+                "labels": torch.tensor([label for _, label in items], dtype=torch.long)}
+
+
+def read_split(recipe: "Recipe", split: str, names: list[str] | None,
+               num_labels: int | None = None) -> "LabelledImages":
+    from vembed.data.labelled import read_labelled_images
+
+    data = recipe.data
+    return read_labelled_images(getattr(data, split), f"data.{split}", label_column=data.columns.label,
+                                image_root=data.image_root, names=names, num_labels=num_labels,
+                                max_bad_fraction=data.max_bad_fraction)
+
+
+def class_names(recipe: "Recipe") -> list[str]:
+    """The classes of the training data (or the recipe's label_names), checked against the head's size."""
+    settings = recipe.model
+    train = read_split(recipe, "train", settings.label_names, settings.num_labels)
+    if settings.num_labels is not None and settings.num_labels != len(train.names):
+        raise RecipeError("num_labels", f"is {settings.num_labels} but {recipe.data.train} has {len(train.names)} "
+                                        f"classes; set num_labels: {len(train.names)} (or fix the data)")
+    return train.names
+
+
+@TASKS.register("classification")
+class ClassificationTask(Task):
+    name = "classification"
+
+    @classmethod
+    def check_recipe(cls, recipe: "Recipe", *, for_training: bool = True) -> None:
+        data = recipe.data
+        if data.streaming:
+            raise RecipeError("data.streaming", "classification reads CSV/JSONL files or ImageFolder trees whole; "
+                                                "remove it")
+        for split in ("train", "validation", "test"):
+            if isinstance(getattr(data, split), (dict, list)):
+                raise RecipeError(f"data.{split}", "classification takes one CSV/JSONL file or ImageFolder "
+                                                   "directory per split")
+        for key, value in (("use_gradient_cache", recipe.use_gradient_cache), ("stages", recipe.stages)):
+            if value:
+                raise RecipeError(key, "is not supported for classification; remove it")
+        if recipe.metric_for_best_model not in METRICS:
+            raise RecipeError("metric_for_best_model",
+                              f"{recipe.metric_for_best_model!r} is not a classification metric; use one of: "
+                              f"{', '.join(METRICS)} (e.g. metric_for_best_model: accuracy)")
+        if data.train is not None:
+            names = class_names(recipe)
+            for split in ("validation", "test"):
+                if getattr(data, split) is not None:
+                    read_split(recipe, split, names)
+
+    def load_train_data(self) -> "LabelledImages":
+        recipe = self.recipe
+        names = class_names(recipe)
+        self.train_data = read_split(recipe, "train", names)
+        # The head's size and class names follow the data; every later build (final/ from gathered shards) reads them.
+        recipe.model.num_labels, recipe.model.label_names = len(names), names
+        return self.train_data
+
+    def build_objective(self) -> nn.Module:
+        from vembed.components import loss_class, model_class
+
+        recipe = self.recipe
+        adapter = model_class(recipe).from_recipe(recipe)
+        if recipe.gradient_checkpointing:
+            adapter.enable_gradient_checkpointing()
+        if recipe.use_lora:
+            adapter.apply_lora(recipe)
+        return ClassificationObjective(adapter, loss_class(recipe).from_recipe(recipe))
+
+    def train_dataset(self, objective: nn.Module):
+        return LabelledImageDataset(self.train_data), ClassificationCollator(objective.adapter)
+
+    def load_eval_split(self, split: str) -> "LabelledImages | None":
+        if getattr(self.recipe.data, split) is None:
+            return None
+        data = read_split(self.recipe, split, self.recipe.model.label_names)
+        limit = self.recipe.data.eval_max_samples
+        if limit is not None:
+            data.paths, data.labels = data.paths[:limit], data.labels[:limit]
+        return data
+
+    def evaluate(self, model: nn.Module, data: "LabelledImages | None", accelerator: "Accelerator",
+                 prepared: nn.Module | None = None) -> dict[str, Any]:
+        """Every rank classifies the whole split (ZeRO-3 needs every rank in each forward); all get the same."""
+        from vembed.evaluation.classification import classification_metrics
+
+        if not data:
+            return {}
+        forward = (lambda inputs: prepared(classify=inputs)) if prepared is not None else model.classify
+        collate = ClassificationCollator(model)
+        dataset = LabelledImageDataset(data)
+        batch_size = self.recipe.resolved_eval_batch_size
+        was_training = model.training
+        model.eval()
+        scores = []
+        with torch.no_grad(), accelerator.autocast():
+            for start in range(0, len(dataset), batch_size):
+                batch = collate([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
+                inputs = {k: v.to(accelerator.device) for k, v in batch["inputs"].items()}
+                scores.append(forward(inputs).float().cpu())
+        model.train(was_training)
+        return classification_metrics(torch.cat(scores).numpy(), torch.tensor(data.labels).numpy(),
+                                      self.recipe.model.label_names)
+
+    def headline(self, metrics: dict[str, Any]) -> str:
+        return "  ".join(f"{k}={metrics[k]:.4f}" for k in ("accuracy", "top5_accuracy", "macro_f1") if k in metrics)
+
+    def split_report(self, split: str) -> dict[str, Any] | None:
+        return None
+
+    def plots(self, metrics: dict[str, Any], output_dir: Path) -> list[Path]:
+        from vembed.evaluation.classification import plot_confusion_matrix
+
+        split = "test" if metrics.get("test") else "validation"
+        confusion = (metrics.get(split) or {}).get("confusion_matrix")
+        if not confusion:
+            return []
+        path = plot_confusion_matrix(confusion, output_dir / CONFUSION_PNG,
+                                     title=f"{split}: accuracy {metrics[split]['accuracy']:.3f}")
+        return [path] if path is not None else []
