@@ -99,10 +99,10 @@ def choose_gradient_cache(recipe: "Recipe", kind: LaunchKind,
     from vembed.tasks import task_for
 
     task = task_for(recipe)
-    if not task.uses_gradient_cache:  # a task without a contrastive batch (rerank: no in-batch negatives)
-        reason = getattr(task, "no_gradient_cache", None)
-        if recipe.use_gradient_cache and reason:
-            raise RecipeError("use_gradient_cache", reason)
+    if not task.uses_gradient_cache:  # no batch-wide loss (rerank: no in-batch negatives; classification)
+        if recipe.use_gradient_cache:
+            raise RecipeError("use_gradient_cache", getattr(task, "no_gradient_cache", None) or (
+                f"the {task.name} task's loss is per sample, so GradCache has nothing to cache; remove the key"))
         return GradientCacheChoice(False, None, "off")
     unavailable = {
         "fsdp": "GradCache is not available under FSDP: its cached loss runs outside the sharded forward, where the "
@@ -117,10 +117,6 @@ def choose_gradient_cache(recipe: "Recipe", kind: LaunchKind,
             raise RecipeError("use_gradient_cache", unavailable + " (use_gradient_cache: false)")
         return GradientCacheChoice(True, _chunk(recipe), "on (use_gradient_cache)")
     if recipe.use_gradient_cache is False or not recipe.gradient_checkpointing:
-        return GradientCacheChoice(False, None, "off")
-    from vembed.tasks import task_for
-
-    if not task_for(recipe).uses_gradient_cache:  # e.g. classification: its loss is per sample, nothing to cache
         return GradientCacheChoice(False, None, "off")
     if unavailable:
         where = {"fsdp": "under FSDP", "deepspeed": "under DeepSpeed"}.get(kind, f"with loss_type {recipe.loss_type}")
