@@ -335,6 +335,14 @@ class CorpusPairs:
     def __len__(self) -> int:
         return len(self.queries)
 
+    # What a loss needs of the training rows (vembed/losses/inputs.py), as PairRows answers it: a corpus folder's
+    # pairs keep `num_negatives` mined negatives each and carry no score column.
+    def negative_counts(self) -> set[int]:
+        return {self.num_negatives}
+
+    def score_shapes(self) -> tuple[int, int, int]:
+        return len(self), 0, 0
+
     def __getitem__(self, index: Any) -> Any:
         from dataclasses import replace
 

@@ -103,7 +103,8 @@ class PairRows(Sequence):
             start = int(end)
         return ranges
 
-    def num_negatives(self) -> set[int]:
+    def negative_counts(self) -> set[int]:
+        """The hard negatives the records keep, one count per table."""
         return {part.num_negatives for part in self.parts}
 
     def image_paths(self) -> list[str]:

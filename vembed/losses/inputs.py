@@ -8,15 +8,16 @@ from typing import TYPE_CHECKING
 from vembed.errors import DataError
 
 if TYPE_CHECKING:
+    from vembed.data.corpus import CorpusPairs
     from vembed.data.rows import PairRows
     from vembed.losses.base import EmbeddingLoss
     from vembed.recipe import Recipe
 
 
-def check_loss_inputs(loss: "type[EmbeddingLoss]", recipe: "Recipe", rows: "PairRows") -> None:
+def check_loss_inputs(loss: "type[EmbeddingLoss]", recipe: "Recipe", rows: "PairRows | CorpusPairs") -> None:
     """`loss` (the recipe's loss class) against the training rows: hard negatives, and the score column's shape."""
     column = f"data.columns.score ({recipe.data.columns.score!r})"
-    negatives = min(rows.num_negatives(), default=0)
+    negatives = min(rows.negative_counts(), default=0)
     if negatives < loss.min_negatives:
         raise DataError(f"loss_type {recipe.loss_type} needs at least {loss.min_negatives} hard negative per pair; "
                         f"the training records keep {negatives} (data.columns.negatives, data.num_hard_negatives)")
