@@ -270,9 +270,10 @@ def start(launch_args: list[str], num_processes: int, config: Path, command_name
         with _environment({**one_process, **promise}):
             return here()
     print(f"launching {num_processes} process(es) with {config}", file=sys.stderr)
-    os.environ.update(promise)
-    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # each rank dies with this process (stop_with_launcher)
-    return launch_in_process(launch_args, num_processes)
+    # The ranks inherit the promise and this process's id (each rank dies with it: stop_with_launcher); this process's
+    # own environment is given back after, so a caller in Python (a test, a notebook) launches again unchanged.
+    with _environment({**os.environ, **promise, LAUNCHER_PID_ENV: str(os.getpid())}):
+        return launch_in_process(launch_args, num_processes)
 
 
 def one_plain_process_env(launch_args: list[str]) -> dict[str, str] | None:
