@@ -137,6 +137,8 @@ def stop_with_launcher(env: Mapping[str, str] | None = None) -> bool:
     if not sys.platform.startswith("linux"):
         return False
     launcher_pid = env.get(LAUNCHER_PID_ENV, "")
+    if launcher_pid == str(os.getpid()):  # this process is the launcher itself (it trains or evaluates in-process)
+        return False
     launched = launcher_pid.isdigit() or started_by_accelerate_or_torchrun(env)
     if not launched:
         return False
