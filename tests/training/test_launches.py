@@ -37,11 +37,15 @@ def _saved_model_metrics(out: Path, base: dict) -> dict:
     """The saved final/ evaluated on the validation split by one process, as `vembed eval` does."""
     from vembed.data.sources import load_examples
     from vembed.evaluation.retrieval import evaluate_retrieval
+    from vembed.evaluation.scored import evaluate_scored
     from vembed.models.base import load_adapter
     from vembed.recipe import DataConfig
 
-    examples, _ = load_examples(DataConfig(validation=base["data"]["validation"]), "validation", num_hard_negatives=0)
-    return evaluate_retrieval(load_adapter(out / "final"), examples)
+    # negatives kept, as vembed eval keeps them: triplet accuracy reads the first
+    examples, _ = load_examples(DataConfig(validation=base["data"]["validation"]), "validation",
+                                num_hard_negatives=None)
+    adapter = load_adapter(out / "final")
+    return {**evaluate_retrieval(adapter, examples), **evaluate_scored(adapter, examples)}
 
 
 @pytest.fixture(scope="module")
