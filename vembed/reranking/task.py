@@ -98,14 +98,10 @@ class RerankTask(Task):
                 ("effective batch", f"{lists * recipe.gradient_accumulation_steps} lists per optimizer step")]
 
     def build_objective(self) -> nn.Module:
-        from vembed.components import loss_class, model_class
+        from vembed.components import loss_class
 
         recipe = self.recipe
-        adapter = model_class(recipe).from_recipe(recipe)
-        if recipe.gradient_checkpointing:
-            adapter.enable_gradient_checkpointing()
-        if recipe.use_lora:
-            adapter.apply_lora(recipe)
+        adapter = self.build_adapter()
         return RerankObjective(adapter, loss_class(recipe).from_recipe(recipe), adapter.settings.pairs_per_chunk)
 
     def train_dataset(self, objective: nn.Module):

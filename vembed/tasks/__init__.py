@@ -66,6 +66,19 @@ class Task:
         """Model and loss in one module with `.adapter` (what is saved) and `.loss` (with a `config`)."""
         raise NotImplementedError
 
+    def build_adapter(self) -> "nn.Module":
+        """The recipe's model as every task trains it: built by its registry, with gradient checkpointing and LoRA
+        where the recipe asks (one home, so a task cannot forget either)."""
+        from vembed.components import model_class
+
+        recipe = self.recipe
+        adapter = model_class(recipe).from_recipe(recipe)
+        if recipe.gradient_checkpointing:
+            adapter.enable_gradient_checkpointing()
+        if recipe.use_lora:
+            adapter.apply_lora(recipe)
+        return adapter
+
     def train_dataset(self, objective: "nn.Module") -> tuple["Dataset", "Callable"]:
         """The training dataset and its collate function: map-style (the loop's sampler shuffles and shards it), or
         a `vembed.data.streaming.ShardStream` (streamed; it shards, shuffles and collates itself)."""

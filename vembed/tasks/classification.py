@@ -120,14 +120,10 @@ class ClassificationTask(Task):
         return self.train_data
 
     def build_objective(self) -> nn.Module:
-        from vembed.components import loss_class, model_class
+        from vembed.components import loss_class
 
         recipe = self.recipe
-        adapter = model_class(recipe).from_recipe(recipe)
-        if recipe.gradient_checkpointing:
-            adapter.enable_gradient_checkpointing()
-        if recipe.use_lora:
-            adapter.apply_lora(recipe)
+        adapter = self.build_adapter()
         return ClassificationObjective(adapter, loss_class(recipe).from_recipe(recipe))
 
     def train_dataset(self, objective: nn.Module):

@@ -198,14 +198,9 @@ class ContrastiveTask(Task):
 
     def build_objective(self) -> "nn.Module":
         from vembed.losses import build_loss
-        from vembed.models import MODELS
 
         recipe = self.recipe
-        adapter = MODELS.get(recipe.model_type).from_recipe(recipe)
-        if recipe.gradient_checkpointing:
-            adapter.enable_gradient_checkpointing()
-        if recipe.use_lora:
-            adapter.apply_lora(recipe)
+        adapter = self.build_adapter()
         loss = build_loss(recipe)
         guide = None
         if getattr(loss, "needs_guide", False):
