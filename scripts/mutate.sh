@@ -15,6 +15,7 @@ mutmut="$repo/.venv/bin/mutmut"
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/vembed-mutate.XXXXXX")
 trap 'rm -rf "$work"' EXIT
+trap 'exit 130' INT TERM  # a stopped run still removes its copy (the EXIT trap runs)
 git ls-files -co --exclude-standard -z | tar --null -cf - -T - | tar -xf - -C "$work"
 {
   printf '\n[tool.mutmut]\nsource_paths = ["vembed"]\nonly_mutate = ["%s"]\n' "$module"
