@@ -1,0 +1,78 @@
+"""Every rule a recipe must pass, in the order the rules run: all of them before a data row or a weight is read.
+
+"What makes a recipe valid, and where is rule X" is answered here. Rules that need only the recipe are the schema's
+or this module's; a rule owned by a component (a task, an adapter, a loss, a data reader) stays beside that component
+and is called from here, in this order. Each stops the run with one `RecipeError` naming the key (exit 2);
+tests/test_recipe_checks.py fails when a recipe error is raised anywhere else.
+
+1. Schema (`vembed/recipe.py`, when the recipe is loaded): keys, types and ranges; the combinations of the recipe's
+   own keys (`Recipe._cross_checks`, `DataConfig._source_checks`, `StageConfig._weights`); `model_type` and
+   `loss_type` name registered components (`vembed/components.py`), whose `Settings` classes type and check their
+   own keys (e.g. mrl_dims in `vembed/losses/base.py`, token-vector keys in `vembed/models/text.py`).
+2. Components (`check_components`): the model and the loss train the same task (`vembed.tasks.task_name_for`, the
+   rule every caller of `task_for` needs).
+3. The recipe's own keys that need more than the schema (`check_keys`): data.train is set for training; every
+   tracker of report_to is installed.
+4. The task's rules (`Task.check_recipe` of the registered task), which call the data's and the adapter's:
+   - contrastive (`vembed/tasks/contrastive.py`): data.format; what streamed data cannot do, and its shards
+     (`vembed.data.streaming.check_stream_recipe`); the data files exist (`vembed.data.sources.check_data_paths`);
+     the adapter's own rules (`check_recipe` of its class in `vembed/models/`: model_name or model_config, a
+     tokenizer for a random-init text tower, ...); per-source instructions and stage image sizes the adapter can
+     honour; token vectors and the loss agree; the GISTEmbed guide folder loads (`vembed/losses/guide.py`);
+     metric_for_best_model is a validation metric; mrl_dims fit the embedding size the model's config declares.
+   - classification (`vembed/tasks/classification.py`): one file or ImageFolder per split, no streaming, GradCache
+     or stages; a classification metric; the classes of the data (`vembed/data/labelled.py`) fit num_labels.
+   - rerank (`vembed/reranking/task.py`): no GradCache or streaming; the data files exist; held-out data is a
+     corpus folder with a first-stage run; a reranking metric; the cross-encoder's own rules
+     (`vembed/reranking/cross_encoder.py`).
+   - flow_matching (`vembed/generation/task.py`): shard directories only and the keys blip3o_dit cannot honour; a
+     flow-matching metric; the shards' dims fit the recipe's (`vembed/generation/dit.py`).
+5. The launch (`check_launch`, called by `vembed.training.launch_plan.decide_launch` once the launch's environment
+   says its kind): fp16 needs a GPU; FSDP needs an adapter naming block classes; use_fsdp needs an FSDP launch;
+   GradCache only where the task and the launch allow it (`vembed.planning.choose_gradient_cache`, the one
+   GradCache rule); compile only where it is verified.
+6. The output folder (`vembed.training.run_dir.check_output_dir`, called by the entrypoints and the trainer before
+   anything is written): writable, not another run's, resume_from and overwrite_output_dir not both set.
+
+Rules that need the rows themselves run as the data is read (`Task.load_train_data`: images per side, the inputs a
+loss needs), still before any weight is read; they are data errors, naming file and row.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING
+
+from vembed.errors import RecipeError
+
+if TYPE_CHECKING:
+    from vembed.recipe import Recipe
+    from vembed.tasks import Task
+
+
+def check_recipe(recipe: "Recipe", *, for_training: bool = True) -> None:
+    """Stages 2 to 4 (stage 1 ran when the recipe was loaded; 5 and 6 need the launch and the output folder): every
+    check that needs more than the schema, before any model is built."""
+    task = check_components(recipe)
+    check_keys(recipe, for_training=for_training)
+    task.check_recipe(recipe, for_training=for_training)  # data files, model config, task-specific keys
+
+
+def check_components(recipe: "Recipe") -> type["Task"]:
+    """Stage 2: the task the model and the loss both train (a RecipeError when they differ)."""
+    from vembed.tasks import task_for
+
+    return task_for(recipe)
+
+
+def check_keys(recipe: "Recipe", *, for_training: bool = True) -> None:
+    """Stage 3: the recipe's own keys that the schema cannot judge alone."""
+    if for_training and recipe.data.train is None:
+        raise RecipeError("data.train", "is required for training; point it at a JSONL/CSV/Parquet file or directory")
+    # accelerate drops a tracker whose package is missing with only a log line; a user asked for it, so refuse.
+    for tracker in recipe.report_to:
+        if importlib.util.find_spec(tracker) is None:
+            raise RecipeError("report_to", f"{tracker} is not installed; pip install 'vembed[{tracker}]' or remove it")
+
+
+__all__ = ["check_components", "check_keys", "check_recipe"]
