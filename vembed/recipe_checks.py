@@ -41,13 +41,16 @@ loss needs), still before any weight is read; they are data errors, naming file 
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import TYPE_CHECKING
 
 from vembed.errors import RecipeError
 
 if TYPE_CHECKING:
+    from vembed.planning import GradientCacheChoice, LaunchKind
     from vembed.recipe import Recipe
     from vembed.tasks import Task
+    from vembed.training.launcher import LaunchPromise
 
 
 def check_recipe(recipe: "Recipe", *, for_training: bool = True) -> None:
@@ -75,4 +78,68 @@ def check_keys(recipe: "Recipe", *, for_training: bool = True) -> None:
             raise RecipeError("report_to", f"{tracker} is not installed; pip install 'vembed[{tracker}]' or remove it")
 
 
-__all__ = ["check_components", "check_keys", "check_recipe"]
+def check_launch(recipe: "Recipe", kind: "LaunchKind", *, on_cpu: bool,
+                 promise: "LaunchPromise") -> "GradientCacheChoice":
+    """Stage 5: what the recipe asks of this launch (`kind`, on CPU or not, what the launcher promised), before a data
+    row or a weight is read; returns the GradCache choice its rule made. Refusals of the launch itself (a promise
+    broken, a DeepSpeed or FSDP config vembed cannot run) are launch errors, in vembed/training/launch_plan.py."""
+    from vembed.planning import choose_gradient_cache
+
+    if on_cpu and recipe.mixed_precision == "fp16":
+        raise RecipeError("mixed_precision", "fp16 needs a GPU; use bf16 or no on CPU")
+    if kind == "fsdp":
+        _check_model_has_fsdp_blocks(recipe)
+    if recipe.use_fsdp and kind != "fsdp":
+        raise RecipeError("use_fsdp", f"is true but this launch is not FSDP; {_fsdp_hint(promise)}")
+    grad_cache = choose_gradient_cache(recipe, kind)
+    if recipe.compile:
+        _check_compile(recipe, kind, on_cpu)
+    return grad_cache
+
+
+def _check_compile(recipe: "Recipe", kind: "LaunchKind", on_cpu: bool) -> None:
+    """`compile: true` where it is known to train as the eager model does (tests/training/test_compile.py: one
+    process, GradCache and LoRA, to 1e-5; test_ddp_step.py: 2 DDP ranks as one process); one line naming the key
+    and the reason everywhere else."""
+    import shutil
+
+    from vembed.components import model_class
+    from vembed.models.base import EmbeddingAdapter
+
+    if kind in ("fsdp", "deepspeed"):
+        raise RecipeError("compile", f"is not available under {'FSDP' if kind == 'fsdp' else 'DeepSpeed'}: their "
+                                     "hooks gather and free each tower's weights around its forward, which compiled "
+                                     "towers are not verified against; use DDP, or compile: false")
+    if not issubclass(model_class(recipe), EmbeddingAdapter):
+        raise RecipeError("compile", f"model_type {recipe.model_type} names no encoder towers to compile")
+    import torch._dynamo
+
+    if not torch._dynamo.is_dynamo_supported():
+        raise RecipeError("compile", "torch.compile does not support this Python/torch build; use compile: false")
+    compiler = os.environ.get("CXX", "g++")
+    if on_cpu and shutil.which(compiler) is None:
+        raise RecipeError("compile", f"torch.compile on CPU builds C++ kernels, and no C++ compiler ({compiler}) is "
+                                     "installed; install one (e.g. apt-get install g++) or use compile: false")
+
+
+def _fsdp_hint(promise: "LaunchPromise") -> str:
+    if promise.command in ("python run.py", "vembed train"):
+        return f"launch with `{promise.command} RECIPE` on several GPUs, or add --accelerate_config fsdp"
+    return f"launch with {promise.use_config_hint('fsdp')}"
+
+
+def _check_model_has_fsdp_blocks(recipe: "Recipe") -> None:
+    """FSDP shards the blocks the adapter names; refuse a model that names none, from its meta-device build."""
+    from vembed.planning import meta_model
+
+    model = meta_model(recipe)
+    if model is None or model.block_classes():
+        return
+    raise RecipeError(
+        "model_type",
+        f"the {recipe.model_type} adapter names no transformer block class to shard with FSDP; use DDP "
+        "(accelerate_configs/ddp.yaml) or DeepSpeed ZeRO-3",
+    )
+
+
+__all__ = ["check_components", "check_keys", "check_launch", "check_recipe"]
