@@ -5,10 +5,15 @@ quietly start a seventh home."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
+
+import pytest
 
 import vembed
 from vembed import recipe_checks
+from vembed.components import recipe_from_dict
+from vembed.errors import RecipeError
 
 PACKAGE = Path(vembed.__file__).parent
 RECIPE_ERRORS = {"RecipeError", "InvalidKey", "_KeyError"}  # InvalidKey: raised in validators, reported as one
@@ -153,3 +158,121 @@ def test_the_home_names_every_task_whose_rules_it_calls():
         module = TASKS.get(name).check_recipe.__func__.__module__
         path = module.replace(".", "/") + ".py"
         assert f"`{path}`" in recipe_checks.__doc__, f"{name}'s rules live in {path}: list them in the home"
+
+
+# --- the stages, called directly --------------------------------------------------------------------------------------
+
+def _promise(command: str | None = "python run.py"):
+    from vembed.training.launcher import LaunchPromise
+
+    return LaunchPromise(command, None)
+
+
+def _refusal(recipe, kind="single", on_cpu=True, promise=None) -> RecipeError:
+    with pytest.raises(RecipeError) as info:
+        recipe_checks.check_launch(recipe, kind, on_cpu=on_cpu, promise=promise or _promise())
+    assert "\n" not in str(info.value)
+    return info.value
+
+
+def test_check_keys_wants_training_data_and_installed_trackers(monkeypatch):
+    recipe = recipe_from_dict({"report_to": "tensorboard"})
+    error = _raised(lambda: recipe_checks.check_keys(recipe))
+    assert (error.key, error.message) == ("data.train", "is required for training; point it at a JSONL/CSV/Parquet "
+                                                        "file or directory")
+    recipe_checks.check_keys(recipe, for_training=False)  # evaluation-only callers need no training data
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    error = _raised(lambda: recipe_checks.check_keys(recipe, for_training=False))
+    assert (error.key, error.message) == ("report_to", "tensorboard is not installed; pip install "
+                                                       "'vembed[tensorboard]' or remove it")
+
+
+def test_check_recipe_runs_the_components_before_the_keys_and_the_keys_before_the_task(monkeypatch):
+    from vembed.tasks.contrastive import ContrastiveTask
+
+    # No data.train and a loss of another task: the components' rule speaks first.
+    error = _raised(lambda: recipe_checks.check_recipe(recipe_from_dict({"loss_type": "flow_matching"})))
+    assert error.key == "loss_type" and "flow" in error.message
+    monkeypatch.setattr(ContrastiveTask, "check_recipe", classmethod(lambda cls, recipe, **kw: pytest.fail("task")))
+    assert _raised(lambda: recipe_checks.check_recipe(recipe_from_dict({}))).key == "data.train"
+    calls = []
+    monkeypatch.setattr(ContrastiveTask, "check_recipe",
+                        classmethod(lambda cls, recipe, for_training: calls.append(for_training)))
+    recipe_checks.check_recipe(recipe_from_dict({}), for_training=False)
+    assert calls == [False]
+
+
+def _raised(call) -> RecipeError:
+    with pytest.raises(RecipeError) as info:
+        call()
+    return info.value
+
+
+def test_fp16_is_refused_on_cpu_only(tiny_clip_recipe):
+    recipe = recipe_from_dict(dict(tiny_clip_recipe, mixed_precision="fp16"))
+    error = _refusal(recipe)
+    assert (error.key, error.message) == ("mixed_precision", "fp16 needs a GPU; use bf16 or no on CPU")
+    assert not recipe_checks.check_launch(recipe, "single", on_cpu=False, promise=_promise()).enabled
+    recipe_checks.check_launch(recipe_from_dict(dict(tiny_clip_recipe, mixed_precision="bf16")), "single",
+                               on_cpu=True, promise=_promise())
+
+
+@pytest.mark.parametrize("command, says", [
+    ("python run.py", "launch with `python run.py RECIPE` on several GPUs, or add --accelerate_config fsdp"),
+    ("vembed train", "launch with `vembed train RECIPE` on several GPUs, or add --accelerate_config fsdp"),
+    ("accelerate launch", "launch with `accelerate launch --config_file "),
+])
+def test_use_fsdp_needs_an_fsdp_launch_and_says_how_for_the_command_run(tiny_clip_recipe, command, says):
+    recipe = recipe_from_dict(dict(tiny_clip_recipe, use_fsdp=True))
+    for kind in ("single", "ddp", "deepspeed"):
+        error = _refusal(recipe, kind, promise=_promise(command))
+        assert error.key == "use_fsdp" and error.message.startswith("is true but this launch is not FSDP; " + says)
+    recipe_checks.check_launch(recipe, "fsdp", on_cpu=True, promise=_promise(command))
+
+
+def test_fsdp_needs_block_classes_and_only_fsdp_asks(tiny_clip_recipe, monkeypatch):
+    from vembed.models.clip import ClipAdapter
+
+    recipe = recipe_from_dict(tiny_clip_recipe)
+    recipe_checks.check_launch(recipe, "fsdp", on_cpu=True, promise=_promise())
+    monkeypatch.setattr(ClipAdapter, "block_classes", lambda self: set())
+    error = _refusal(recipe, "fsdp")
+    assert (error.key, error.message) == ("model_type", "the clip adapter names no transformer block class to shard "
+                                                        "with FSDP; use DDP (accelerate_configs/ddp.yaml) or "
+                                                        "DeepSpeed ZeRO-3")
+    for kind in ("single", "ddp", "deepspeed"):
+        recipe_checks.check_launch(recipe, kind, on_cpu=True, promise=_promise())
+    monkeypatch.setattr("vembed.planning.meta_model", lambda recipe: None)  # not buildable on meta: decided later
+    recipe_checks.check_launch(recipe, "fsdp", on_cpu=True, promise=_promise())
+
+
+def test_the_launch_stage_returns_the_gradient_cache_choice_and_its_refusal(tiny_clip_recipe):
+    recipe = recipe_from_dict(dict(tiny_clip_recipe, use_gradient_cache=True))
+    assert recipe_checks.check_launch(recipe, "ddp", on_cpu=True, promise=_promise()).enabled
+    assert _refusal(recipe, "fsdp").key == "use_gradient_cache"
+    # One rule at a time, in the listed order: fp16 before use_fsdp, GradCache before compile.
+    both = recipe_from_dict(dict(tiny_clip_recipe, mixed_precision="fp16", use_fsdp=True))
+    assert _refusal(both).key == "mixed_precision"
+    both = recipe_from_dict(dict(tiny_clip_recipe, use_gradient_cache=True, compile=True))
+    assert _refusal(both, "deepspeed").key == "use_gradient_cache"
+
+
+def test_compile_is_refused_where_it_is_not_verified(tiny_clip_recipe, monkeypatch):
+    import torch._dynamo
+
+    recipe = recipe_from_dict(dict(tiny_clip_recipe, compile=True))
+    assert _refusal(recipe, "fsdp").message.startswith("is not available under FSDP: their hooks gather")
+    assert _refusal(recipe, "deepspeed").message.startswith("is not available under DeepSpeed: their hooks gather")
+    monkeypatch.setenv("CXX", "no-such-compiler++")
+    error = _refusal(recipe, "ddp", on_cpu=True)
+    assert (error.key, error.message) == ("compile", "torch.compile on CPU builds C++ kernels, and no C++ compiler "
+                                                     "(no-such-compiler++) is installed; install one (e.g. apt-get "
+                                                     "install g++) or use compile: false")
+    recipe_checks.check_launch(recipe, "ddp", on_cpu=False, promise=_promise())  # a GPU build needs no C++ compiler
+    monkeypatch.setattr(torch._dynamo, "is_dynamo_supported", lambda: False)
+    assert _refusal(recipe, "single", on_cpu=False).message == ("torch.compile does not support this Python/torch "
+                                                                "build; use compile: false")
+    dit = recipe_from_dict({"model_type": "blip3o_dit", "loss_type": "flow_matching", "compile": True,
+                            "metric_for_best_model": "image_cosine"})
+    assert _refusal(dit).message == "model_type blip3o_dit names no encoder towers to compile"
