@@ -62,7 +62,6 @@ ELSEWHERE: dict[str, set[str]] = {
     "vembed/models/lora.py": {"inject_lora", "load_lora_weights"},
     "vembed/losses/contrastive.py": {"InfoNCELoss.from_recipe", "SigLIPLoss.from_recipe"},
     "vembed/losses/late_interaction.py": {"LateInteractionLoss.from_recipe"},
-    "vembed/training/fsdp.py": {"shard_objective"},
     "vembed/training/streamed.py": {"StreamedEpochs._check_compatible"},
     # --- not recipes: saved model folders, and command lines whose flag is not a literal ---
     "vembed/models/foreign.py": {"model_folder", "_read_json", "_sentence_transformers_folder", "_text_adapter",

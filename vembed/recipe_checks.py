@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vembed.errors import RecipeError
 
@@ -83,12 +83,12 @@ def check_launch(recipe: "Recipe", kind: "LaunchKind", *, on_cpu: bool,
     """Stage 5: what the recipe asks of this launch (`kind`, on CPU or not, what the launcher promised), before a data
     row or a weight is read; returns the GradCache choice its rule made. Refusals of the launch itself (a promise
     broken, a DeepSpeed or FSDP config vembed cannot run) are launch errors, in vembed/training/launch_plan.py."""
-    from vembed.planning import choose_gradient_cache
+    from vembed.planning import choose_gradient_cache, meta_model
 
     if on_cpu and recipe.mixed_precision == "fp16":
         raise RecipeError("mixed_precision", "fp16 needs a GPU; use bf16 or no on CPU")
     if kind == "fsdp":
-        _check_model_has_fsdp_blocks(recipe)
+        check_fsdp_blocks(recipe, meta_model(recipe))
     if recipe.use_fsdp and kind != "fsdp":
         raise RecipeError("use_fsdp", f"is true but this launch is not FSDP; {_fsdp_hint(promise)}")
     grad_cache = choose_gradient_cache(recipe, kind)
@@ -128,11 +128,9 @@ def _fsdp_hint(promise: "LaunchPromise") -> str:
     return f"launch with {promise.use_config_hint('fsdp')}"
 
 
-def _check_model_has_fsdp_blocks(recipe: "Recipe") -> None:
-    """FSDP shards the blocks the adapter names; refuse a model that names none, from its meta-device build."""
-    from vembed.planning import meta_model
-
-    model = meta_model(recipe)
+def check_fsdp_blocks(recipe: "Recipe", model: Any) -> None:
+    """FSDP shards the blocks the adapter names; refuse a model that names none. Stage 5 judges the meta-device build;
+    an adapter that cannot be built there (`model` None) is judged by this same rule when FSDP shards the real one."""
     if model is None or model.block_classes():
         return
     raise RecipeError(
@@ -142,4 +140,4 @@ def _check_model_has_fsdp_blocks(recipe: "Recipe") -> None:
     )
 
 
-__all__ = ["check_components", "check_keys", "check_launch", "check_recipe"]
+__all__ = ["check_components", "check_fsdp_blocks", "check_keys", "check_launch", "check_recipe"]
