@@ -39,9 +39,9 @@ ELSEWHERE: dict[str, set[str]] = {
                               "EmbeddingAdapter.set_pixel_budget", "EmbeddingAdapter.saved_settings", "load_adapter",
                               "read_adapter_file"},
     "vembed/models/hf.py": {"require_model_type", "auto_config", "_loading", "resolve_max_length"},  # configs
-    "vembed/losses/guide.py": {"check_guide_folder", "load_guide"},  # stage 4: the GISTEmbed guide
+    "vembed/losses/guide.py": {"check_guide_folder", "load_guide"},  # stage 4; load: when the loss is built
     "vembed/generation/dit.py": {"config_from_recipe", "Blip3oDiT.on_meta"},  # stage 4 (flow) and the planner
-    "vembed/planning.py": {"choose_gradient_cache", "EncoderShape.from_config"},  # stage 5; the planner's shapes
+    "vembed/planning.py": {"choose_gradient_cache", "EncoderShape.from_config"},  # stage 6; the planner's shapes
     # --- the data's readers: stage 4 (files exist) and, naming file and key, as the data is read ---
     "vembed/data/sources.py": {"check_data_paths", "resolve_files", "_resolve_one", "builder_for", "load_rows",
                                "_load_corpus_pairs"},
@@ -49,7 +49,7 @@ ELSEWHERE: dict[str, set[str]] = {
     "vembed/data/corpus.py": {"CorpusSource.check"},
     "vembed/data/embedding_shards.py": {"read_index"},
     "vembed/data/labelled.py": {"read_labelled_images", "_image_folder", "_table"},
-    # --- output folders (stage 6 and the tools' --out / --cache-dir) ---
+    # --- output folders (stage 5 and the tools' --out / --cache-dir) ---
     "vembed/training/run_dir.py": {"check_output_dir", "_check_writable"},
     "vembed/files.py": {"check_replaceable"},
     "vembed/retrieval/cache.py": {"check_cache_folder"},

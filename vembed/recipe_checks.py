@@ -1,4 +1,4 @@
-"""Every rule a recipe must pass, in the order the rules run: all of them before a data row or a weight is read.
+"""Every rule a recipe must pass, in the order the rules run: all of them before any weight is read.
 
 "What makes a recipe valid, and where is rule X" is answered here. Rules that need only the recipe are the schema's
 or this module's; a rule owned by a component (a task, an adapter, a loss, a data reader) stays beside that component
@@ -18,21 +18,24 @@ tests/test_recipe_checks.py fails when a recipe error is raised anywhere else.
      (`vembed.data.streaming.check_stream_recipe`); the data files exist (`vembed.data.sources.check_data_paths`);
      the adapter's own rules (`check_recipe` of its class in `vembed/models/`: model_name or model_config, a
      tokenizer for a random-init text tower, ...); per-source instructions and stage image sizes the adapter can
-     honour; token vectors and the loss agree; the GISTEmbed guide folder loads (`vembed/losses/guide.py`);
+     honour; token vectors and the loss agree; the GISTEmbed guide folder holds a model (`vembed/losses/guide.py`);
      metric_for_best_model is a validation metric; mrl_dims fit the embedding size the model's config declares.
    - classification (`vembed/tasks/classification.py`): one file or ImageFolder per split, no streaming, GradCache
-     or stages; a classification metric; the classes of the data (`vembed/data/labelled.py`) fit num_labels.
+     or stages; a classification metric; the classes of the data (`vembed/data/labelled.py`, which reads the
+     labelled files here) fit num_labels.
    - rerank (`vembed/reranking/task.py`): no GradCache or streaming; the data files exist; held-out data is a
      corpus folder with a first-stage run; a reranking metric; the cross-encoder's own rules
      (`vembed/reranking/cross_encoder.py`).
    - flow_matching (`vembed/generation/task.py`): shard directories only and the keys blip3o_dit cannot honour; a
      flow-matching metric; the shards' dims fit the recipe's (`vembed/generation/dit.py`).
-5. The launch (`check_launch`, called by `vembed.training.launch_plan.decide_launch` once the launch's environment
-   says its kind): fp16 needs a GPU; FSDP needs an adapter naming block classes; use_fsdp needs an FSDP launch;
-   GradCache only where the task and the launch allow it (`vembed.planning.choose_gradient_cache`, the one
-   GradCache rule); compile only where it is verified.
-6. The output folder (`vembed.training.run_dir.check_output_dir`, called by the entrypoints and the trainer before
-   anything is written): writable, not another run's, resume_from and overwrite_output_dir not both set.
+5. The output folder (`vembed.training.run_dir.check_output_dir`, called by the launcher before any process
+   starts and by the trainer before anything is written): writable, not another run's, resume_from and
+   overwrite_output_dir not both set.
+6. The launch (`check_launch`, called by `vembed.training.launch_plan.decide_launch` in each training process once
+   the launch's environment says its kind, before a data row is read): fp16 needs a GPU; FSDP needs an adapter
+   naming block classes (`check_fsdp_blocks`, on the meta-device build); use_fsdp needs an FSDP launch; GradCache
+   only where the task and the launch allow it (`vembed.planning.choose_gradient_cache`, the one GradCache rule);
+   compile only where it is verified.
 
 Rules that need the rows themselves run as the data is read (`Task.load_train_data`: images per side, the inputs a
 loss needs), still before any weight is read; they are data errors, naming file and row.
@@ -54,7 +57,7 @@ if TYPE_CHECKING:
 
 
 def check_recipe(recipe: "Recipe", *, for_training: bool = True) -> None:
-    """Stages 2 to 4 (stage 1 ran when the recipe was loaded; 5 and 6 need the launch and the output folder): every
+    """Stages 2 to 4 (stage 1 ran when the recipe was loaded; 5 and 6 need the output folder and the launch): every
     check that needs more than the schema, before any model is built."""
     task = check_components(recipe)
     check_keys(recipe, for_training=for_training)
@@ -80,7 +83,7 @@ def check_keys(recipe: "Recipe", *, for_training: bool = True) -> None:
 
 def check_launch(recipe: "Recipe", kind: "LaunchKind", *, on_cpu: bool,
                  promise: "LaunchPromise") -> "GradientCacheChoice":
-    """Stage 5: what the recipe asks of this launch (`kind`, on CPU or not, what the launcher promised), before a data
+    """Stage 6: what the recipe asks of this launch (`kind`, on CPU or not, what the launcher promised), before a data
     row or a weight is read; returns the GradCache choice its rule made. Refusals of the launch itself (a promise
     broken, a DeepSpeed or FSDP config vembed cannot run) are launch errors, in vembed/training/launch_plan.py."""
     from vembed.planning import choose_gradient_cache, meta_model
@@ -129,7 +132,7 @@ def _fsdp_hint(promise: "LaunchPromise") -> str:
 
 
 def check_fsdp_blocks(recipe: "Recipe", model: Any) -> None:
-    """FSDP shards the blocks the adapter names; refuse a model that names none. Stage 5 judges the meta-device build;
+    """FSDP shards the blocks the adapter names; refuse a model that names none. Stage 6 judges the meta-device build;
     an adapter that cannot be built there (`model` None) is judged by this same rule when FSDP shards the real one."""
     if model is None or model.block_classes():
         return
