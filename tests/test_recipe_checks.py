@@ -217,16 +217,18 @@ def test_fp16_is_refused_on_cpu_only(tiny_clip_recipe):
                                on_cpu=True, promise=_promise())
 
 
-@pytest.mark.parametrize("command, says", [
-    ("python run.py", "launch with `python run.py RECIPE` on several GPUs, or add --accelerate_config fsdp"),
-    ("vembed train", "launch with `vembed train RECIPE` on several GPUs, or add --accelerate_config fsdp"),
-    ("accelerate launch", "launch with `accelerate launch --config_file "),
+@pytest.mark.parametrize("command, says, ends", [
+    ("python run.py", "launch with `python run.py RECIPE` on several GPUs, or add --accelerate_config fsdp", ""),
+    ("vembed train", "launch with `vembed train RECIPE` on several GPUs, or add --accelerate_config fsdp", ""),
+    ("accelerate launch", "launch with `accelerate launch --config_file ", "fsdp.yaml -m vembed.entrypoints.train "
+                                                                          "RECIPE`"),
 ])
-def test_use_fsdp_needs_an_fsdp_launch_and_says_how_for_the_command_run(tiny_clip_recipe, command, says):
+def test_use_fsdp_needs_an_fsdp_launch_and_says_how_for_the_command_run(tiny_clip_recipe, command, says, ends):
     recipe = recipe_from_dict(dict(tiny_clip_recipe, use_fsdp=True))
     for kind in ("single", "ddp", "deepspeed"):
         error = _refusal(recipe, kind, promise=_promise(command))
         assert error.key == "use_fsdp" and error.message.startswith("is true but this launch is not FSDP; " + says)
+        assert error.message.endswith(ends)
     recipe_checks.check_launch(recipe, "fsdp", on_cpu=True, promise=_promise(command))
 
 
@@ -258,11 +260,21 @@ def test_the_launch_stage_returns_the_gradient_cache_choice_and_its_refusal(tiny
 
 
 def test_compile_is_refused_where_it_is_not_verified(tiny_clip_recipe, monkeypatch):
+    import shutil
+
     import torch._dynamo
 
     recipe = recipe_from_dict(dict(tiny_clip_recipe, compile=True))
-    assert _refusal(recipe, "fsdp").message.startswith("is not available under FSDP: their hooks gather")
-    assert _refusal(recipe, "deepspeed").message.startswith("is not available under DeepSpeed: their hooks gather")
+    for kind, name in (("fsdp", "FSDP"), ("deepspeed", "DeepSpeed")):
+        error = _refusal(recipe, kind)
+        assert (error.key, error.message) == ("compile", f"is not available under {name}: their hooks gather and "
+                                                         "free each tower's weights around its forward, which "
+                                                         "compiled towers are not verified against; use DDP, or "
+                                                         "compile: false")
+    monkeypatch.delenv("CXX", raising=False)  # unset: g++ is the compiler looked for
+    real_which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "g++" else real_which(name, *a, **k))
+    assert "no C++ compiler (g++) is installed" in _refusal(recipe, "ddp", on_cpu=True).message
     monkeypatch.setenv("CXX", "no-such-compiler++")
     error = _refusal(recipe, "ddp", on_cpu=True)
     assert (error.key, error.message) == ("compile", "torch.compile on CPU builds C++ kernels, and no C++ compiler "
@@ -270,8 +282,10 @@ def test_compile_is_refused_where_it_is_not_verified(tiny_clip_recipe, monkeypat
                                                      "install g++) or use compile: false")
     recipe_checks.check_launch(recipe, "ddp", on_cpu=False, promise=_promise())  # a GPU build needs no C++ compiler
     monkeypatch.setattr(torch._dynamo, "is_dynamo_supported", lambda: False)
-    assert _refusal(recipe, "single", on_cpu=False).message == ("torch.compile does not support this Python/torch "
-                                                                "build; use compile: false")
+    error = _refusal(recipe, "single", on_cpu=False)
+    assert (error.key, error.message) == ("compile", "torch.compile does not support this Python/torch build; use "
+                                                     "compile: false")
     dit = recipe_from_dict({"model_type": "blip3o_dit", "loss_type": "flow_matching", "compile": True,
                             "metric_for_best_model": "image_cosine"})
-    assert _refusal(dit).message == "model_type blip3o_dit names no encoder towers to compile"
+    error = _refusal(dit)
+    assert (error.key, error.message) == ("compile", "model_type blip3o_dit names no encoder towers to compile")
