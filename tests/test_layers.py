@@ -30,7 +30,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("vembed.api", "vembed.export", "vembed.extraction", "vembed.retrieval", "vembed.model_card"),  # using trained
     # models (encoding is the models' own), searching a corpus with them, mining negatives, describing them
     ("vembed.evaluation", "vembed.reranking.evaluation"),  # measuring them (retrieval metrics, zero-shot accuracy)
-    ("vembed.tasks", "vembed.generation.task", "vembed.reranking.task", "vembed.planning"),  # what a run trains and measures; its memory plan
+    ("vembed.tasks", "vembed.generation.task", "vembed.reranking.task", "vembed.planning",
+     "vembed.recipe_checks"),  # what a run trains and measures; its memory plan; every recipe rule, in order
     ("vembed.training", "vembed.strategy_bench"),  # the one loop and the launch strategies
     ("vembed.entrypoints", "vembed.cli", "vembed.__main__", "vembed"),  # parse, build, run; `vembed.load`
 ]

@@ -7,7 +7,7 @@ import yaml
 
 from vembed.components import load_recipe, recipe_from_dict
 from vembed.errors import RecipeError
-from vembed.tasks import check_recipe
+from vembed.recipe_checks import check_recipe
 
 
 def _write(tmp_path, payload, name="recipe.yaml"):

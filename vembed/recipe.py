@@ -7,12 +7,11 @@ YAML stays flat: `pooling: cls` sits beside `learning_rate`. This module imports
 the components up itself: `recipe_from_dict` and `load_recipe` take a `Catalog` of them, and
 `vembed.components.load_recipe` passes the registries' (what everything else calls).
 
-A recipe is validated in two stages, both before any model is built:
-1. loading checks keys, types and ranges (pydantic, `extra="forbid"`), turning the first problem into a
-   `RecipeError` naming the key path and the fix; a key that belongs to another adapter or loss than the recipe's
-   names its owner, a key of the toolkit vembed replaces names vembed's.
-2. `vembed.tasks.check_recipe` checks what needs the file system or the model's config: the data files exist,
-   `mrl_dims` fit the embedding size the model's config declares.
+Loading is the first stage of a recipe's validation: keys, types and ranges (pydantic, `extra="forbid"`) and the
+combinations of the recipe's own keys, the first problem turned into a `RecipeError` naming the key path and the fix;
+a key that belongs to another adapter or loss than the recipe's names its owner, a key of the toolkit vembed replaces
+names vembed's. Every later stage (the data files, the model's config, the task's and the launch's rules), and where
+each rule lives, is listed in `vembed/recipe_checks.py`.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from teachers import save_teachers, write_images
 
 from vembed.cli import main as vembed
 from vembed.components import load_recipe
-from vembed.tasks import check_recipe
+from vembed.recipe_checks import check_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "blip3o_dit_tiny.yaml"

@@ -295,7 +295,7 @@ def test_lora_adapter_only_save_loads_back_and_equals_the_merged_model(qwen_buil
 
 
 def test_backbone_is_chosen_from_the_config_and_checked(qwen_recipe, qwen_tokenizer_dir, tmp_path):
-    from vembed.tasks import check_recipe
+    from vembed.recipe_checks import check_recipe
 
     with pytest.raises(RecipeError, match="mrl_dims"):
         check_recipe(qwen_recipe("qwen2_vl", mrl_dims=[64, 32]), for_training=False)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vembed.components import load_recipe
-from vembed.tasks import check_recipe
+from vembed.recipe_checks import check_recipe
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

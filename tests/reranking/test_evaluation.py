@@ -80,7 +80,7 @@ def test_in_run_evaluation_reranks_the_first_stage_as_the_saved_model_does(reran
     from vembed.data.corpus import load_corpus_split
     from vembed.reranking.cross_encoder import CrossEncoderAdapter
     from vembed.reranking.evaluation import read_run_file, rerank_run
-    from vembed.tasks import check_recipe
+    from vembed.recipe_checks import check_recipe
     from vembed.training.loop import Trainer
 
     raw = _validated_recipe(rerank_recipe, tmp_path, eval_steps=1)
@@ -106,7 +106,7 @@ def test_in_run_evaluation_reranks_the_first_stage_as_the_saved_model_does(reran
 def test_reranker_evaluation_keys_are_checked_before_anything_is_read(rerank_recipe, tmp_path, changes, key):
     from vembed.components import recipe_from_dict
     from vembed.errors import RecipeError
-    from vembed.tasks import check_recipe
+    from vembed.recipe_checks import check_recipe
 
     raw = _validated_recipe(rerank_recipe, tmp_path)
     data = {k: (raw["data"]["validation"] if v == "CORPUS" else v) for k, v in changes.items()}

@@ -11,7 +11,7 @@ from corpora import make_corpus_folder, text_model_keys, write_pairs
 
 from vembed.components import recipe_from_dict
 from vembed.errors import RecipeError
-from vembed.tasks import check_recipe
+from vembed.recipe_checks import check_recipe
 from vembed.training.loop import Trainer
 
 CORPUS_KEYS = ("corpus/ndcg@10", "corpus/recall@1", "corpus/recall@10", "corpus/recall@100", "corpus/map@100",

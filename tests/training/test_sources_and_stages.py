@@ -153,7 +153,7 @@ def test_the_shipped_mixed_sources_recipe_trains_offline(tmp_path, monkeypatch):
     """configs/mixed_sources.yaml, with the data its header's commands make, trains and reports per source."""
     from vembed.components import load_recipe
     from vembed.data.synthetic import make_digits_dataset, make_dummy_dataset
-    from vembed.tasks import check_recipe
+    from vembed.recipe_checks import check_recipe
 
     config = Path(__file__).resolve().parents[2] / "configs" / "mixed_sources.yaml"
     monkeypatch.chdir(tmp_path)

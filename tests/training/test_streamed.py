@@ -168,7 +168,7 @@ def test_too_many_corrupt_samples_stop_the_run_naming_the_shard(tiny_clip_recipe
 def test_the_webdataset_example_recipe_trains_on_generated_shards(tmp_path):
     from vembed.components import load_recipe
     from vembed.data.shard_writer import write_shards, write_webdataset
-    from vembed.tasks import check_recipe
+    from vembed.recipe_checks import check_recipe
 
     made = write_webdataset(tmp_path / "wds", "dummy", num_samples=80, shard_size=8)
     # The validation split in shards too, as img2dataset users have it: evaluated in the run like a JSONL split.

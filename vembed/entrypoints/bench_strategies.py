@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
         from vembed.components import load_recipe
         from vembed.errors import RecipeError
-        from vembed.tasks import check_recipe
+        from vembed.recipe_checks import check_recipe
 
         if args.steps < 1:
             raise RecipeError("--steps", f"must be at least 1, got {args.steps}")

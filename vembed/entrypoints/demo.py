@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         quiet_libraries()
         from vembed.components import load_recipe
         from vembed.entrypoints import launch
-        from vembed.tasks import check_recipe
+        from vembed.recipe_checks import check_recipe
 
         data_dir = Path(args.data_dir)
         if not (data_dir / "classes.json").is_file():

@@ -201,7 +201,7 @@ def _read_config(path: Path) -> dict:
 def run(args: argparse.Namespace) -> int:
     def body() -> int:
         from vembed.components import load_recipe
-        from vembed.tasks import check_recipe
+        from vembed.recipe_checks import check_recipe
         from vembed.training.run_dir import RunLock, check_output_dir
 
         recipe = load_recipe(args.recipe, args.config_override)

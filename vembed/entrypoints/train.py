@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     def body() -> int:
         from vembed.components import load_recipe
-        from vembed.tasks import check_recipe
+        from vembed.recipe_checks import check_recipe
         from vembed.training.launcher import stop_with_launcher
 
         stop_with_launcher()  # a rank never outlives the launcher that started it

@@ -44,7 +44,8 @@ class Task:
 
     @classmethod
     def check_recipe(cls, recipe: "Recipe", *, for_training: bool = True) -> None:
-        """Checks that need the file system or the model's config, before anything is built."""
+        """Checks that need the file system or the model's config, before anything is built (stage 4 of
+        `vembed.recipe_checks`, which lists every rule)."""
 
     def load_train_data(self) -> Any:
         """Read the training data (before the accelerator exists); returns a report with `summary()`,
@@ -133,23 +134,4 @@ def task_for(recipe: "Recipe") -> type[Task]:
     return TASKS.get(task_name_for(recipe))
 
 
-def check_recipe(recipe: "Recipe", *, for_training: bool = True) -> None:
-    """Every check that needs more than the schema, still before any model is built: the model and the loss train
-    the same task, the data files exist, the model's config gives what the recipe asks of it."""
-    task = task_for(recipe)
-    if for_training and recipe.data.train is None:
-        raise RecipeError("data.train", "is required for training; point it at a JSONL/CSV/Parquet file or directory")
-    _check_trackers(recipe)
-    task.check_recipe(recipe, for_training=for_training)  # data files, model config, task-specific keys
-
-
-def _check_trackers(recipe: "Recipe") -> None:
-    # accelerate drops a tracker whose package is missing with only a log line; a user asked for it, so refuse.
-    import importlib.util
-
-    for tracker in recipe.report_to:
-        if importlib.util.find_spec(tracker) is None:
-            raise RecipeError("report_to", f"{tracker} is not installed; pip install 'vembed[{tracker}]' or remove it")
-
-
-__all__ = ["TASKS", "Task", "check_recipe", "task_for", "task_name_for"]
+__all__ = ["TASKS", "Task", "task_for", "task_name_for"]

@@ -71,15 +71,10 @@ def shard_objective(objective: "ContrastiveObjective", recipe: "Recipe", acceler
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    blocks = objective.adapter.block_classes()
-    if not blocks:
-        from vembed.errors import RecipeError
+    from vembed.recipe_checks import check_fsdp_blocks
 
-        raise RecipeError(
-            "model_type",
-            f"the {recipe.model_type} adapter names no transformer block class to shard with FSDP; use DDP "
-            "(accelerate_configs/ddp.yaml) or DeepSpeed ZeRO-3",
-        )
+    check_fsdp_blocks(recipe, objective.adapter)  # the launch plan judged the meta build, where there is one
+    blocks = objective.adapter.block_classes()
     precision = accelerator.mixed_precision
     param_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     options: dict[str, Any] = {

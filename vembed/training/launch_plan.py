@@ -4,7 +4,9 @@ Inputs are the environment the launcher set (accelerate's variables, WORLD_SIZE)
 (`launcher.py`), the recipe, and where a rule needs it, the model built on the meta device (shapes, no weights).
 Output is a frozen `LaunchPlan`: the kind of launch and its settings (DeepSpeed stage, FSDP sharding), the world
 size, GradCache on or off and why. Every refusal (a launch that would silently do something else than asked, or
-one that cannot work) is raised here, so a bad combination fails in seconds instead of after an 8B model is loaded.
+one that cannot work) is raised here, so a bad combination fails in seconds instead of after an 8B model is loaded:
+the launch's own as launch errors, what the recipe asks of it by `vembed.recipe_checks.check_launch` (every recipe
+rule's home), called from here.
 The accelerator, the start block and the training step are then built from the plan; nothing decides again.
 """
 
@@ -19,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from vembed.errors import LaunchError, RecipeError
-from vembed.planning import GradientCacheChoice, LaunchKind, choose_gradient_cache, meta_model
+from vembed.errors import LaunchError
+from vembed.planning import GradientCacheChoice, LaunchKind
+from vembed.recipe_checks import check_launch
 from vembed.training.fsdp import FSDP_ENV, VEMBED_FSDP_ENV, settings_from_launch
 from vembed.training.launcher import LaunchPromise, read_promise
 
@@ -120,8 +123,6 @@ def decide_launch(recipe: "Recipe", env: Mapping[str, str] | None = None) -> Lau
     promise = read_promise(env)
     _check_promise(promise, world_size)
     on_cpu = _flag(env, "ACCELERATE_USE_CPU") or not _cuda_available()
-    if on_cpu and recipe.mixed_precision == "fp16":
-        raise RecipeError("mixed_precision", "fp16 needs a GPU; use bf16 or no on CPU")
 
     fsdp = deepspeed = None
     if _flag(env, "ACCELERATE_USE_DEEPSPEED"):
@@ -131,41 +132,12 @@ def decide_launch(recipe: "Recipe", env: Mapping[str, str] | None = None) -> Lau
 
         kind = "fsdp"
         fsdp = settings_from_launch()
-        _check_model_has_fsdp_blocks(recipe)
     else:
         kind = "ddp" if world_size > 1 else "single"
-    if recipe.use_fsdp and kind != "fsdp":
-        raise RecipeError("use_fsdp", f"is true but this launch is not FSDP; {_fsdp_hint(promise)}")
-    grad_cache = choose_gradient_cache(recipe, kind)
-    if recipe.compile:
-        _check_compile(recipe, kind, on_cpu)
+    # What the recipe asks of this launch (fp16, FSDP, GradCache, compile) is judged where every recipe rule is.
+    grad_cache = check_launch(recipe, kind, on_cpu=on_cpu, promise=promise)
     return LaunchPlan(kind=kind, world_size=world_size, on_cpu=on_cpu, promise=promise, grad_cache=grad_cache,
                       fsdp=fsdp, deepspeed=deepspeed, uses_lora=recipe.use_lora, compile=recipe.compile)
-
-
-def _check_compile(recipe: "Recipe", kind: LaunchKind, on_cpu: bool) -> None:
-    """`compile: true` where it is known to train as the eager model does (tests/training/test_compile.py: one
-    process, GradCache and LoRA, to 1e-5; test_ddp_step.py: 2 DDP ranks as one process); one line naming the key
-    and the reason everywhere else."""
-    import shutil
-
-    from vembed.components import model_class
-    from vembed.models.base import EmbeddingAdapter
-
-    if kind in ("fsdp", "deepspeed"):
-        raise RecipeError("compile", f"is not available under {'FSDP' if kind == 'fsdp' else 'DeepSpeed'}: their "
-                                     "hooks gather and free each tower's weights around its forward, which compiled "
-                                     "towers are not verified against; use DDP, or compile: false")
-    if not issubclass(model_class(recipe), EmbeddingAdapter):
-        raise RecipeError("compile", f"model_type {recipe.model_type} names no encoder towers to compile")
-    import torch._dynamo
-
-    if not torch._dynamo.is_dynamo_supported():
-        raise RecipeError("compile", "torch.compile does not support this Python/torch build; use compile: false")
-    compiler = os.environ.get("CXX", "g++")
-    if on_cpu and shutil.which(compiler) is None:
-        raise RecipeError("compile", f"torch.compile on CPU builds C++ kernels, and no C++ compiler ({compiler}) is "
-                                     "installed; install one (e.g. apt-get install g++) or use compile: false")
 
 
 def _cuda_available() -> bool:
@@ -190,12 +162,6 @@ def _check_promise(promise: LaunchPromise, world_size: int) -> None:
         f"this launch promised {promise.num_processes} processes ({promise.source}) but started {started}{why}; "
         f"for several CPU processes launch with {promise.use_config_hint('ddp_cpu')}"
     )
-
-
-def _fsdp_hint(promise: LaunchPromise) -> str:
-    if promise.command in ("python run.py", "vembed train"):
-        return f"launch with `{promise.command} RECIPE` on several GPUs, or add --accelerate_config fsdp"
-    return f"launch with {promise.use_config_hint('fsdp')}"
 
 
 def deepspeed_settings(env: Mapping[str, str]) -> DeepSpeedSettings:
@@ -240,15 +206,3 @@ def deepspeed_settings(env: Mapping[str, str]) -> DeepSpeedSettings:
             "then fail to save"
         )
     return settings
-
-
-def _check_model_has_fsdp_blocks(recipe: "Recipe") -> None:
-    """FSDP shards the blocks the adapter names; refuse a model that names none, from its meta-device build."""
-    model = meta_model(recipe)
-    if model is None or model.block_classes():
-        return
-    raise RecipeError(
-        "model_type",
-        f"the {recipe.model_type} adapter names no transformer block class to shard with FSDP; use DDP "
-        "(accelerate_configs/ddp.yaml) or DeepSpeed ZeRO-3",
-    )
