@@ -38,6 +38,8 @@ class Task:
     uses_gradient_cache: ClassVar[bool] = False
     # Why GradCache is refused when asked for under this task (None: the task's own check says it).
     no_gradient_cache: ClassVar[str | None] = None
+    # The task's training collation reads `augmentation:` (vembed/data/augment.py).
+    augments_images: ClassVar[bool] = False
 
     def __init__(self, recipe: "Recipe"):
         self.recipe = recipe
@@ -140,6 +142,10 @@ def check_recipe(recipe: "Recipe", *, for_training: bool = True) -> None:
     if for_training and recipe.data.train is None:
         raise RecipeError("data.train", "is required for training; point it at a JSONL/CSV/Parquet file or directory")
     _check_trackers(recipe)
+    if recipe.augmentation.enabled and not task.augments_images:
+        readers = [name for name in TASKS.names() if TASKS.get(name).augments_images]
+        raise RecipeError("augmentation", f"is read by the {' and '.join(readers)} task only, but this recipe "
+                                          f"trains {task.name}; remove it")
     task.check_recipe(recipe, for_training=for_training)  # data files, model config, task-specific keys
 
 
