@@ -63,10 +63,7 @@ def train(raw: dict, path: Path) -> int:
 
 
 def test_trains_saves_and_the_saved_model_classifies_as_the_run_measured(digits, tmp_path):
-    from vembed.data.labelled import read_labelled_images
-    from vembed.evaluation.classification import classification_metrics
     from vembed.models import load_adapter
-    from vembed.tasks.classification import ClassificationCollator, LabelledImageDataset
 
     # Evaluated mid-run too, logged to TensorBoard: trackers and the history get the numbers, not the reports.
     raw = recipe(digits, tmp_path / "run", eval_steps=3, save_steps=3, report_to=["tensorboard"])
@@ -83,15 +80,26 @@ def test_trains_saves_and_the_saved_model_classifies_as_the_run_measured(digits,
 
     model = load_adapter(tmp_path / "run" / "final").eval()
     assert model.settings.label_names == sorted(CLASSES) and model.settings.num_labels == 3
+    again = saved_model_metrics(tmp_path / "run", digits)
+    assert again["confusion_matrix"] == validation["confusion_matrix"]
+    for key in ("accuracy", "top5_accuracy", "macro_f1", "micro_f1"):
+        assert again[key] == pytest.approx(validation[key], abs=1e-9)
+
+
+def saved_model_metrics(run: Path, digits: Path) -> dict:
+    """The run's final/ classifying the validation split on one process, as `vembed eval` does."""
+    from vembed.data.labelled import read_labelled_images
+    from vembed.evaluation.classification import classification_metrics
+    from vembed.models import load_adapter
+    from vembed.tasks.classification import ClassificationCollator, LabelledImageDataset
+
+    model = load_adapter(run / "final").eval()
     data = read_labelled_images(str(digits / "validation" / "labels.csv"), "data.validation",
                                 names=model.settings.label_names)
     batch = ClassificationCollator(model)([LabelledImageDataset(data)[i] for i in range(len(data))])
     with torch.no_grad():
         scores = model.classify(batch["inputs"]).numpy()
-    again = classification_metrics(scores, np.array(data.labels), model.settings.label_names)
-    assert again["confusion_matrix"] == validation["confusion_matrix"]
-    for key in ("accuracy", "top5_accuracy", "macro_f1", "micro_f1"):
-        assert again[key] == pytest.approx(validation[key], abs=1e-9)
+    return classification_metrics(scores, np.array(data.labels), model.settings.label_names)
 
 
 @pytest.mark.parametrize("case,message", [
@@ -262,3 +270,33 @@ def test_augmentation_is_refused_where_no_task_reads_it(tmp_path):
                                "augmentation": {"horizontal_flip": 0.5}})
     with pytest.raises(RecipeError, match="augmentation: is read by the classification task only"):
         check_recipe(parsed)
+
+
+@pytest.mark.slow
+def test_zero3_on_two_ranks_trains_and_evaluates_as_one_process(digits, tmp_path):
+    """`accelerate launch` with the shipped ZeRO-3 config (2 gloo ranks, 6 images each) against one process on the
+    12 images of each global batch: the same weights after 3 steps, the same validation report before and after
+    (evaluated through the sharded model), and the saved final/ classifies as the run measured."""
+    from launching import final_weights, launch, max_relative_difference
+
+    def run(name: str, batch_size: int, config: str | None) -> Path:
+        raw = recipe(digits, tmp_path / name, batch_size=batch_size, max_steps=3, save_steps=None, eval_steps=None,
+                     logging_steps=1)
+        # No key bias: softmax ignores it, so its gradient is rounding noise (~1e-10) that Adam turns into full-size
+        # steps of random sign; from its zero init, two launches' key biases differ by ~50% (measured) while the
+        # model computes the same function.
+        raw["model_config"] = {**raw["model_config"], "qkv_bias": False}
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(raw))
+        launch(config, tmp_path / f"{name}.yaml")
+        return tmp_path / name
+
+    single, zero3 = run("single", 12, None), run("zero3", 6, "deepspeed_zero3.yaml")
+    difference = max_relative_difference(final_weights(zero3), final_weights(single))
+    assert difference <= 1e-4, f"max relative parameter difference {difference:.2e}"
+    launched, reference = (json.loads((out / "metrics.json").read_text()) for out in (zero3, single))
+    for when in ("before", "validation"):
+        assert launched[when]["confusion_matrix"] == reference[when]["confusion_matrix"], when
+        assert launched[when]["accuracy"] == pytest.approx(reference[when]["accuracy"], abs=1e-9), when
+    saved = saved_model_metrics(zero3, digits)
+    assert saved["confusion_matrix"] == launched["validation"]["confusion_matrix"]
+    assert saved["macro_f1"] == pytest.approx(launched["validation"]["macro_f1"], abs=1e-9)
