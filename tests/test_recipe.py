@@ -56,6 +56,10 @@ def test_unknown_keys_name_the_path_and_suggest(raw, key, hint):
         ({"mrl_dims": [64, 32], "mrl_weights": [1.0]}, "mrl_weights"),
         ({"use_gradient_cache": False, "gradient_cache_chunk_size": 8}, "gradient_cache_chunk_size"),
         ({"report_to": ["mlflow"]}, "report_to.0"),
+        ({"layer_lr_decay": 1.5}, "layer_lr_decay"),
+        ({"augmentation": {"crop_scale": [0.5, 0.2]}}, "augmentation.crop_scale"),
+        ({"augmentation": {"horizontal_flip": 2}}, "augmentation.horizontal_flip"),
+        ({"augmentation": {"mixup": 0.2}}, "augmentation.mixup"),
     ],
 )
 def test_wrong_types_and_impossible_values_name_the_key(raw, key):

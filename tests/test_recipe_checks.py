@@ -62,6 +62,7 @@ ELSEWHERE: dict[str, set[str]] = {
     "vembed/models/lora.py": {"inject_lora", "load_lora_weights"},
     "vembed/losses/contrastive.py": {"InfoNCELoss.from_recipe", "SigLIPLoss.from_recipe"},
     "vembed/losses/late_interaction.py": {"LateInteractionLoss.from_recipe"},
+    "vembed/training/objective.py": {"parameter_groups"},  # layer_lr_decay on a model stage 6 could not build on meta
     "vembed/training/streamed.py": {"StreamedEpochs._check_compatible"},
     # --- not recipes: saved model folders, and command lines whose flag is not a literal ---
     "vembed/models/foreign.py": {"model_folder", "_read_json", "_sentence_transformers_folder", "_text_adapter",
@@ -289,3 +290,18 @@ def test_compile_is_refused_where_it_is_not_verified(tiny_clip_recipe, monkeypat
                             "metric_for_best_model": "image_cosine"})
     error = _refusal(dit)
     assert (error.key, error.message) == ("compile", "model_type blip3o_dit names no encoder towers to compile")
+
+
+def test_layer_lr_decay_needs_parameter_names_that_say_their_block():
+    import torch
+
+    from vembed.components import recipe_from_dict
+    from vembed.recipe_checks import check_layer_lr_decay
+
+    recipe = recipe_from_dict({"layer_lr_decay": 0.7})
+    with pytest.raises(RecipeError, match="layer_lr_decay: no parameter name of model_type 'clip'"):
+        check_layer_lr_decay(recipe, torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    blocks = torch.nn.Module()
+    blocks.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+    check_layer_lr_decay(recipe, blocks)  # `layers.0.weight`: a block index
+    check_layer_lr_decay(recipe, None)  # no meta build: the optimizer's guard decides

@@ -328,6 +328,37 @@ class ProfileConfig(_Strict):
     output_dir: str | None = None  # traces and breakdowns; unset: <output_dir>/profile
 
 
+class AugmentationConfig(_Strict):
+    """`augmentation:` — training images of the image-only tasks (classification), drawn per (seed, epoch, sample)
+    so resume replays them (vembed/data/augment.py). Off by default; evaluation images are never augmented."""
+
+    # Random resized crop: the crop covers this fraction range of the image's area (ViT recipes: [0.08, 1.0]) with an
+    # aspect ratio in crop_ratio; the adapter's processor then resizes it to the model's size. Unset: no crop.
+    crop_scale: tuple[float, float] | None = None
+    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    horizontal_flip: float = Field(default=0.0, ge=0.0, le=1.0)  # probability of a left-right flip
+    # Mixup / cutmix on each batch (Beta(alpha, alpha) mixing weight; 0: off; both on: one per batch, even odds).
+    mixup_alpha: float = Field(default=0.0, ge=0.0)
+    cutmix_alpha: float = Field(default=0.0, ge=0.0)
+
+    @field_validator("crop_scale", "crop_ratio")
+    @classmethod
+    def _ordered_range(cls, value: tuple[float, float] | None, info) -> tuple[float, float] | None:
+        if value is None:
+            return value
+        low, high = value
+        upper = 1.0 if info.field_name == "crop_scale" else float("inf")
+        if not 0 < low <= high <= upper:
+            bound = "0 < low <= high <= 1" if upper == 1.0 else "0 < low <= high"
+            raise ValueError(f"must be [low, high] with {bound}, got {list(value)}")
+        return value
+
+    @property
+    def enabled(self) -> bool:
+        return (self.crop_scale is not None or self.horizontal_flip > 0 or self.mixup_alpha > 0
+                or self.cutmix_alpha > 0)
+
+
 class Recipe(_Strict):
     """Everything a training run needs. Field comments are the reference documentation of each key; the keys of the
     adapter and the loss are documented in their Settings classes (see the module docstring)."""
@@ -355,6 +386,9 @@ class Recipe(_Strict):
     # recipe tuned on one device keeps its per-sample step size when the contrastive batch grows with world size.
     scale_lr_with_world_size: bool = False
     weight_decay: float = Field(default=0.01, ge=0)
+    # Layer-wise learning-rate decay (ViT/BERT fine-tuning): the top layer (and heads, the loss) train at
+    # learning_rate, each layer below at this factor times the one above, the embeddings lowest. Unset: one rate.
+    layer_lr_decay: float | None = Field(default=None, gt=0, le=1)
     epochs: int = Field(default=1, gt=0)
     max_steps: int | None = Field(default=None, gt=0)  # optimizer steps; when set, it overrides epochs
     # Curriculum: stages trained one after another (see StageConfig); unset: one stage made of the keys above.
@@ -411,6 +445,9 @@ class Recipe(_Strict):
     # output_dir already holds checkpoints or a final model.
     resume_from: str | None = None
     overwrite_output_dir: bool = False  # start again in an output_dir holding a run: its outputs are removed first
+
+    # --- image-only tasks -----------------------------------------------------------------------------------------
+    augmentation: AugmentationConfig = Field(default_factory=AugmentationConfig)
 
     # --- profiling -------------------------------------------------------------------------------------------------
     profile: ProfileConfig = Field(default_factory=ProfileConfig)

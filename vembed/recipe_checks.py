@@ -61,6 +61,7 @@ def check_recipe(recipe: "Recipe", *, for_training: bool = True) -> None:
     check that needs more than the schema, before any model is built."""
     task = check_components(recipe)
     check_keys(recipe, for_training=for_training)
+    check_augmentation(recipe, task)
     task.check_recipe(recipe, for_training=for_training)  # data files, model config, task-specific keys
 
 
@@ -81,6 +82,16 @@ def check_keys(recipe: "Recipe", *, for_training: bool = True) -> None:
             raise RecipeError("report_to", f"{tracker} is not installed; pip install 'vembed[{tracker}]' or remove it")
 
 
+def check_augmentation(recipe: "Recipe", task: type["Task"]) -> None:
+    """Stage 3, continued: `augmentation:` is read by the tasks that say so (`Task.augments_images`), nowhere else."""
+    from vembed.tasks import TASKS
+
+    if recipe.augmentation.enabled and not task.augments_images:
+        readers = [name for name in TASKS.names() if TASKS.get(name).augments_images]
+        raise RecipeError("augmentation", f"is read by the {' and '.join(readers)} task only, but this recipe "
+                                          f"trains {task.name}; remove it")
+
+
 def check_launch(recipe: "Recipe", kind: "LaunchKind", *, on_cpu: bool,
                  promise: "LaunchPromise") -> "GradientCacheChoice":
     """Stage 6: what the recipe asks of this launch (`kind`, on CPU or not, what the launcher promised), before a data
@@ -97,7 +108,23 @@ def check_launch(recipe: "Recipe", kind: "LaunchKind", *, on_cpu: bool,
     grad_cache = choose_gradient_cache(recipe, kind)
     if recipe.compile:
         _check_compile(recipe, kind, on_cpu)
+    if recipe.layer_lr_decay is not None:
+        check_layer_lr_decay(recipe, meta_model(recipe))
     return grad_cache
+
+
+def check_layer_lr_decay(recipe: "Recipe", model: Any) -> None:
+    """`layer_lr_decay` needs parameter names that say their block (vembed/models/depths.py reads them); checked on
+    the meta model (no weight read). A model that cannot be built there meets the same rule when its optimizer is
+    built."""
+    from vembed.models.depths import layer_depths
+
+    if model is None:
+        return
+    _, top = layer_depths([name for name, _ in model.named_parameters()])
+    if top == 1:
+        raise RecipeError("layer_lr_decay", f"no parameter name of model_type {recipe.model_type!r} says which layer "
+                                            "it is in (as 'layers.3.' does); remove layer_lr_decay for this model")
 
 
 def _check_compile(recipe: "Recipe", kind: "LaunchKind", on_cpu: bool) -> None:

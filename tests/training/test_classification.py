@@ -63,10 +63,7 @@ def train(raw: dict, path: Path) -> int:
 
 
 def test_trains_saves_and_the_saved_model_classifies_as_the_run_measured(digits, tmp_path):
-    from vembed.data.labelled import read_labelled_images
-    from vembed.evaluation.classification import classification_metrics
     from vembed.models import load_adapter
-    from vembed.tasks.classification import ClassificationCollator, LabelledImageDataset
 
     # Evaluated mid-run too, logged to TensorBoard: trackers and the history get the numbers, not the reports.
     raw = recipe(digits, tmp_path / "run", eval_steps=3, save_steps=3, report_to=["tensorboard"])
@@ -83,15 +80,26 @@ def test_trains_saves_and_the_saved_model_classifies_as_the_run_measured(digits,
 
     model = load_adapter(tmp_path / "run" / "final").eval()
     assert model.settings.label_names == sorted(CLASSES) and model.settings.num_labels == 3
+    again = saved_model_metrics(tmp_path / "run", digits)
+    assert again["confusion_matrix"] == validation["confusion_matrix"]
+    for key in ("accuracy", "top5_accuracy", "macro_f1", "micro_f1"):
+        assert again[key] == pytest.approx(validation[key], abs=1e-9)
+
+
+def saved_model_metrics(run: Path, digits: Path) -> dict:
+    """The run's final/ classifying the validation split on one process, as `vembed eval` does."""
+    from vembed.data.labelled import read_labelled_images
+    from vembed.evaluation.classification import classification_metrics
+    from vembed.models import load_adapter
+    from vembed.tasks.classification import ClassificationCollator, LabelledImageDataset
+
+    model = load_adapter(run / "final").eval()
     data = read_labelled_images(str(digits / "validation" / "labels.csv"), "data.validation",
                                 names=model.settings.label_names)
     batch = ClassificationCollator(model)([LabelledImageDataset(data)[i] for i in range(len(data))])
     with torch.no_grad():
         scores = model.classify(batch["inputs"]).numpy()
-    again = classification_metrics(scores, np.array(data.labels), model.settings.label_names)
-    assert again["confusion_matrix"] == validation["confusion_matrix"]
-    for key in ("accuracy", "top5_accuracy", "macro_f1", "micro_f1"):
-        assert again[key] == pytest.approx(validation[key], abs=1e-9)
+    return classification_metrics(scores, np.array(data.labels), model.settings.label_names)
 
 
 @pytest.mark.parametrize("case,message", [
@@ -170,3 +178,125 @@ def test_gradient_checkpointing_on_a_big_backbone_does_not_turn_gradient_cache_o
 
     raw = recipe(digits, tmp_path / "run", gradient_checkpointing=True)
     assert not choose_gradient_cache(recipe_from_dict(raw), "ddp", num_parameters=2_000_000_000).enabled
+
+
+def _adapter(raw: dict):
+    from vembed.components import model_class, recipe_from_dict
+
+    parsed = recipe_from_dict(dict(raw, num_labels=3))
+    return model_class(parsed).from_recipe(parsed), parsed
+
+
+def test_the_training_collator_augments_each_sample_by_its_epoch_and_index(digits, tmp_path):
+    from vembed.data.labelled import read_labelled_images
+    from vembed.tasks.classification import ClassificationCollator, LabelledImageDataset
+
+    raw = recipe(digits, tmp_path / "run", augmentation={"crop_scale": [0.3, 0.6], "horizontal_flip": 0.5})
+    adapter, parsed = _adapter(raw)
+    dataset = LabelledImageDataset(read_labelled_images(str(digits / "train"), "data.train"))
+    augmented = ClassificationCollator(adapter, parsed.augmentation, seed=0)
+    plain = ClassificationCollator(adapter)
+
+    def pixels(collate, keys):
+        return collate([dataset[key] for key in keys])["inputs"]["pixel_values"]
+
+    keys = [(0, 1), (0, 20)]
+    assert torch.equal(pixels(augmented, keys), pixels(augmented, keys))  # in a worker or not, resumed or not
+    assert not torch.equal(pixels(augmented, keys), pixels(augmented, [(1, 1), (1, 20)]))  # a new crop each epoch
+    assert not torch.equal(pixels(augmented, keys), pixels(plain, keys))
+    assert torch.equal(pixels(plain, [1, 20]), pixels(plain, keys))  # evaluation: the image as it is
+    mixed = ClassificationCollator(adapter, parsed.augmentation.model_copy(update={"mixup_alpha": 0.4}), seed=0)
+    batch = mixed([dataset[key] for key in keys])
+    assert batch["labels"].shape == (2, 3) and torch.allclose(batch["labels"].sum(1), torch.ones(2))
+
+
+def test_layer_lr_decay_gives_each_vit_block_its_rate(digits, tmp_path):
+    from vembed.tasks.classification import ClassificationObjective
+    from vembed.training.loop import build_optimizer
+    from vembed.training.objective import parameter_groups
+
+    adapter, _ = _adapter(recipe(digits, tmp_path / "run"))
+    objective = ClassificationObjective(adapter, torch.nn.Identity())
+    names = {id(p): n for n, p in objective.named_parameters()}
+    optimizer = build_optimizer(parameter_groups(objective, 0.05, layer_lr_decay=0.5), lr=1e-3)
+    rate = {names[id(p)]: group["lr"] for group in optimizer.param_groups for p in group["params"]}
+    # 2 blocks: embeddings at depth 0, block i at i + 1, the head and final norm at 3 (the learning rate)
+    assert rate["adapter.classifier.weight"] == rate["adapter.model.layernorm.weight"] == pytest.approx(1e-3)
+    assert rate["adapter.model.layers.1.attention.q_proj.weight"] == pytest.approx(5e-4)
+    assert rate["adapter.model.layers.0.mlp.fc2.bias"] == pytest.approx(2.5e-4)
+    assert rate["adapter.model.embeddings.cls_token"] == pytest.approx(1.25e-4)
+    assert rate["adapter.model.embeddings.patch_embeddings.projection.weight"] == pytest.approx(1.25e-4)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)  # what the run logs as its learning rate
+    decay = {names[id(p)]: group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
+    assert decay["adapter.model.layers.0.mlp.fc2.weight"] == 0.05
+    assert decay["adapter.model.layers.0.mlp.fc2.bias"] == 0.0
+    # without decay: the two groups as before (weights with decay first), at the learning rate
+    plain = parameter_groups(objective, 0.05)
+    assert [g["weight_decay"] for g in plain] == [0.05, 0.0] and all("lr_scale" not in g for g in plain)
+
+
+def test_layer_lr_decay_on_a_model_without_named_layers_is_refused():
+    from vembed.errors import RecipeError
+    from vembed.training.objective import parameter_groups
+
+    with pytest.raises(RecipeError, match="layer_lr_decay: .*remove layer_lr_decay"):
+        parameter_groups(torch.nn.Sequential(torch.nn.Linear(2, 2)), 0.0, layer_lr_decay=0.5)
+
+
+def test_augmented_run_with_layer_decay_resumes_to_the_same_weights(digits, tmp_path):
+    from launching import final_weights
+
+    augmentation = {"crop_scale": [0.5, 1.0], "horizontal_flip": 0.5, "mixup_alpha": 0.4, "cutmix_alpha": 1.0}
+    common = dict(augmentation=augmentation, layer_lr_decay=0.7, max_steps=4, save_steps=2, save_total_limit=2,
+                  eval_before_training=False, logging_steps=1)
+    assert train(recipe(digits, tmp_path / "whole", **common), tmp_path / "whole.yaml") == 0
+    resumed = recipe(digits, tmp_path / "resumed", resume_from=str(tmp_path / "whole" / "checkpoint-2"), **common)
+    assert train(resumed, tmp_path / "resumed.yaml") == 0
+    whole, again = final_weights(tmp_path / "whole"), final_weights(tmp_path / "resumed")
+    assert whole.keys() == again.keys()
+    assert all(torch.equal(whole[name], again[name]) for name in whole)
+    history = json.loads((tmp_path / "whole" / "metrics.json").read_text())
+    assert history["train"]["loss"]["name"] == "CrossEntropyLoss"
+
+
+def test_augmentation_is_refused_where_no_task_reads_it(tmp_path):
+    from vembed.components import recipe_from_dict
+    from vembed.errors import RecipeError
+    from vembed.recipe_checks import check_recipe
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text('{"query": "a", "positive": "b"}\n')
+    parsed = recipe_from_dict({"model_type": "clip", "data": {"train": str(data)},
+                               "augmentation": {"horizontal_flip": 0.5}})
+    with pytest.raises(RecipeError, match="augmentation: is read by the classification task only"):
+        check_recipe(parsed)
+
+
+@pytest.mark.slow
+def test_zero3_on_two_ranks_trains_and_evaluates_as_one_process(digits, tmp_path):
+    """`accelerate launch` with the shipped ZeRO-3 config (2 gloo ranks, 6 images each) against one process on the
+    12 images of each global batch: the same weights after 3 steps, the same validation report before and after
+    (evaluated through the sharded model), and the saved final/ classifies as the run measured."""
+    from launching import final_weights, launch, max_relative_difference
+
+    def run(name: str, batch_size: int, config: str | None) -> Path:
+        raw = recipe(digits, tmp_path / name, batch_size=batch_size, max_steps=3, save_steps=None, eval_steps=None,
+                     logging_steps=1)
+        # No key bias: softmax ignores it, so its gradient is rounding noise (~1e-10) that Adam turns into full-size
+        # steps of random sign; from its zero init, two launches' key biases differ by ~50% (measured) while the
+        # model computes the same function.
+        raw["model_config"] = {**raw["model_config"], "qkv_bias": False}
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(raw))
+        launch(config, tmp_path / f"{name}.yaml")
+        return tmp_path / name
+
+    single, zero3 = run("single", 12, None), run("zero3", 6, "deepspeed_zero3.yaml")
+    difference = max_relative_difference(final_weights(zero3), final_weights(single))
+    assert difference <= 1e-4, f"max relative parameter difference {difference:.2e}"
+    launched, reference = (json.loads((out / "metrics.json").read_text()) for out in (zero3, single))
+    for when in ("before", "validation"):
+        assert launched[when]["confusion_matrix"] == reference[when]["confusion_matrix"], when
+        assert launched[when]["accuracy"] == pytest.approx(reference[when]["accuracy"], abs=1e-9), when
+    saved = saved_model_metrics(zero3, digits)
+    assert saved["confusion_matrix"] == launched["validation"]["confusion_matrix"]
+    assert saved["macro_f1"] == pytest.approx(launched["validation"]["macro_f1"], abs=1e-9)

@@ -20,14 +20,17 @@ class EpochShuffleSampler(Sampler[int]):
     Every rank builds the same sampler and gets the same order; accelerate's `BatchSamplerShard` then gives rank r
     the batches r, r + W, ... . The order depends only on (seed, epoch), never on global RNG state, so a resumed
     run replays it exactly. The loop calls `set_epoch` (accelerate's prepared DataLoader forwards its own
-    `set_epoch` here) before iterating each epoch.
+    `set_epoch` here) before iterating each epoch. With `tags_epochs`, it yields `(epoch, index)` pairs instead, for
+    datasets whose samples draw per epoch (augmented images: vembed/data/augment.py), so DataLoader workers know the
+    epoch without sharing state with the main process.
     """
 
-    def __init__(self, num_samples: int, seed: int = 0):
+    def __init__(self, num_samples: int, seed: int = 0, tags_epochs: bool = False):
         if num_samples < 0:
             raise ValueError(f"num_samples must be >= 0, got {num_samples}")
         self.num_samples = num_samples
         self.seed = seed
+        self.tags_epochs = tags_epochs
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -36,7 +39,11 @@ class EpochShuffleSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
-        return _ints(torch.randperm(self.num_samples, generator=generator))
+        order = _ints(torch.randperm(self.num_samples, generator=generator))
+        if self.tags_epochs:
+            epoch = self.epoch
+            return ((epoch, index) for index in order)
+        return order
 
     def __len__(self) -> int:
         return self.num_samples

@@ -38,6 +38,8 @@ class Task:
     uses_gradient_cache: ClassVar[bool] = False
     # Why GradCache is refused when asked for under this task (None: the task's own check says it).
     no_gradient_cache: ClassVar[str | None] = None
+    # The task's training collation reads `augmentation:` (vembed/data/augment.py).
+    augments_images: ClassVar[bool] = False
 
     def __init__(self, recipe: "Recipe"):
         self.recipe = recipe

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from vembed.data.labelled import LabelledImages
-    from vembed.recipe import Recipe
+    from vembed.recipe import AugmentationConfig, Recipe
 
 METRICS = ("accuracy", "top5_accuracy", "macro_f1", "micro_f1", "macro_precision", "macro_recall")
 CONFUSION_PNG = "confusion_matrix.png"
@@ -41,27 +41,53 @@ class ClassificationObjective(nn.Module):
 
 
 class LabelledImageDataset(Dataset):
+    """`dataset[i]` or `dataset[(epoch, i)]` -> `((epoch, i), image path, label)`: the key is what the training
+    collator seeds sample i's augmentation with (the training sampler yields epoch-tagged indices for it:
+    `tags_epochs`)."""
+
+    tags_epochs = True
+
     def __init__(self, data: "LabelledImages"):
         self.data = data
 
     def __len__(self) -> int:
         return len(self.data)
 
-    def __getitem__(self, index: int) -> tuple[str, int]:
-        return self.data.paths[index], self.data.labels[index]
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[tuple[int, int], str, int]:
+        epoch, index = key if isinstance(key, tuple) else (0, key)
+        return (epoch, index), self.data.paths[index], self.data.labels[index]
 
 
 class ClassificationCollator:
-    """(path, label) pairs -> the adapter's preprocessed images and a label tensor (runs in DataLoader workers)."""
+    """Dataset items -> the adapter's preprocessed images and the targets (runs in DataLoader workers): class indices,
+    or soft targets `(B, num_labels)` when the batch is mixed. With `augmentation` (training only), each image is
+    cropped/flipped by its own (seed, epoch, index) draws before preprocessing, and mixup/cutmix by the batch's."""
 
-    def __init__(self, adapter: nn.Module):
+    def __init__(self, adapter: nn.Module, augmentation: "AugmentationConfig | None" = None, seed: int = 0):
         self.adapter = adapter
+        self.augmentation = augmentation if augmentation is not None and augmentation.enabled else None
+        self.seed = seed
 
-    def __call__(self, items: list[tuple[str, int]]) -> dict[str, Any]:
+    def __call__(self, items: list[tuple[tuple[int, int], str, int]]) -> dict[str, Any]:
         from vembed.data.records import Side
 
-        return {"inputs": self.adapter.preprocess([Side(image=path) for path, _ in items]),
-                "labels": torch.tensor([label for _, label in items], dtype=torch.long)}
+        labels = torch.tensor([label for _, _, label in items], dtype=torch.long)
+        config = self.augmentation
+        if config is None:
+            return {"inputs": self.adapter.preprocess([Side(image=path) for _, path, _ in items]), "labels": labels}
+        from vembed.data.augment import augment_image, batch_rng, mix_batch, sample_rng
+        from vembed.data.images import load_image
+        from vembed.models.batch import PIXEL_VALUES
+
+        images = [augment_image(load_image(path), config, sample_rng(self.seed, epoch, index))
+                  for (epoch, index), path, _ in items]
+        inputs = self.adapter.preprocess([Side(image=image) for image in images])
+        if config.mixup_alpha > 0 or config.cutmix_alpha > 0:
+            rng = batch_rng(self.seed, [key for key, _, _ in items])
+            inputs[PIXEL_VALUES], targets = mix_batch(inputs[PIXEL_VALUES], labels, self.adapter.settings.num_labels,
+                                                     config, rng)
+            return {"inputs": inputs, "labels": targets}
+        return {"inputs": inputs, "labels": labels}
 
 
 def read_split(recipe: "Recipe", split: str, names: list[str] | None,
@@ -87,6 +113,7 @@ def class_names(recipe: "Recipe") -> list[str]:
 @TASKS.register("classification")
 class ClassificationTask(Task):
     name = "classification"
+    augments_images = True
 
     @classmethod
     def check_recipe(cls, recipe: "Recipe", *, for_training: bool = True) -> None:
@@ -98,7 +125,8 @@ class ClassificationTask(Task):
             if isinstance(getattr(data, split), (dict, list)):
                 raise RecipeError(f"data.{split}", "classification takes one CSV/JSONL file or ImageFolder "
                                                    "directory per split")
-        for key, value in (("use_gradient_cache", recipe.use_gradient_cache), ("stages", recipe.stages)):
+        for key, value in (("use_gradient_cache", recipe.use_gradient_cache), ("stages", recipe.stages),
+                           ("data.no_duplicates", data.no_duplicates)):
             if value:
                 raise RecipeError(key, "is not supported for classification; remove it")
         if recipe.metric_for_best_model not in METRICS:
@@ -127,7 +155,9 @@ class ClassificationTask(Task):
         return ClassificationObjective(adapter, loss_class(recipe).from_recipe(recipe))
 
     def train_dataset(self, objective: nn.Module):
-        return LabelledImageDataset(self.train_data), ClassificationCollator(objective.adapter)
+        recipe = self.recipe
+        return (LabelledImageDataset(self.train_data),
+                ClassificationCollator(objective.adapter, recipe.augmentation, recipe.seed))
 
     def load_eval_split(self, split: str) -> "LabelledImages | None":
         if getattr(self.recipe.data, split) is None:
