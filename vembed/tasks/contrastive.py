@@ -355,13 +355,10 @@ class ContrastiveTask(Task):
         """Retrieval metrics; for named sources, each source's own (`<source>/q2d/recall@1`, its queries against its
         documents, as MTEB scores each task apart) and, unprefixed, their mean over sources."""
         if isinstance(data, dict):
-            per_source = {name: self.evaluate(model, examples, accelerator, prepared)
-                          for name, examples in data.items()}
-            metrics = {f"{name}/{key}": value for name, found in per_source.items() for key, value in found.items()}
-            shared = set.intersection(*(set(found) for found in per_source.values())) if per_source else set()
-            for key in sorted(shared):
-                metrics[key] = sum(found[key] for found in per_source.values()) / len(per_source)
-            return metrics
+            from vembed.evaluation.retrieval import merge_source_metrics
+
+            return merge_source_metrics({name: self.evaluate(model, examples, accelerator, prepared)
+                                         for name, examples in data.items()})
         from vembed.data.corpus import CorpusSplit
         from vembed.evaluation.retrieval import evaluate_retrieval
 
