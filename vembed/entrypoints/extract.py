@@ -18,7 +18,8 @@ import sys
 
 try:
     from vembed.errors import RecipeError
-    from vembed.extraction import DTYPES, extract, extract_teacher_embeddings  # the extraction itself: vembed/extraction.py
+    # the extraction itself: vembed/extraction.py
+    from vembed.extraction import DTYPES, extract, extract_teacher_embeddings
 except ModuleNotFoundError as missing:  # this file run from a clone whose vembed was never installed
     if missing.name != "vembed":
         raise

@@ -72,7 +72,8 @@ class EmbeddingMSELoss(EmbeddingLoss):
 
     @property
     def config(self) -> dict[str, Any]:
-        return {"name": type(self).__name__, "loss_type": "embedding_mse", "teacher_embeddings": self.teacher_embeddings}
+        return {"name": type(self).__name__, "loss_type": "embedding_mse",
+                "teacher_embeddings": self.teacher_embeddings}
 
 
 __all__ = ["EmbeddingMSELoss"]
