@@ -115,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_strategies.add_arguments(strategies)
     strategies.set_defaults(func=bench_strategies.run)
 
-    xt = sub.add_parser("extract", help="paired teacher embeddings (EVA → CLIP) in shards, for blip3o_dit")
+    xt = sub.add_parser("extract", help="teacher embeddings in shards: EVA → CLIP pairs for blip3o_dit, or a text "
+                                        "teacher's embeddings of a recipe's rows for embedding_mse")
     extract.add_arguments(xt)
     xt.set_defaults(func=extract.run)
 

@@ -5,6 +5,9 @@ Under `accelerate launch` each process takes shards round-robin (shard i → ran
 ever write one file; shards already complete are skipped, so an interrupted extraction resumes where it stopped.
 Images that cannot be read are skipped and counted. Any transformers vision model (or the vision tower of a
 CLIP-like model) can be a teacher.
+
+Text teachers, for embedding distillation (loss_type embedding_mse): `extract_teacher_embeddings` embeds the query
+text of every training row of a recipe once, so the teacher is never in memory while the student trains.
 """
 
 from __future__ import annotations
@@ -150,16 +153,9 @@ def extract(
 
     Returns this process's counts: `{"written": [...], "skipped_finished": [...], "skipped_images": n}`.
     """
-    import os
-
-    from accelerate import PartialState
-
     from vembed.data.embedding_shards import shard_name, write_index
 
-    # As the training launch does: CPU when there is no GPU or the launcher asked for it (PartialState() alone
-    # misses the CPU process group that `accelerate launch` with use_cpu prepared, and every rank thinks it is 0).
-    on_cpu = not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
-    state = PartialState(cpu=on_cpu)
+    state = _process_state()
     out = Path(out)
     settings = {"teacher_a": teacher_a, "teacher_b": teacher_b, "sources": list(images), "shard_size": shard_size,
                 "tokens": tokens, "dtype": dtype}
@@ -186,6 +182,93 @@ def extract(
                             {"teacher_a": teacher_a, "teacher_b": teacher_b, "sources": list(images),
                              "shard_size": shard_size, "tokens": tokens})
         result["index"] = index
+    state.wait_for_everyone()
+    return result
+
+
+def _process_state():
+    """This process's place in the launch. As the training launch does: CPU when there is no GPU or the launcher
+    asked for it (PartialState() alone misses the CPU process group that `accelerate launch` with use_cpu prepared,
+    and every rank thinks it is 0)."""
+    import os
+
+    from accelerate import PartialState
+
+    on_cpu = not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
+    return PartialState(cpu=on_cpu)
+
+
+def extract_teacher_embeddings(
+    *,
+    teacher: str,
+    recipe: str | Path,
+    out: str | Path,
+    shard_size: int = 10000,
+    batch_size: int = 64,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+    overrides: list[str] | None = None,
+) -> dict:
+    """A text teacher's embeddings of the query text of every training record of `recipe` (data.train, read with its
+    column mapping, rows kept as training keeps them), for loss_type embedding_mse (vembed/data/teacher_embeddings.py).
+
+    Records go into shards of `shard_size` in their order; shard i is written by process i mod world, complete
+    shards are skipped on a rerun; the main process writes `index.json` once every process is done. `teacher`: any
+    model folder vembed can load (a vembed save, a sentence-transformers or transformers folder, a cached hub id).
+    Returns this process's counts: `{"written": [...], "skipped_finished": [...]}` (and `index` on the main one).
+    """
+    from vembed.components import load_recipe
+    from vembed.data.embedding_shards import read_shard_metadata, shard_name, write_tensors
+    from vembed.data.records import Side
+    from vembed.data.rows import PairRows
+    from vembed.data.sources import load_rows
+    from vembed.data.teacher_embeddings import fingerprint, record_keys
+    from vembed.data.teacher_embeddings import write_index as write_teacher_index
+    from vembed.models.encoding import encode_sides
+    from vembed.models.foreign import load_embedding_model, model_folder
+
+    state = _process_state()
+    out = Path(out)
+    model_folder(teacher, "--teacher")  # a bad teacher name fails before any data is read
+    loaded = load_recipe(recipe, overrides)
+    rows, _ = load_rows(loaded.data, "train", num_hard_negatives=0)  # as embedding_mse training reads them
+    if not isinstance(rows, PairRows):
+        raise RecipeError("data.train", "is a corpus folder; teacher embeddings are extracted for pairs files "
+                                        "(JSONL/CSV/Parquet/hf) whose rows they are matched to")
+    files, file_ids, numbers, texts = record_keys(rows)
+    blank = next((i for i, text in enumerate(texts) if text is None), None)
+    if blank is not None:
+        raise DataError("has no query text: the teacher embeds each row's query text (data.columns.query)",
+                        file=files[file_ids[blank]], row=int(numbers[blank]))
+    settings = {"teacher": teacher, "files": files, "shard_size": shard_size, "dtype": dtype}
+    check_resumable(out, settings)  # every process, before any waits for another
+    groups = [range(i, min(i + shard_size, len(texts))) for i in range(0, len(texts), shard_size)]
+    mine = [i for i in range(len(groups)) if i % state.num_processes == state.process_index]
+    if state.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        replace_atomically(out / SETTINGS_FILE, lambda tmp: tmp.write_text(json.dumps(settings, indent=1)))
+    state.wait_for_everyone()
+    todo = [i for i in mine if not (out / shard_name(i)).is_file()]  # complete shards exist under the final name
+    result: dict = {"written": [], "skipped_finished": [i for i in mine if i not in todo]}
+    if todo:
+        model = load_embedding_model(teacher, trust_remote_code=trust_remote_code, key="--teacher")
+        model.to(state.device).eval()
+        for i in todo:
+            chosen = list(groups[i])
+            with torch.no_grad():
+                embedding = encode_sides(model, [Side(text=texts[j]) for j in chosen], batch_size=batch_size)
+            write_tensors(out / shard_name(i), {
+                "embedding": embedding.cpu().to(DTYPES[dtype]),
+                "file": torch.as_tensor(file_ids[chosen]), "row": torch.as_tensor(numbers[chosen]),
+                "fingerprint": torch.tensor([fingerprint(texts[j]) for j in chosen], dtype=torch.int64),
+            }, {"rank": str(state.process_index)})
+            result["written"].append(i)
+    state.wait_for_everyone()
+    if state.is_main_process:
+        shards = [{"file": shard_name(i), "count": len(group)} for i, group in enumerate(groups)]
+        dim = read_shard_metadata(out / shard_name(0))["shapes"]["embedding"][1] if groups else 0
+        result["index"] = write_teacher_index(out, {"teacher": teacher, "dim": dim, "files": files, "dtype": dtype},
+                                              shards)
     state.wait_for_everyone()
     return result
 

@@ -80,3 +80,33 @@ def test_two_processes_give_one_process_metrics_printed_once(model_and_corpus, t
     for key, value in expected.items():
         assert got[key] == pytest.approx(value, abs=1e-6), key
     assert json.loads(done.stdout[done.stdout.index("{"):done.stdout.rindex("}") + 1]) == got
+
+
+def test_named_sources_are_each_evaluated_apart_with_their_scored_metrics(model_and_corpus, tmp_path, capsys):
+    # NAME=PATH: each source's metrics as if evaluated alone, under its name; the keys every source has, averaged.
+    model, _ = model_and_corpus
+    graded = [{"query": f"a red shape number {i}", "positive": f"shape {i} in red", "score": (i * 7 % 5) / 4}
+              for i in range(8)]
+    triplets = [{"query": f"a blue circle {i}", "positive": f"circle {i}", "negatives": [f"square {i + 1}"]}
+                for i in range(6)]
+    files = {}
+    for name, rows in (("sts", graded), ("triplets", triplets)):
+        files[name] = tmp_path / f"{name}.jsonl"
+        files[name].write_text("".join(json.dumps(row) + "\n" for row in rows))
+    alone = {}
+    for name, path in files.items():
+        assert main(["eval", str(model), str(path), "--output", str(tmp_path / f"{name}.json")]) == 0
+        alone[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert main(["eval", str(model), *(f"{name}={path}" for name, path in files.items()), "--output",
+                 str(tmp_path / "both.json")]) == 0
+    both = json.loads((tmp_path / "both.json").read_text())
+    assert "similarity/spearman_cosine" in alone["sts"] and "triplet/cosine_accuracy" in alone["triplets"]
+    for name, metrics in alone.items():
+        for key, value in metrics.items():
+            assert both[f"{name}/{key}"] == pytest.approx(value, abs=1e-6), (name, key)
+    assert both["q2d/mrr"] == pytest.approx((alone["sts"]["q2d/mrr"] + alone["triplets"]["q2d/mrr"]) / 2)
+    assert "similarity/spearman_cosine" not in both  # only one source has scores: reported under its name only
+    capsys.readouterr()
+    assert main(["eval", str(model), f"sts={files['sts']}", str(files["triplets"])]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "has no NAME= while other data arguments do" in err and "\n" not in err

@@ -158,6 +158,7 @@ def test_loss_parameters_are_compared_in_ddp_checks():
 # One launch computes every case on both ranks (a launch costs seconds; the cases cost milliseconds).
 
 def _scored_cases() -> dict:
+    from vembed.losses.distillation import EmbeddingMSELoss
     from vembed.losses.scored import AnglELoss, CoSENTLoss, CosineSimilarityLoss, DistillKLDivLoss, MarginMSELoss
     from vembed.losses.gist import GISTEmbedLoss
     from vembed.losses.triplet import BatchHardTripletLoss, TripletLoss
@@ -177,12 +178,14 @@ def _scored_cases() -> dict:
         "gist": (lambda: GISTEmbedLoss(temperature=0.05, margin=0.05), "guide"),
         "gist_relative_no_blocks": (lambda: GISTEmbedLoss(temperature=0.05, margin_strategy="relative", margin=0.1,
                                                           contrast_anchors=False, contrast_positives=False), "guide"),
+        "embedding_mse": (EmbeddingMSELoss, "teacher_embeddings"),
     }
 
 
 # Gold scores with ties across ranks, and teacher scores of [positive, K negatives].
 PAIR_SCORES = torch.tensor([0.9, 0.1, 0.5, 0.3, 0.5, 0.0, 0.75, 0.1])
 TEACHER_SCORES = torch.randn(WORLD * B, 1 + K, generator=torch.Generator().manual_seed(5))
+TEACHER_EMBEDDINGS = F.normalize(torch.randn(WORLD * B, OUT, generator=torch.Generator().manual_seed(6)), dim=-1)
 
 
 def _scored_inputs(kind: str | None, rows: slice) -> dict:
@@ -192,6 +195,8 @@ def _scored_inputs(kind: str | None, rows: slice) -> dict:
         return {"scores": TEACHER_SCORES[rows]}
     if kind == "labels":
         return {"labels": LABELS[rows]}
+    if kind == "teacher_embeddings":  # a teacher's vectors of the rows, as the collator looks them up
+        return {"teacher": TEACHER_EMBEDDINGS[rows]}
     if kind == "guide":  # the guide's embeddings: fixed, unrelated to the encoder, so some candidates get masked
         generator = torch.Generator().manual_seed(9)
         guide = [torch.randn(WORLD * B, 4, generator=generator), torch.randn(WORLD * B, 4, generator=generator),

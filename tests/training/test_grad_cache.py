@@ -197,6 +197,7 @@ SCORED_LOSSES = {
     "margin_mse": ("teacher", {}), "distill_kl": ("teacher", {"temperature": 0.5}),
     "matryoshka-cosent": ("gold", {"mrl_dims": [32, 8]}),
     "gist": ("gold", {"gist_margin": 0.0}),  # the tiny guide scores every pair alike: no margin, or all is masked
+    "embedding_mse": ("gold", {}),  # the teacher's vectors: extracted below with another tiny text model
 }
 
 
@@ -213,6 +214,15 @@ def test_cached_gradients_equal_whole_batch_for_the_scored_and_triplet_losses(sc
         torch.manual_seed(3)
         MODELS.get("text").from_recipe(recipe_from_dict(scored_text_pairs)).save(tmp_path / "guide")
         raw["gist_guide"] = str(tmp_path / "guide")
+    if case == "embedding_mse":  # a teacher of the student's size, its vectors of the rows extracted once
+        from text_teachers import extract_teacher
+
+        from vembed.models import MODELS
+
+        torch.manual_seed(3)
+        MODELS.get("text").from_recipe(recipe_from_dict(scored_text_pairs)).save(tmp_path / "teacher")
+        raw["teacher_embeddings"] = str(tmp_path / "teacher_embeddings")
+        extract_teacher(str(tmp_path / "teacher"), raw, tmp_path / "recipe.yaml")
     rows = list(range(BATCH))
     cached, cached_loss = _cached_step(raw, rows)
     reference, reference_loss = _reference_step(raw, rows, chunk=3)

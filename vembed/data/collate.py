@@ -12,6 +12,7 @@ from vembed.errors import DataError
 if TYPE_CHECKING:
     import torch
 
+    from vembed.data.teacher_embeddings import TeacherEmbeddings
     from vembed.models.base import EmbeddingAdapter
 
 
@@ -25,15 +26,18 @@ class PairCollator:
      "label_ids": LongTensor (B,),           # the same, as ids equal on every rank (labels=True): the loss masks
                                              # in-batch negatives that share the row's label
      "scores": FloatTensor (B,) or (B, 1+k), # data.columns.score, only when every example has one
+     "teacher": FloatTensor (B, d),          # a teacher's extracted embeddings of the rows (teacher=)
      "source": name}                         # the named source every example of the batch came from, if any
 
     A plain object holding the adapter (only its `preprocess` is called), so DataLoader workers can pickle it.
     """
 
-    def __init__(self, adapter: "EmbeddingAdapter", labels: bool = False, guide: "EmbeddingAdapter | None" = None):
+    def __init__(self, adapter: "EmbeddingAdapter", labels: bool = False, guide: "EmbeddingAdapter | None" = None,
+                 teacher: "TeacherEmbeddings | None" = None):
         self.adapter = adapter
         self.labels = labels
         self.guide = guide  # GISTEmbed's guide model: each side preprocessed for it too, under "guide"
+        self.teacher = teacher  # embedding_mse: the teacher's vectors, looked up by each record's file and row
 
     def __call__(self, examples: Sequence[Example]) -> dict[str, Any]:
         if not examples:
@@ -66,6 +70,8 @@ class PairCollator:
                 batch["label_ids"] = label_ids(batch["labels"])
         if all(example.score is not None for example in examples):
             batch["scores"] = score_tensor(examples)
+        if self.teacher is not None:
+            batch["teacher"] = self.teacher.lookup(examples)
         names = {example.source_name for example in examples}
         if len(names) == 1 and None not in names:
             batch["source"] = names.pop()

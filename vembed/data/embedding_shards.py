@@ -30,11 +30,18 @@ def shard_name(i: int) -> str:
 def write_shard(path: Path, eva: torch.Tensor, clip: torch.Tensor, sources: list[str], skipped: list[str],
                 writer_rank: int) -> None:
     """Write one shard atomically: a temporary name, renamed when complete (so a killed run leaves no half shard)."""
+    metadata = {"sources": json.dumps(sources), "skipped": json.dumps(skipped), "rank": str(writer_rank)}
+    write_tensors(path, {"eva": eva, "clip": clip}, metadata)
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """A safetensors shard written under a temporary name and renamed when complete: a killed run leaves no half
+    shard under the final name (what resuming relies on). Text teachers' shards are written here too
+    (vembed/data/teacher_embeddings.py)."""
     from safetensors.torch import save_file
 
-    metadata = {"sources": json.dumps(sources), "skipped": json.dumps(skipped), "rank": str(writer_rank)}
     tmp = path.with_name(f".tmp-{path.name}")
-    save_file({"eva": eva.contiguous(), "clip": clip.contiguous()}, str(tmp), metadata=metadata)
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(tmp), metadata=metadata)
     tmp.replace(path)
 
 

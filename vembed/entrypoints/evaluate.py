@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_dir", help="a model folder saved by vembed (e.g. runs/demo/final), by "
                                           "sentence-transformers or by transformers, or a hub id")
-    parser.add_argument("data", nargs="+", help="JSONL/CSV/Parquet file(s) or a directory of them")
+    parser.add_argument("data", nargs="+", help="JSONL/CSV/Parquet file(s) or a directory of them; NAME=PATH names a "
+                                                "source: each is evaluated apart (metrics under NAME/, and their "
+                                                "mean over sources unprefixed)")
     parser.add_argument("--image-root", help="directory relative image paths are resolved against")
     parser.add_argument("--format", default="auto", choices=["auto", "jsonl", "json", "csv", "parquet", "hf"])
     parser.add_argument("--column", action="append", default=[], metavar="FIELD=COLUMN",
@@ -151,8 +153,9 @@ def _evaluate_pairs(args: argparse.Namespace, accelerator: "Accelerator") -> dic
             raise RecipeError("--column", f"{item!r} is not FIELD=COLUMN (e.g. query=caption)")
         field, column = item.split("=", 1)
         columns[field] = column
+    named = _named_sources(args.data)
     try:
-        data = DataConfig(test=args.data, image_root=args.image_root, format=args.format,
+        data = DataConfig(test=named or args.data, image_root=args.image_root, format=args.format,
                           columns=ColumnMap(**columns), max_bad_fraction=1.0)
     except Exception as err:  # pydantic's message names the field
         raise RecipeError("--column", str(err).splitlines()[-1]) from None
@@ -166,14 +169,40 @@ def _evaluate_pairs(args: argparse.Namespace, accelerator: "Accelerator") -> dic
     # Negatives kept (as many as every record has) for triplet accuracy; retrieval reads only queries and positives.
     examples, report = load_examples(data, "test", num_hard_negatives=None)
     check_images_per_side(adapter.model_type, examples)
-    if args.max_samples:
-        examples = examples[: args.max_samples]
-    from vembed.evaluation.retrieval import evaluate_retrieval
+    from vembed.evaluation.retrieval import evaluate_retrieval, merge_source_metrics
     from vembed.evaluation.scored import evaluate_scored
 
-    metrics = evaluate_retrieval(adapter.to(accelerator.device), examples, batch_size=args.batch_size,
-                                 mrl_dims=args.mrl_dims, show_progress=True, accelerator=accelerator)
-    return {**metrics, **evaluate_scored(adapter, examples, batch_size=args.batch_size, accelerator=accelerator)}
+    def evaluate(chosen: list) -> dict[str, float]:
+        chosen = chosen[: args.max_samples] if args.max_samples else chosen  # per source, as in-run evaluation
+        metrics = evaluate_retrieval(adapter.to(accelerator.device), chosen, batch_size=args.batch_size,
+                                     mrl_dims=args.mrl_dims, show_progress=True, accelerator=accelerator)
+        return {**metrics, **evaluate_scored(adapter, chosen, batch_size=args.batch_size, accelerator=accelerator)}
+
+    if not named:
+        return evaluate(examples)
+    # Each source's own queries against its own documents, in the order given; negatives and scores of its rows.
+    return merge_source_metrics({name: evaluate([e for e in examples if e.source_name == name]) for name in named})
+
+
+def _named_sources(data: list[str]) -> dict[str, str] | None:
+    """`NAME=PATH` arguments as named sources (all of them or none), or None for plain paths. A path that exists is a
+    path even with `=` in it."""
+    from vembed.errors import RecipeError
+
+    def named(item: str) -> bool:
+        name = item.split("=", 1)[0]
+        return "=" in item and not Path(item).exists() and bool(name) and "/" not in name
+
+    if not any(named(item) for item in data):
+        return None
+    plain = [item for item in data if not named(item)]
+    if plain:
+        raise RecipeError("data", f"{plain[0]!r} has no NAME= while other data arguments do; name every source "
+                                  "(NAME=PATH) or none")
+    sources = dict(item.split("=", 1) for item in data)
+    if len(sources) != len(data):
+        raise RecipeError("data", "a source name is given twice; give each NAME=PATH once")
+    return sources
 
 
 def _check_output_file(path: Path, overwrite: bool) -> None:

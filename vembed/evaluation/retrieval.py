@@ -241,6 +241,17 @@ def evaluate_retrieval(
     return metrics
 
 
+def merge_source_metrics(per_source: "dict[Any, dict[str, float]]") -> dict[str, float]:
+    """The metrics of named sources evaluated one by one: each source's under `<source>/` and, unprefixed, the mean
+    over sources of every key they all have (as MTEB scores each task apart, then averages). In-run evaluation and
+    `vembed eval` both report named sources this way."""
+    metrics = {f"{name}/{key}": value for name, found in per_source.items() for key, value in found.items()}
+    shared = set.intersection(*(set(found) for found in per_source.values())) if per_source else set()
+    for key in sorted(shared):
+        metrics[key] = sum(found[key] for found in per_source.values()) / len(per_source)
+    return metrics
+
+
 def zero_shot_accuracy(
     adapter: "EmbeddingAdapter",
     examples: Sequence["Example"],

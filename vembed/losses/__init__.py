@@ -12,7 +12,8 @@ if TYPE_CHECKING:
 
 LOSSES: Registry[type[EmbeddingLoss]] = Registry(
     "loss_type", modules=("vembed.losses.contrastive", "vembed.losses.scored", "vembed.losses.triplet",
-                          "vembed.losses.gist", "vembed.losses.late_interaction")
+                          "vembed.losses.gist", "vembed.losses.late_interaction",
+                          "vembed.losses.distillation")
 )
 # Losses on class logits (the classification task), apart: they take no embeddings and no Matryoshka wrapper.
 CLASSIFICATION_LOSSES: Registry = Registry("loss_type", modules=("vembed.losses.classification",))

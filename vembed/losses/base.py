@@ -69,6 +69,8 @@ class EmbeddingLoss(nn.Module):
     needs_labels: ClassVar[bool] = False  # a label per pair (data.columns.label)
     min_negatives: ClassVar[int] = 0  # hard negatives per pair
     needs_guide: ClassVar[bool] = False  # guide= the guide model's embeddings of the batch (GISTEmbed)
+    # teacher= (B, d) a teacher's embeddings of the rows, extracted beforehand (embedding_mse)
+    needs_teacher: ClassVar[bool] = False
     uses_negatives: ClassVar[bool] = True  # False: hard negatives are not read, so they are not loaded or encoded
     # Why this loss cannot run under GradCache (the launch plan refuses it, naming the reason); None: it can, because
     # it is computed on the whole batch's embeddings.

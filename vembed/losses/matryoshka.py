@@ -48,7 +48,7 @@ class MatryoshkaLoss(EmbeddingLoss):
         super().__init__()
         # What the inner loss needs of a batch, it needs through the wrapper too.
         for attribute in ("needs_scores", "needs_labels", "min_negatives", "uses_negatives",
-                          "needs_guide", "gradient_cache_refusal"):
+                          "needs_guide", "needs_teacher", "gradient_cache_refusal"):
             setattr(self, attribute, getattr(loss, attribute))
         dims = [int(d) for d in dims]
         if not dims or any(d <= 0 for d in dims):

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from vembed.data.corpus import CorpusSplit
     from vembed.data.image_cache import ImageCache
     from vembed.data.records import Example
+    from vembed.data.teacher_embeddings import TeacherEmbeddings
 
     EvalData = list[Example] | CorpusSplit
     from vembed.recipe import Recipe
@@ -45,6 +46,8 @@ class ContrastiveObjective(nn.Module):
         """What the loss takes from a batch besides the embeddings: labels, scores and, for GISTEmbed, the guide's
         embeddings of every side (computed once per batch, without a graph)."""
         inputs = {"labels": batch.get("label_ids"), "scores": batch.get("scores")}
+        if "teacher" in batch:  # a teacher's extracted embeddings of the rows (embedding_mse)
+            inputs["teacher"] = batch["teacher"]
         if self.guide is not None:
             sides = batch["guide"]
             device = next(p.device for p in self.adapter.parameters())
@@ -113,6 +116,7 @@ class ContrastiveTask(Task):
     name = "contrastive"
     uses_gradient_cache = True
     image_cache: "ImageCache | None" = None  # the training images resized once, when `train_dataset` opened one
+    teacher: "TeacherEmbeddings | None" = None  # embedding_mse: the teacher's vectors of the training rows
 
     def __init__(self, recipe: "Recipe"):
         super().__init__(recipe)
@@ -151,6 +155,8 @@ class ContrastiveTask(Task):
             if too_big:
                 raise RecipeError("mrl_dims",
                                   f"{too_big} exceed the embedding size {dim} of this model; use dims <= {dim}")
+        if for_training and getattr(recipe.loss, "teacher_embeddings", None) is not None:
+            _check_teacher_embeddings(recipe, dim, streamed)
 
     def load_train_data(self):
         from vembed.data.sources import load_rows
@@ -169,6 +175,15 @@ class ContrastiveTask(Task):
         from vembed.losses.inputs import check_loss_inputs
 
         check_loss_inputs(loss_class(self.recipe), self.recipe, self.train_rows)
+        if getattr(loss_class(self.recipe), "needs_teacher", False):
+            from vembed.data.rows import PairRows
+            from vembed.data.teacher_embeddings import KEY, TeacherEmbeddings
+
+            if not isinstance(self.train_rows, PairRows):
+                raise RecipeError(KEY, "teacher embeddings are matched to the rows of pairs files; data.train is a "
+                                       "corpus folder")
+            self.teacher = TeacherEmbeddings(self.recipe.loss.teacher_embeddings)
+            self.teacher.check_rows(self.train_rows)  # every row has its vector, of the same text: before any write
         return report
 
     def every_step_uses_every_parameter(self) -> bool:
@@ -215,7 +230,8 @@ class ContrastiveTask(Task):
 
         if self.train_rows is None:
             return self._train_stream(objective), None
-        collate = PairCollator(objective.adapter, labels=self._label_ids(), guide=objective.guide)
+        collate = PairCollator(objective.adapter, labels=self._label_ids(), guide=objective.guide,
+                               teacher=self.teacher)
         self.image_cache = self._image_cache(objective.adapter)
         return PairDataset(self.train_rows, image_cache=self.image_cache), collate
 
@@ -339,13 +355,10 @@ class ContrastiveTask(Task):
         """Retrieval metrics; for named sources, each source's own (`<source>/q2d/recall@1`, its queries against its
         documents, as MTEB scores each task apart) and, unprefixed, their mean over sources."""
         if isinstance(data, dict):
-            per_source = {name: self.evaluate(model, examples, accelerator, prepared)
-                          for name, examples in data.items()}
-            metrics = {f"{name}/{key}": value for name, found in per_source.items() for key, value in found.items()}
-            shared = set.intersection(*(set(found) for found in per_source.values())) if per_source else set()
-            for key in sorted(shared):
-                metrics[key] = sum(found[key] for found in per_source.values()) / len(per_source)
-            return metrics
+            from vembed.evaluation.retrieval import merge_source_metrics
+
+            return merge_source_metrics({name: self.evaluate(model, examples, accelerator, prepared)
+                                         for name, examples in data.items()})
         from vembed.data.corpus import CorpusSplit
         from vembed.evaluation.retrieval import evaluate_retrieval
 
@@ -459,6 +472,25 @@ def _resolve_best_metric(recipe: "Recipe", check: bool = False) -> None:
         raise RecipeError("metric_for_best_model", f"{recipe.metric_for_best_model!r} is not a validation metric of "
                                                    f"this recipe{did_you_mean(recipe.metric_for_best_model, names)}; "
                                                    f"use one of: {', '.join(names)}")
+
+
+def _check_teacher_embeddings(recipe: "Recipe", dim: int, streamed: bool) -> None:
+    """embedding_mse's teacher folder, from its index only (no vector is read): it exists, and its vectors have the
+    student's size; what cannot be matched to rows (streamed data) or to a truncated embedding (Matryoshka) is
+    refused. The rows themselves are matched when the training data is loaded (`TeacherEmbeddings.check_rows`)."""
+    from vembed.data.teacher_embeddings import KEY, read_index
+
+    if streamed:
+        raise RecipeError(KEY, "teacher embeddings are matched to the rows of files read whole; set "
+                               "data.streaming: false")
+    if recipe.loss.mrl_dims:
+        raise RecipeError("mrl_dims", f"{recipe.loss_type} regresses the whole embedding onto the teacher's; "
+                                      "remove mrl_dims")
+    teacher_dim = read_index(recipe.loss.teacher_embeddings).get("dim")
+    if teacher_dim != dim:
+        raise RecipeError(KEY, f"the teacher's embeddings in {recipe.loss.teacher_embeddings!r} have {teacher_dim} "
+                               f"dims, this student's {dim}: give a student of the teacher's size (a projection "
+                               "between the two is not built)")
 
 
 def _check_token_vectors(recipe: "Recipe") -> None:
