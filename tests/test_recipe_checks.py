@@ -29,7 +29,8 @@ ELSEWHERE: dict[str, set[str]] = {
     "vembed/components.py": {"RegistryCatalog.component"},  # stage 1: an unknown model_type / loss_type
     "vembed/tasks/__init__.py": {"task_name_for"},  # stage 2: the model and the loss train the same task
     "vembed/tasks/contrastive.py": {"_check_not_streamed", "_check_source_and_stage_keys", "_check_token_vectors",
-                                    "_resolve_best_metric"},  # stage 4, ContrastiveTask.check_recipe
+                                    "_resolve_best_metric", "_check_teacher_embeddings",  # stage 4
+                                    "ContrastiveTask.load_train_data"},  # the teacher's rows, as the data is read
     "vembed/tasks/classification.py": {"class_names"},  # stage 4, ClassificationTask.check_recipe
     "vembed/reranking/task.py": {"_check_evaluation"},  # stage 4, RerankTask.check_recipe
     "vembed/reranking/cross_encoder.py": {"CrossEncoderAdapter.settings_of", "CrossEncoderAdapter.hf_config",
@@ -49,6 +50,8 @@ ELSEWHERE: dict[str, set[str]] = {
     "vembed/data/corpus.py": {"CorpusSource.check"},
     "vembed/data/embedding_shards.py": {"read_index"},
     "vembed/data/labelled.py": {"read_labelled_images", "_image_folder", "_table"},
+    "vembed/data/teacher_embeddings.py": {"read_index"},  # loss.teacher_embeddings, the vembed extract folder
+    "vembed/extraction.py": {"extract_teacher_embeddings"},  # vembed extract --recipe: its data.train
     # --- output folders (stage 5 and the tools' --out / --cache-dir) ---
     "vembed/training/run_dir.py": {"check_output_dir", "_check_writable"},
     "vembed/files.py": {"check_replaceable"},
@@ -69,8 +72,8 @@ ELSEWHERE: dict[str, set[str]] = {
                                  "load_embedding_model"},
     "vembed/generation/__init__.py": {"load_generator"},
     "vembed/cli.py": {"_index_command"},
-    "vembed/entrypoints/evaluate.py": {"_evaluate_corpus", "run.body"},
-    "vembed/entrypoints/extract.py": {"run.body"},
+    "vembed/entrypoints/evaluate.py": {"_evaluate_corpus", "run.body", "_named_sources"},
+    "vembed/entrypoints/extract.py": {"run.body", "_mode"},
     "vembed/entrypoints/mine.py": {"run.body"},
 }
 

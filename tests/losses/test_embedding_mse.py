@@ -147,7 +147,7 @@ def test_a_changed_query_text_makes_the_teacher_file_stale(distill):
 
 
 def test_a_student_of_another_size_than_the_teacher_is_refused_before_anything_is_built(distill):
-    from vembed.tasks import check_recipe
+    from vembed.recipe_checks import check_recipe
 
     raw = dict(distill["recipe"])
     check_recipe(recipe_from_dict(raw))
