@@ -89,6 +89,21 @@ def stages_of(recipe: "Recipe") -> list[Stage]:
     return stages
 
 
+def planned_stages(recipe: "Recipe", dataset: Any, collate: Any, num_processes: int) -> list[Stage]:
+    """The stages to run, each with its (unprepared) training loader and its length planned, in batches per process
+    and optimizer steps, from the step where the previous one ends: the last one's `end_step` is the run's total."""
+    from vembed.training.train_loader import batches_per_epoch, train_loader
+
+    stages = stages_of(recipe)
+    first_step = 0
+    for stage in stages:
+        stage.loader, stage.batch_sampler = train_loader(dataset, collate, recipe, num_processes, stage)
+        stage.plan(batches_per_epoch(stage.loader, len(dataset), recipe, num_processes),
+                   recipe.gradient_accumulation_steps, first_step)
+        first_step = stage.end_step
+    return stages
+
+
 def staged_scheduler(optimizer: "Optimizer", stages: list[Stage], scheduler_type: str, warmup_ratio: float,
                      base_learning_rate: float) -> LambdaLR:
     """One `LambdaLR` over the whole curriculum: in stage k, `stage lr / base lr × shape(step - first step of k)`,
