@@ -138,7 +138,8 @@ def _evaluate_corpus(args: argparse.Namespace, accelerator: "Accelerator") -> di
 
 
 def _evaluate_pairs(args: argparse.Namespace, accelerator: "Accelerator") -> dict[str, float]:
-    from vembed.data.sources import check_data_paths, load_examples
+    from vembed.data.paths import check_data_paths
+    from vembed.data.sources import load_examples
     from vembed.entrypoints import quiet_libraries
     from vembed.errors import RecipeError
     from vembed.models.foreign import load_embedding_model
