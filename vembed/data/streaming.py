@@ -176,7 +176,7 @@ def read_sizes(paths: Sequence[str]) -> list[int | None]:
     return sizes
 
 
-# --- the plan of an epoch ------------------------------------------------------------------------------------------
+# --- the plan of an epoch (its batches per rank by the shard index; not the launch or memory plan) ----------------
 
 
 def mix_seed(*parts: int) -> int:

@@ -53,6 +53,9 @@ class DeepSpeedSettings:
 
 @dataclass(frozen=True)
 class LaunchPlan:
+    """The launch plan: how this run is distributed, decided once (`decide_launch`). Not the memory plan of `vembed
+    plan` (planning.py's `MemoryPlan`), which estimates every strategy without launching any."""
+
     kind: LaunchKind
     world_size: int
     on_cpu: bool

@@ -50,6 +50,8 @@ class Stage:
         return self.first_step + self.total_steps
 
     def plan(self, batches_per_epoch: int, accumulation: int, first_step: int) -> None:
+        """The stage's length: its epochs in micro-batches per process and optimizer steps, from `first_step` (a
+        stage plan, not the launch plan of launch_plan.py nor the memory plan of `vembed plan`)."""
         # accelerate also steps at the end of an epoch whose micro-batches do not fill the last accumulation.
         self.batches_per_epoch = batches_per_epoch
         self.steps_per_epoch = math.ceil(batches_per_epoch / accumulation)
