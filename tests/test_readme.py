@@ -82,3 +82,37 @@ def test_the_readmes_offline_commands_run_as_written(tmp_path):
         assert result.returncode == 0, f"{command}\n{result.stderr[-2000:]}"
         if "vembed plan" in command:
             assert "recommendation: " in result.stdout
+
+
+def layout_entries() -> dict[str, set[str]]:
+    """README's Layout block as {entry: names it mentions}: an entry is a line starting at the margin (`vembed/data/`,
+    `vembed/recipe.py`) with its indented continuation lines; names are words, `.py` dropped (`clip`, `sources`)."""
+    block = re.search(r"## Layout\n\n```\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S).group(1)
+    entries: dict[str, set[str]] = {}
+    key = ""
+    for line in block.splitlines():
+        if line and not line[0].isspace():
+            key = line.split()[0]
+            entries[key] = set()
+        entries[key] |= {word.removesuffix(".py") for word in re.findall(r"[\w.]+", line)}
+    return entries
+
+
+def test_the_layout_names_every_module():
+    """Each module of the package is named in its folder's entry (a top-level module anywhere: cli.py sits with the
+    entrypoints), so a module moved or added shows up in the one map a newcomer reads."""
+    entries = layout_entries()
+    top_level = set().union(*entries.values())
+    missing = []
+    for path in sorted((REPO / "vembed").rglob("*.py")):
+        relative = path.relative_to(REPO)
+        if path.name == "__init__.py":
+            continue
+        if len(relative.parts) == 2:
+            named = path.stem in top_level
+        else:
+            folder = "/".join(relative.parts[:-1]) + "/"
+            named = path.stem in entries.get(folder, set())
+        if not named:
+            missing.append(str(relative))
+    assert not missing, f"README's Layout does not name: {', '.join(missing)}"

@@ -44,8 +44,8 @@ ELSEWHERE: dict[str, set[str]] = {
     "vembed/generation/dit.py": {"config_from_recipe", "Blip3oDiT.on_meta"},  # stage 4 (flow) and the planner
     "vembed/planning.py": {"choose_gradient_cache", "EncoderShape.from_config"},  # stage 6; the planner's shapes
     # --- the data's readers: stage 4 (files exist) and, naming file and key, as the data is read ---
-    "vembed/data/sources.py": {"check_data_paths", "resolve_files", "_resolve_one", "builder_for", "load_rows",
-                               "_load_corpus_pairs"},
+    "vembed/data/paths.py": {"check_data_paths", "resolve_files", "_resolve_one", "builder_for"},
+    "vembed/data/sources.py": {"load_rows", "_load_corpus_pairs"},
     "vembed/data/streaming.py": {"check_stream_recipe", "find_shards", "require_backend", "_check_first_sample"},
     "vembed/data/corpus.py": {"CorpusSource.check"},
     "vembed/data/embedding_shards.py": {"read_index"},
@@ -166,7 +166,7 @@ def test_the_home_names_every_task_whose_rules_it_calls():
 # --- the stages, called directly --------------------------------------------------------------------------------------
 
 def _promise(command: str | None = "python run.py"):
-    from vembed.training.launcher import LaunchPromise
+    from vembed.training.launch_promise import LaunchPromise
 
     return LaunchPromise(command, None)
 

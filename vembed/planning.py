@@ -1,5 +1,9 @@
 """The memory planner behind `vembed plan`: per-device memory of a recipe under each launch strategy, and a choice.
 
+"Plan" means four things in vembed; this is the memory plan (`MemoryPlan`). The others: the launch plan
+(training/launch_plan.py, `LaunchPlan`: how this launch is distributed, decided once), a stage's length
+(training/stages.py, `Stage.plan`) and a streamed epoch's batches by the shard index (data/streaming.py).
+
 Everything is estimated from configs: the adapter is built on the meta device (`EmbeddingAdapter.on_meta`, no
 weights read), so parameter counts are exact, and LoRA counts are exact too because the same `apply_lora` that
 training uses runs on the meta model. Bytes per device, for Ψ parameters of which Ψt are trainable, N devices:
@@ -560,7 +564,11 @@ def usable_bytes(gpu_memory_gib: float) -> float:
 
 
 @dataclass
-class Plan:
+class MemoryPlan:
+    """The memory plan `vembed plan` prints: each strategy's estimate per device for a recipe on `gpus` GPUs of
+    `gpu_memory_gib`, and the one recommended. Not the launch plan (training/launch_plan.py's `LaunchPlan`: what this
+    launch does), which it only advises."""
+
     recipe_path: str
     gpus: int
     gpu_memory_gib: float
@@ -601,7 +609,7 @@ def _gib(value: float) -> str:
     return f"{value / GIB:.1f} GiB"
 
 
-def _recommend(plan: Plan) -> tuple[str | None, str, str]:
+def _recommend(plan: MemoryPlan) -> tuple[str | None, str, str]:
     """(strategy name, recommendation, reason), the name None when nothing fits. The decision tree of the distributed-training guide we started from: fits on one device → DDP (single on
     one GPU); the model fits but not the batch → DDP + GradCache with a chunk that fits; the model does not fit →
     FSDP + LoRA, then ZeRO-3 + LoRA, then CPU offload. Gradient checkpointing is proposed whenever it is what makes a
@@ -657,7 +665,7 @@ def _recommend(plan: Plan) -> tuple[str | None, str, str]:
         "model")
 
 
-def _as_the_run_does_it(recipe: "Recipe", plan: Plan, name: str | None, recommendation: str,
+def _as_the_run_does_it(recipe: "Recipe", plan: MemoryPlan, name: str | None, recommendation: str,
                         reason: str) -> tuple[str, str]:
     """The recommendation as the launch will carry it out: GradCache on or off is the run's rule
     (`choose_gradient_cache`), so the plan asks the same rule instead of recommending what the run would not do."""
@@ -685,7 +693,7 @@ def planned_strategies(model: ModelSize) -> list[Strategy]:
     return [s for s in STRATEGIES if (model.lora or not s.lora) and (model.gradient_cache or not s.gradient_cache)]
 
 
-def make_plan(recipe: "Recipe", gpus: int, gpu_memory_gib: float, recipe_path: str = "") -> Plan:
+def make_plan(recipe: "Recipe", gpus: int, gpu_memory_gib: float, recipe_path: str = "") -> MemoryPlan:
     """Estimate every strategy for `recipe` on `gpus` devices of `gpu_memory_gib` GiB and pick one."""
     if gpus < 1:
         raise RecipeError("--gpus", f"must be at least 1, got {gpus}")
@@ -693,7 +701,7 @@ def make_plan(recipe: "Recipe", gpus: int, gpu_memory_gib: float, recipe_path: s
         raise RecipeError("--gpu-memory", f"must be a positive number of GiB, got {gpu_memory_gib}")
     model = measure_model(recipe)
     work = workload_for(recipe, model, gpus)
-    plan = Plan(recipe_path, gpus, gpu_memory_gib, model, work, recipe.use_lora, recipe.gradient_checkpointing,
+    plan = MemoryPlan(recipe_path, gpus, gpu_memory_gib, model, work, recipe.use_lora, recipe.gradient_checkpointing,
                 recipe.lora_r)
     chunk = recipe.gradient_cache_chunk_size
     if chunk is None:  # no chunk in the recipe: show the one we would recommend (1 when none fits)
@@ -704,7 +712,7 @@ def make_plan(recipe: "Recipe", gpus: int, gpu_memory_gib: float, recipe_path: s
     return plan
 
 
-def format_plan(plan: Plan) -> str:
+def format_plan(plan: MemoryPlan) -> str:
     """The table `vembed plan` prints: GiB per device, each strategy, with and without gradient checkpointing."""
     work, model = plan.work, plan.model
     precision = "bf16/fp16 autocast" if work.mixed_precision else "fp32"

@@ -15,7 +15,7 @@ tests/test_recipe_checks.py fails when a recipe error is raised anywhere else.
    tracker of report_to is installed.
 4. The task's rules (`Task.check_recipe` of the registered task), which call the data's and the adapter's:
    - contrastive (`vembed/tasks/contrastive.py`): data.format; what streamed data cannot do, and its shards
-     (`vembed.data.streaming.check_stream_recipe`); the data files exist (`vembed.data.sources.check_data_paths`);
+     (`vembed.data.streaming.check_stream_recipe`); the data files exist (`vembed.data.paths.check_data_paths`);
      the adapter's own rules (`check_recipe` of its class in `vembed/models/`: model_name or model_config, a
      tokenizer for a random-init text tower, ...); per-source instructions and stage image sizes the adapter can
      honour; token vectors and the loss agree; the GISTEmbed guide folder holds a model (`vembed/losses/guide.py`);
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from vembed.planning import GradientCacheChoice, LaunchKind
     from vembed.recipe import Recipe
     from vembed.tasks import Task
-    from vembed.training.launcher import LaunchPromise
+    from vembed.training.launch_promise import LaunchPromise
 
 
 def check_recipe(recipe: "Recipe", *, for_training: bool = True) -> None:

@@ -28,7 +28,7 @@ def _no_records(monkeypatch):
 
 
 def test_a_text_only_table_gives_no_image_paths_without_making_records(tmp_path, monkeypatch):
-    monkeypatch.setattr("vembed.data.sources.SMALL_JSON_BYTES", 0)  # mapped through datasets, as large files are
+    monkeypatch.setattr("vembed.data.tables.SMALL_JSON_BYTES", 0)  # mapped through datasets, as large files are
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps({"query": f"q{i}", "positive": f"p{i}", "negatives": [f"n{i}"]}) + "\n"
                             for i in range(50)))
@@ -76,7 +76,7 @@ def _write(tmp_path, fmt):
 @pytest.mark.parametrize("negatives", [0, 1, 2])
 def test_image_paths_from_the_columns_are_those_the_records_name(tmp_path, monkeypatch, fmt, negatives):
     if fmt != "jsonl small":
-        monkeypatch.setattr("vembed.data.sources.SMALL_JSON_BYTES", 0)
+        monkeypatch.setattr("vembed.data.tables.SMALL_JSON_BYTES", 0)
     path = _write(tmp_path, fmt)
     config = DataConfig(train=str(path), num_hard_negatives=negatives, max_bad_fraction=0.5)
     rows, _ = load_rows(config, "train")
@@ -95,7 +95,7 @@ def test_image_cells_stored_as_bytes_and_path_give_their_files_and_embedded_byte
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    monkeypatch.setattr("vembed.data.sources.SMALL_JSON_BYTES", 0)
+    monkeypatch.setattr("vembed.data.tables.SMALL_JSON_BYTES", 0)
     _write(tmp_path, "jsonl")
     files = [str(tmp_path / f"{n}.png") for n in ["a", "b", "c", "d"]]
     image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])

@@ -1,4 +1,5 @@
-"""vembed/data/sources.py: finding files, reading rows into Examples, skipping and counting bad rows."""
+"""vembed/data/sources.py with paths.py, tables.py and reports.py: finding files, reading rows into Examples,
+skipping and counting bad rows."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import os
 
 import pytest
 
-from vembed.data.sources import check_data_paths, load_examples, resolve_files
+from vembed.data.paths import check_data_paths, resolve_files
+from vembed.data.sources import load_examples
 from vembed.errors import DataError, RecipeError
 from vembed.recipe import DataConfig
 
@@ -23,7 +25,7 @@ def _private_datasets_cache(tmp_path_factory, monkeypatch):
 def json_reading(request, monkeypatch):
     """JSON read both ways: with the standard library (small files) and memory-mapped through datasets (large)."""
     if request.param == "mapped":
-        monkeypatch.setattr("vembed.data.sources.SMALL_JSON_BYTES", 0)
+        monkeypatch.setattr("vembed.data.tables.SMALL_JSON_BYTES", 0)
     return request.param
 
 
@@ -377,7 +379,8 @@ def test_column_checks_agree_with_the_row_reader_on_every_row(tmp_path, fmt, jso
 
     from vembed.data.checks import IMAGE, REASONS, TEXT, check_rows
     from vembed.data.reader import RowReader, Skipped
-    from vembed.data.sources import _json_parts, _undecoded_images, builder_for, read_table
+    from vembed.data.paths import builder_for
+    from vembed.data.tables import _undecoded_images, json_parts, read_table
 
     _png(tmp_path / "ok.png")
     if fmt == "jsonl":
@@ -393,7 +396,7 @@ def test_column_checks_agree_with_the_row_reader_on_every_row(tmp_path, fmt, jso
     table = read_table(str(path), builder_for(str(path)), "train")
     table = _undecoded_images(table.select_columns([c for c in columns.values() if c in table.column_names]), [])
     reader = RowReader(str(path), builder_for(str(path)), columns, str(tmp_path),
-                       json_parts=_json_parts(table, columns))  # mixed list/string negatives: datasets stores JSON
+                       json_parts=json_parts(table, columns))  # mixed list/string negatives: datasets stores JSON
     checks = check_rows(table, reader)
     for position in range(len(TRICKY_ROWS)):
         if hasattr(table, "records"):
@@ -423,7 +426,7 @@ def test_large_files_are_memory_mapped_and_records_are_made_on_fetch(tmp_path, m
     from vembed.data.rows import PairRows
     from vembed.data.sources import load_rows
 
-    monkeypatch.setattr("vembed.data.sources.SMALL_JSON_BYTES", 0)
+    monkeypatch.setattr("vembed.data.tables.SMALL_JSON_BYTES", 0)
     path = _jsonl(tmp_path / "pairs.jsonl", ROWS * 4)
     rows, report = load_rows(DataConfig(train=str(path)), "train")
     assert isinstance(rows, PairRows) and len(rows) == 12 and report.kept == 12
@@ -437,7 +440,7 @@ def test_a_second_load_maps_the_cached_checks_instead_of_checking_again(tmp_path
     from vembed.data import checks
     from vembed.data.sources import load_rows
 
-    monkeypatch.setattr("vembed.data.sources.SMALL_JSON_BYTES", 0)
+    monkeypatch.setattr("vembed.data.tables.SMALL_JSON_BYTES", 0)
     path = _jsonl(tmp_path / "pairs.jsonl", ROWS + [{"query": "", "positive": "p"}])
     calls = []
     original = checks.BatchChecker.__call__
@@ -463,7 +466,8 @@ def test_one_rank_per_node_builds_the_cache_the_others_wait_and_map_it(tmp_path)
 
     path = _jsonl(tmp_path / "pairs.jsonl", [{"query": f"q{i}", "positive": f"p{i}"} for i in range(3000)])
     code = (
-        "import sys, time, vembed.data.sources as s, vembed.data.checks as c; s.SMALL_JSON_BYTES = 0; calls = []; "
+        "import sys, time, vembed.data.sources as s, vembed.data.tables as t, vembed.data.checks as c; "
+        "t.SMALL_JSON_BYTES = 0; calls = []; "
         "original = c.BatchChecker.__call__; "  # slow checks: the other rank surely arrives while they run
         "c.BatchChecker.__call__ = lambda self, batch: calls.append(1) or time.sleep(3) or original(self, batch); "
         "from vembed.recipe import DataConfig; "
@@ -491,7 +495,7 @@ def test_image_rows_are_checked_in_worker_processes_with_the_same_result(tmp_pat
     rows = [{"query": f"q{i}", "positive_image": "ok.png" if i % 7 else "gone.png"} for i in range(40)]
     path = _jsonl(tmp_path / "pairs.jsonl", rows)
     config = DataConfig(train=str(path), max_bad_fraction=0.2)
-    monkeypatch.setattr("vembed.data.sources.SMALL_JSON_BYTES", 0)
+    monkeypatch.setattr("vembed.data.tables.SMALL_JSON_BYTES", 0)
     in_process, report = load_rows(config, "train")
     used = []
     original = checks._check_processes

@@ -49,9 +49,9 @@ def test_a_process_a_launch_started_does_not_launch_again(monkeypatch):
     import argparse
 
     from vembed.entrypoints import evaluate
-    from vembed.training.launcher import LAUNCHER_PID_ENV
+    from vembed.training.launch_promise import LAUNCHER_PID_ENV
 
-    monkeypatch.setattr("vembed.training.launcher._parent_accelerate_launch_arguments", lambda: None)
+    monkeypatch.setattr("vembed.training.launch_promise._parent_accelerate_launch_arguments", lambda: None)
     monkeypatch.delenv(LAUNCHER_PID_ENV, raising=False)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     args = argparse.Namespace(accelerate_config="ddp_cpu", num_processes=None)

@@ -273,7 +273,7 @@ def test_when_one_rank_fails_its_own_error_is_the_line_shown_naming_the_rank(tmp
 def test_a_process_that_is_its_own_launcher_does_not_die_with_itself():
     """The launcher's pid in the environment of the launcher itself (it trains or evaluates in-process, or a promise
     was left behind) must not make stop_with_launcher end it: it did, with os._exit(1), taking a test run along."""
-    code = ("import os; from vembed.training.launcher import LAUNCHER_PID_ENV, stop_with_launcher; "
+    code = ("import os; from vembed.training.launch_promise import LAUNCHER_PID_ENV, stop_with_launcher; "
             "os.environ[LAUNCHER_PID_ENV] = str(os.getpid()); print(stop_with_launcher())")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "False", result.stderr

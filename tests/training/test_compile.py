@@ -105,7 +105,7 @@ def test_compile_is_refused_by_the_plan_where_it_is_not_verified(no_dropout, mon
     for name in ("ACCELERATE_USE_FSDP", "VEMBED_FSDP", "ACCELERATE_USE_DEEPSPEED", "WORLD_SIZE",
                  "VEMBED_EXPECTED_WORLD_SIZE", "VEMBED_LAUNCHER", "ACCELERATE_DEEPSPEED_CONFIG_FILE"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr("vembed.training.launcher._parent_accelerate_launch_arguments", lambda: None)
+    monkeypatch.setattr("vembed.training.launch_promise._parent_accelerate_launch_arguments", lambda: None)
     for name, value in launch.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(ClipAdapter, "from_recipe", classmethod(lambda cls, recipe: pytest.fail("model built")))

@@ -80,7 +80,7 @@ def launch_env(monkeypatch):
     for name in ("ACCELERATE_USE_FSDP", "VEMBED_FSDP", "ACCELERATE_USE_DEEPSPEED", "WORLD_SIZE",
                  "VEMBED_EXPECTED_WORLD_SIZE", "VEMBED_LAUNCHER", "ACCELERATE_DEEPSPEED_CONFIG_FILE"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr("vembed.training.launcher._parent_accelerate_launch_arguments", lambda: None)
+    monkeypatch.setattr("vembed.training.launch_promise._parent_accelerate_launch_arguments", lambda: None)
 
     def apply(variables: dict[str, str]) -> None:
         for name, value in variables.items():
@@ -190,7 +190,7 @@ def test_a_broken_promise_names_the_flag_of_the_command_that_was_run(tiny_clip_r
 
 
 def test_accelerate_launch_promises_the_count_of_its_flag_or_its_config(tmp_path, monkeypatch):
-    from vembed.training.launcher import promise_of_accelerate_launch
+    from vembed.training.launch_promise import promise_of_accelerate_launch
 
     saved = tmp_path / "default_config.yaml"
     saved.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\n")

@@ -32,7 +32,7 @@ def test_local_processes_come_from_the_launchers_local_world_size():
 
 @pytest.fixture
 def no_parent_launcher(monkeypatch):
-    monkeypatch.setattr("vembed.training.launcher._parent_accelerate_launch_arguments", lambda: None)
+    monkeypatch.setattr("vembed.training.launch_promise._parent_accelerate_launch_arguments", lambda: None)
 
 
 def test_the_1_accelerates_one_process_launcher_injects_is_not_the_users(no_parent_launcher, monkeypatch):
@@ -63,7 +63,7 @@ def test_under_accelerate_launch_or_torchrun_the_launchers_own_environment_says_
     assert user_omp_num_threads(launched) == "1"
     monkeypatch.setattr(threads, "_parent_environment", lambda: None)  # unreadable (not Linux): taken as the user's
     assert user_omp_num_threads(launched) == "1"
-    monkeypatch.setattr("vembed.training.launcher._parent_accelerate_launch_arguments", lambda: ["train.py"])
+    monkeypatch.setattr("vembed.training.launch_promise._parent_accelerate_launch_arguments", lambda: ["train.py"])
     monkeypatch.setattr(threads, "_parent_environment", lambda: {})
     assert user_omp_num_threads({"OMP_NUM_THREADS": "1"}) is None  # accelerate's simple launcher, one process
 

@@ -11,12 +11,12 @@ from typing import Any
 from vembed.data.records import Example, Side
 
 _LAZY = {
-    "resolve_files": "vembed.data.sources",
+    "resolve_files": "vembed.data.paths",
     "load_examples": "vembed.data.sources",
     "load_rows": "vembed.data.sources",
     "PairRows": "vembed.data.rows",
-    "DataReport": "vembed.data.sources",
-    "BadRow": "vembed.data.sources",
+    "DataReport": "vembed.data.reports",
+    "BadRow": "vembed.data.reports",
     "PairDataset": "vembed.data.dataset",
     "PairCollator": "vembed.data.collate",
     "EpochShuffleSampler": "vembed.data.sampler",

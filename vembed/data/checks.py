@@ -281,8 +281,8 @@ def _text_list_counts(values: Any, size: int) -> np.ndarray | None:
 
 def check_rows(table: Any, reader: RowReader) -> RowChecks:
     """The checks of every row of `table`: a `datasets.Dataset` (checked by `Dataset.map` in batches of Arrow rows,
-    the result cached) or in-memory `Rows` (checked in batches of Python lists)."""
-    if hasattr(table, "records"):  # vembed.data.sources.Rows: small files, read without datasets
+    the result cached) or in-memory `JsonRows` (checked in batches of Python lists)."""
+    if hasattr(table, "records"):  # vembed.data.tables.JsonRows: small files, read without datasets
         parts = [_as_checks(BatchChecker(reader)(batch)) for batch in table.iter(CHECK_BATCH_ROWS)]
         return RowChecks.concat(parts)
     return _check_dataset(table, reader)

@@ -1,4 +1,4 @@
-"""The record types every data source produces and every adapter consumes."""
+"""The record types (`Example`, `Side`): what every row of every data source becomes and every adapter consumes."""
 
 from __future__ import annotations
 

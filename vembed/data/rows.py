@@ -1,4 +1,6 @@
-"""The records of a split, made one at a time on fetch from tables that stay on disk (Arrow, memory-mapped).
+"""A split's kept rows (`PairRows`), each made an `Example` by reader.py only when fetched, from tables left on disk.
+
+The tables are Arrow, memory-mapped, or small JSON files read whole (tables.py).
 
 Only integer arrays live in Python memory (the kept row positions and a few per-row figures from the checks), so a
 rank holds a few bytes per row instead of a Python object graph per record; the mapped Arrow files are the same pages
@@ -26,7 +28,7 @@ class TablePart:
     """The kept rows of one file: where they are in its table, and what the checks found about them."""
 
     reader: RowReader
-    table: Any  # a datasets.Dataset (only the columns used) or vembed.data.sources.Rows
+    table: Any  # a datasets.Dataset (only the columns used) or vembed.data.tables.JsonRows
     rows: np.ndarray  # positions of the kept rows in `table`, in file order
     checks: RowChecks  # the checks of the kept rows only, aligned with `rows`
     num_negatives: int  # hard negatives every record keeps (longer lists are cut)

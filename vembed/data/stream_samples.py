@@ -66,7 +66,7 @@ def read_data_files(files: Sequence[str], on_error: ErrorSink) -> Iterator[RawRe
     than `for row in dataset`: inside a DataLoader worker the latter splits the file's shards across workers again."""
     import datasets
 
-    from vembed.data.sources import builder_for
+    from vembed.data.paths import builder_for
 
     for path in files:
         row = 0
@@ -222,7 +222,7 @@ def _member_value(part: str, data: bytes) -> Any:
 
 
 def _builder(path: str) -> str:
-    from vembed.data.sources import builder_for
+    from vembed.data.paths import builder_for
 
     return builder_for(path)
 

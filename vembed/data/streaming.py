@@ -38,8 +38,9 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
+from vembed.data.reader import SKIP_FIXES
 from vembed.data.records import Example
-from vembed.data.sources import MAX_BAD_ROWS_SHOWN, SKIP_FIXES, BadRow, DataReport
+from vembed.data.reports import MAX_BAD_ROWS_SHOWN, BadRow, DataReport
 from vembed.data.stream_samples import READERS, RawRecord, SampleDecoder, SampleSkipped
 from vembed.errors import DataError, RecipeError
 
@@ -128,7 +129,7 @@ def find_shards(data_cfg: "DataConfig", split: str = "train") -> tuple[str, list
     if data_cfg.format in ("hf", "shards"):
         raise RecipeError("data.streaming", f"cannot stream format {data_cfg.format!r}; stream tar shards or "
                                             "JSONL/CSV/Parquet files, or set data.streaming: false")
-    from vembed.data.sources import resolve_files
+    from vembed.data.paths import resolve_files
 
     files = resolve_files(value, data_cfg.format, key=key)
     return "datasets", [os.path.abspath(path) for path in files]
@@ -175,7 +176,7 @@ def read_sizes(paths: Sequence[str]) -> list[int | None]:
     return sizes
 
 
-# --- the plan of an epoch ------------------------------------------------------------------------------------------
+# --- the plan of an epoch (its batches per rank by the shard index; not the launch or memory plan) ----------------
 
 
 def mix_seed(*parts: int) -> int:

@@ -41,7 +41,7 @@ def _hand_to_launcher(line: str, peer_lost: bool) -> bool:
     import json
     import time
 
-    from vembed.training.launcher import LAUNCHER_PID_ENV
+    from vembed.training.launch_promise import LAUNCHER_PID_ENV
 
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not error_file or not os.environ.get(LAUNCHER_PID_ENV):

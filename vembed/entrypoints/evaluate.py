@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 def _asks_for_a_launch(args: argparse.Namespace) -> bool:
     """--accelerate_config / --num_processes launch processes, except in a process a launch started (they see the
     same arguments)."""
-    from vembed.training.launcher import LAUNCHER_PID_ENV, started_by_accelerate_or_torchrun
+    from vembed.training.launch_promise import LAUNCHER_PID_ENV, started_by_accelerate_or_torchrun
 
     asked = args.accelerate_config is not None or args.num_processes is not None
     return asked and not (os.environ.get(LAUNCHER_PID_ENV) or started_by_accelerate_or_torchrun(os.environ))
@@ -101,7 +101,7 @@ def _is_corpus(args: argparse.Namespace) -> bool:
 
 def _evaluate(args: argparse.Namespace, corpus: bool) -> int:
     """Evaluate in this process, one of the processes a launch started or the only one; rank 0 reports."""
-    from vembed.training.launcher import command_accelerator, stop_with_launcher
+    from vembed.training.launch_promise import command_accelerator, stop_with_launcher
     from vembed.training.threads import use_threads
 
     stop_with_launcher()  # a process `vembed eval` launched never outlives it
@@ -140,7 +140,8 @@ def _evaluate_corpus(args: argparse.Namespace, accelerator: "Accelerator") -> di
 
 
 def _evaluate_pairs(args: argparse.Namespace, accelerator: "Accelerator") -> dict[str, float]:
-    from vembed.data.sources import check_data_paths, load_examples
+    from vembed.data.paths import check_data_paths
+    from vembed.data.sources import load_examples
     from vembed.entrypoints import quiet_libraries
     from vembed.errors import RecipeError
     from vembed.models.foreign import load_embedding_model

@@ -25,7 +25,7 @@ from vembed.entrypoints import run_cli
 from vembed.entrypoints.train import add_arguments as add_train_arguments
 from vembed.errors import LaunchError
 from vembed.resources import accelerate_configs, package_root
-from vembed.training.launcher import EXPECTED_WORLD_SIZE_ENV, LAUNCHER_ENV, LAUNCHER_PID_ENV
+from vembed.training.launch_promise import EXPECTED_WORLD_SIZE_ENV, LAUNCHER_ENV, LAUNCHER_PID_ENV
 from vembed.training.threads import USER_THREADS_ENV
 
 # Shipped inside the package, so an installed vembed finds them from any directory (the clone's accelerate_configs/
@@ -260,8 +260,8 @@ def start(launch_args: list[str], num_processes: int, config: Path, command_name
           here: Callable[[], int]) -> int:
     """`accelerate launch LAUNCH_ARGS`; when that starts one plain process, `here()` runs in this process instead, in
     the environment accelerate would give that process (a second interpreter's imports, ~2.5 s, saved)."""
-    # What the launched processes check they got (vembed/training/launcher.py), how to phrase hints, and the user's
-    # own OMP_NUM_THREADS, as accelerate's launcher puts 1 in its place (vembed/training/threads.py).
+    # What the launched processes check they got (vembed/training/launch_promise.py), how to phrase hints, and the
+    # user's own OMP_NUM_THREADS, as accelerate's launcher puts 1 in its place (vembed/training/threads.py).
     promise = {EXPECTED_WORLD_SIZE_ENV: str(num_processes), LAUNCHER_ENV: command_name,
                USER_THREADS_ENV: os.environ.get("OMP_NUM_THREADS", "")}
     one_process = one_plain_process_env(launch_args)

@@ -149,7 +149,7 @@ def _check_world_size(started: int) -> None:
     """The launcher's promised process count is the one running (`accelerate launch --cpu --num_processes 2`
     starts one process without a word: mining would run, slower, and the user would believe it used two)."""
     from vembed.errors import LaunchError
-    from vembed.training.launcher import read_promise
+    from vembed.training.launch_promise import read_promise
 
     promise = read_promise()
     if promise.num_processes is not None and promise.num_processes != started:

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     def body() -> int:
         from vembed.components import load_recipe
         from vembed.recipe_checks import check_recipe
-        from vembed.training.launcher import stop_with_launcher
+        from vembed.training.launch_promise import stop_with_launcher
 
         stop_with_launcher()  # a rank never outlives the launcher that started it
 

@@ -79,7 +79,9 @@ def list_shape(columns: Sequence[str]) -> str | None:
 def read_lists(data: "DataConfig", split: str) -> tuple[Sequence[RankList], Any]:
     """The lists of `data.<split>` and a report of what was read."""
     from vembed.data.corpus import corpus_sources
-    from vembed.data.sources import builder_for, load_rows, read_table, resolve_files
+    from vembed.data.paths import builder_for, resolve_files
+    from vembed.data.sources import load_rows
+    from vembed.data.tables import read_table
 
     value = getattr(data, split)
     if not corpus_sources(data, split) and not isinstance(value, dict):

@@ -75,7 +75,7 @@ class RerankTask(Task):
     @classmethod
     def check_recipe(cls, recipe: "Recipe", *, for_training: bool = True) -> None:
         from vembed.components import model_class
-        from vembed.data.sources import check_data_paths
+        from vembed.data.paths import check_data_paths
 
         if recipe.use_gradient_cache:
             raise RecipeError("use_gradient_cache", NO_GRADIENT_CACHE)

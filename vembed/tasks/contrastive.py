@@ -125,7 +125,7 @@ class ContrastiveTask(Task):
 
     @classmethod
     def check_recipe(cls, recipe: "Recipe", *, for_training: bool = True) -> None:
-        from vembed.data.sources import check_data_paths
+        from vembed.data.paths import check_data_paths
         from vembed.models import MODELS
 
         if recipe.data.format == "shards":

@@ -1,7 +1,7 @@
 """The launch plan: every decision about how this run is distributed, made once, before any data row or weight is read.
 
 Inputs are the environment the launcher set (accelerate's variables, WORLD_SIZE), what the launcher promised
-(`launcher.py`), the recipe, and where a rule needs it, the model built on the meta device (shapes, no weights).
+(`launch_promise.py`), the recipe, and where a rule needs it, the model built on the meta device (shapes, no weights).
 Output is a frozen `LaunchPlan`: the kind of launch and its settings (DeepSpeed stage, FSDP sharding), the world
 size, GradCache on or off and why. Every refusal (a launch that would silently do something else than asked, or
 one that cannot work) is raised here, so a bad combination fails in seconds instead of after an 8B model is loaded:
@@ -25,7 +25,7 @@ from vembed.errors import LaunchError
 from vembed.planning import GradientCacheChoice, LaunchKind
 from vembed.recipe_checks import check_launch
 from vembed.training.fsdp import FSDP_ENV, VEMBED_FSDP_ENV, settings_from_launch
-from vembed.training.launcher import LaunchPromise, read_promise
+from vembed.training.launch_promise import LaunchPromise, read_promise
 
 if TYPE_CHECKING:
     from vembed.recipe import Recipe
@@ -56,6 +56,9 @@ class DeepSpeedSettings:
 
 @dataclass(frozen=True)
 class LaunchPlan:
+    """The launch plan: how this run is distributed, decided once (`decide_launch`). Not the memory plan of `vembed
+    plan` (planning.py's `MemoryPlan`), which estimates every strategy without launching any."""
+
     kind: LaunchKind
     world_size: int
     on_cpu: bool

@@ -2,14 +2,15 @@
 
 It reads the same for every launch; how this launch is distributed is decided once in `launch_plan.py` (and carried
 out by `accelerator.py`, `fsdp.py`, `deepspeed.py`, `grad_cache.py`), and what differs between
-kinds of model (contrastive retrieval, flow matching: data, objective, evaluation, plots) in `vembed.tasks`.
+kinds of model (contrastive retrieval, flow matching: data, objective, evaluation, plots) in `vembed.tasks`. The
+loop says when; how is elsewhere: the stages and their loaders in `stages.py` and `train_loader.py` (streamed data:
+`streamed.py`), what a log line reports in `log_meter.py`, and the end-of-run outputs in `run_outputs.py`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vembed.errors import CheckpointError, DataError, TrainingError
-from vembed.files import write_json_atomic
 from vembed.training.checkpoint import (
     CheckpointManager,
     TrainerState,
@@ -26,6 +26,13 @@ from vembed.training.checkpoint import (
     writing_checkpoint_files,
 )
 from vembed.training.profiling import StepProfiler
+from vembed.training.run_outputs import (
+    read_metrics,
+    save_final_model,
+    write_end_of_run,
+    write_metrics_before_training,
+)
+from vembed.training.log_meter import LogMeter
 from vembed.training.throughput import ThroughputMeter
 
 if TYPE_CHECKING:
@@ -50,13 +57,6 @@ def build_optimizer(groups: list[dict], lr: float) -> torch.optim.Optimizer:
                 for group in groups for param in group["params"])
     groups = [{**group, "lr": lr * group["lr_scale"]} if "lr_scale" in group else group for group in groups]
     return torch.optim.AdamW(groups, lr=lr, fused=fused or None)
-
-
-def batches_per_process(num_batches: int, num_processes: int) -> int:
-    """Batches each process iterates per epoch once accelerate shards a drop_last loader of `num_batches`: whole
-    rounds only (each rank takes every num_processes-th batch; an incomplete last round is dropped so every rank
-    gathers equally many embeddings)."""
-    return num_batches // num_processes
 
 
 @dataclass
@@ -185,19 +185,13 @@ class Trainer:
         self.train_step = build_train_step(acc, self.model, plan.grad_cache)
 
     def _plan_stages(self) -> Any:
-        """The curriculum (one stage without `stages:`): each stage's loader and length, the run's total steps.
-        Returns the first stage's loader, which is prepared with the model."""
-        from vembed.training.stages import stages_of
+        """The curriculum (one stage without `stages:`, planned in stages.py): the run's total steps, and the first
+        stage's figures under the names the single-stage loop always had. Returns the first stage's loader, which
+        is prepared with the model."""
+        from vembed.training.stages import planned_stages
 
-        recipe = self.recipe
-        self.stages = stages_of(recipe)
-        first_step = 0
-        for stage in self.stages:
-            stage.loader, stage.batch_sampler = self._train_loader(stage)
-            stage.plan(self._batches_per_epoch(stage), recipe.gradient_accumulation_steps, first_step)
-            first_step = stage.end_step
-        self.total_steps = first_step
-        # The first stage's figures, under the names the single-stage loop always had.
+        self.stages = planned_stages(self.recipe, self.dataset, self.collate, self.accelerator.num_processes)
+        self.total_steps = self.stages[-1].end_step
         first = self.stages[0]
         self.batches_per_epoch, self.steps_per_epoch, self.num_epochs = (first.batches_per_epoch,
                                                                          first.steps_per_epoch, first.num_epochs)
@@ -213,67 +207,11 @@ class Trainer:
                                     f"the schedule was planned for {stage.batches_per_epoch}")
 
     def _plan_streamed_epochs(self) -> None:
-        """The schedule of a streamed run: `max_steps`, or the epochs' lengths planned from the shard index (epochs
-        differ a little: each deals the shards anew). Streamed epochs always end on an optimizer step."""
-        from vembed.errors import DataError
+        """The schedule of a streamed run (planned in streamed.py)."""
         from vembed.training.streamed import StreamedEpochs
 
-        recipe = self.recipe
-        self.stream = StreamedEpochs(self.dataset, self.train_report, recipe, self.accelerator)
-        epochs = 1 if recipe.max_steps is not None else recipe.epochs
-        planned = [self.stream.planned_batches(epoch) for epoch in range(epochs)]
-        if 0 in planned:
-            layout = self.stream.layout
-            raise DataError(
-                f"{self.train_report.planned_samples} samples in {len(self.dataset.shards)} shards give some rank no "
-                f"full optimizer step of {recipe.gradient_accumulation_steps} batch(es) of {recipe.batch_size} in "
-                f"epoch {planned.index(0)} ({layout.world} rank(s) x {layout.workers} reader(s), each batching its "
-                "own shards); lower batch_size or data.num_workers, or add shards", file=self.dataset.files[0])
-        self.batches_per_epoch = planned[0]  # None without an index (max_steps then sizes the run)
-        self.steps_per_epoch = None if planned[0] is None else planned[0] // recipe.gradient_accumulation_steps
-        self.total_steps = recipe.max_steps or sum(p // recipe.gradient_accumulation_steps for p in planned)
-        self.num_epochs = recipe.epochs if recipe.max_steps is None else None  # None: until max_steps
-        self.train_report.batches_per_rank = planned[0]
-        if planned[0] is not None:
-            self.train_report.unread_per_epoch = [self.stream.unread_samples(epoch) for epoch in range(epochs)]
-
-    def _train_loader(self, stage: "Stage") -> tuple[Any, Any]:
-        """The (unprepared) training DataLoader of a stage, and its batch sampler when it needs one: named sources
-        (one source per step, the same on every rank) or data.no_duplicates; else the plain per-epoch shuffle."""
-        from torch.utils.data import DataLoader
-
-        from vembed.data.sampler import EpochShuffleSampler, build_batch_sampler
-
-        recipe, acc = self.recipe, self.accelerator
-        batch_sampler = build_batch_sampler(self.dataset, recipe.batch_size, acc.num_processes, recipe.seed,
-                                            stage=stage.index, weights=stage.weights, only=stage.only,
-                                            no_duplicates=recipe.data.no_duplicates)
-        common = dict(collate_fn=self.collate, num_workers=recipe.data.num_workers,
-                      persistent_workers=recipe.data.num_workers > 0,  # not re-forked (model and all) every epoch
-                      pin_memory=torch.cuda.is_available(),
-                      # Its own generator: starting an iterator draws the workers' base seed, from the global RNG
-                      # without one, and a resumed run starts one more (to skip batches) after restoring that RNG,
-                      # which shifted every dropout mask after a resume.
-                      generator=torch.Generator().manual_seed(recipe.seed))
-        if batch_sampler is not None:
-            return DataLoader(self.dataset, batch_sampler=batch_sampler, **common), batch_sampler
-        sampler = EpochShuffleSampler(len(self.dataset), seed=recipe.seed,
-                                      tags_epochs=getattr(self.dataset, "tags_epochs", False))
-        # drop_last: every rank must gather equally many embeddings
-        return DataLoader(self.dataset, batch_size=recipe.batch_size, sampler=sampler, drop_last=True, **common), None
-
-    def _batches_per_epoch(self, stage: "Stage") -> int:
-        acc, recipe = self.accelerator, self.recipe
-        batches = batches_per_process(len(stage.loader), acc.num_processes)
-        if batches == 0:
-            from vembed.errors import DataError
-
-            raise DataError(
-                f"{len(self.dataset)} training records cannot fill one batch of {recipe.batch_size} on "
-                f"{acc.num_processes} process(es); lower batch_size or add data",
-                file=str(recipe.data.train),
-            )
-        return batches
+        self.stream = StreamedEpochs(self.dataset, self.train_report, self.recipe, self.accelerator)
+        self.batches_per_epoch, self.steps_per_epoch, self.total_steps, self.num_epochs = self.stream.schedule()
 
     def _enter_stage(self, state: TrainerState) -> "Stage":
         """Make stage `state.stage` the current one: its loader, its inputs (max_length, image size)."""
@@ -370,15 +308,14 @@ class Trainer:
             self._last_saved_step = state.global_step
             self._claim_output_dir()
             acc.print(f"resumed from {resume_path} at step {state.global_step}")
-            return state, self._read_metrics()
+            return state, read_metrics(self.output_dir)
         self._claim_output_dir()
         metrics: dict[str, Any] = {}
         if recipe.eval_before_training and self.eval_examples:
             metrics["before"] = self.evaluate(self.eval_examples)
             acc.print(f"before training: {self.task.headline(metrics['before'])}")
             if acc.is_main_process:
-                with writing_checkpoint_files("metrics.json", self.output_dir, None):
-                    write_json_atomic(self.output_dir / "metrics.json", metrics)  # keeps "before" across a resume
+                write_metrics_before_training(self.output_dir, metrics)  # keeps "before" across a resume
         return TrainerState(), metrics
 
     def _claim_output_dir(self) -> None:
@@ -430,13 +367,13 @@ class Trainer:
         ranges = self.dataset.source_ranges() if hasattr(self.dataset, "source_ranges") else []
         return [name for name, _, _ in ranges if name is not None]
 
-    def _meter(self) -> "_Meter":
+    def _meter(self) -> LogMeter:
         acc = self.accelerator
-        return _Meter(samples_per_batch=self.recipe.batch_size * acc.num_processes,
+        return LogMeter(samples_per_batch=self.recipe.batch_size * acc.num_processes,
                       throughput=ThroughputMeter(self.adapter, acc, acc.mixed_precision), sources=self._source_names(),
                       length_chunks=getattr(self.objective, "length_chunks", 1))
 
-    def _train_one(self, batch: dict[str, Any], state: TrainerState, meter: "_Meter", progress) -> bool:
+    def _train_one(self, batch: dict[str, Any], state: TrainerState, meter: LogMeter, progress) -> bool:
         """One micro-batch and, once gradients are accumulated, the step's schedule, logging, evaluation and saving.
         Whether training is done."""
         loss = self.train_on_batch(batch, state)
@@ -558,17 +495,9 @@ class Trainer:
             file=getattr(example, "source", None), row=getattr(example, "row", None),
         )
 
-    def _log(self, state: TrainerState, meter: "_Meter", progress) -> None:
+    def _log(self, state: TrainerState, meter: LogMeter, progress) -> None:
         acc = self.accelerator
-        record = {
-            "step": state.global_step,
-            "loss": acc.reduce(meter.mean_loss(acc.device), "mean").item(),  # averaged over ranks
-            **meter.source_losses(acc),  # loss/<source>: every rank drew the same sources, so the reduce lines up
-            **meter.padding_record(acc),  # padding shares of the text sides (length-aware encoding)
-            "lr": self.scheduler.get_last_lr()[0],
-            "samples_per_second": meter.samples_per_second(),
-            **meter.throughput_record(),  # tokens/s, peak memory, MFU
-        }
+        record = meter.record(acc, state.global_step, self.scheduler.get_last_lr()[0])
         state.loss_history.append(record)
         progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
                              sps=f"{record['samples_per_second']:.0f}", mem=f"{record['peak_memory_mb']:.0f}MB",
@@ -637,20 +566,18 @@ class Trainer:
             self.checkpoints.save(state)
             self._last_saved_step = step
 
-    def _read_metrics(self) -> dict[str, Any]:
-        import json
-
-        path = self.output_dir / "metrics.json"
-        return json.loads(path.read_text()) if path.is_file() else {}
-
     def _finish(self, state: TrainerState, metrics: dict[str, Any]) -> TrainResult:
         """final/ (the weights first: an evaluation that fails must not cost them), then the evaluation of the trained
-        model, metrics.json and the plots, then the model card that reports them, written into final/."""
+        model, metrics.json and the plots, then the model card that reports them, written into final/
+        (run_outputs.py writes each)."""
+        from vembed.training.sharded_state import gather_full_state_dict
+
         acc, recipe = self.accelerator, self.recipe
-        final_dir = self.output_dir / "final"
         self._check_decode_failures()
         acc.wait_for_everyone()
-        self._save_final(final_dir)
+        full_state = gather_full_state_dict(acc, self.model) if self.plan.sharded else None
+        final_dir = save_final_model(acc, self.output_dir, self.adapter, recipe, full_state,
+                                     self.checkpoints.last_good)
         if self.eval_examples:
             metrics["validation"] = self.evaluate(self.eval_examples)
         if self.test_examples:
@@ -669,13 +596,10 @@ class Trainer:
         metrics["eval_history"] = state.eval_history
         metrics["best"] = {"metric": recipe.metric_for_best_model, "value": state.best_metric,
                            "checkpoint": state.best_checkpoint}
-        plots: list[Path] = []
         if acc.is_main_process:
-            with writing_checkpoint_files("metrics.json and plots", self.output_dir, self.checkpoints.last_good):
-                write_json_atomic(self.output_dir / "metrics.json", metrics)
-                plots = self._plots(metrics)
-            with writing_checkpoint_files("the model card", self.output_dir, self.checkpoints.last_good):
-                self._write_card(final_dir, metrics, plots)
+            write_end_of_run(self.output_dir, final_dir, metrics, recipe=recipe, task=self.task,
+                             train_data=self.train_report.to_dict(), launch=getattr(self, "launch", None) or {},
+                             last_good=self.checkpoints.last_good, warn=acc.print)
             if self.train_report.num_skipped:
                 acc.print(f"warning: {self.train_report.summary()}")
             failures = metrics["train"]["decode_failures"]
@@ -690,126 +614,6 @@ class Trainer:
         acc.wait_for_everyone()
         return TrainResult(self.output_dir, final_dir, metrics, state)
 
-    def _save_final(self, final_dir: Path) -> None:
-        """final/: the full weights (gathered by every rank together when sharded: rank 0 alone would wait forever),
-        written under a temporary name and renamed."""
-        acc, recipe = self.accelerator, self.recipe
-        from vembed.training.deepspeed import unsharded_construction
-        from vembed.training.sharded_state import gather_full_state_dict
-
-        full_state = gather_full_state_dict(acc, self.model) if self.plan.sharded else None
-        if acc.is_main_process:
-            import shutil
-
-            tmp = self.output_dir / ".tmp-final"
-            shutil.rmtree(tmp, ignore_errors=True)
-            if full_state is None:
-                adapter = self.adapter
-            else:
-                with unsharded_construction(acc):
-                    adapter = _adapter_with_weights(recipe, full_state)
-            with writing_checkpoint_files("the final model", self.output_dir, self.checkpoints.last_good, tmp):
-                adapter.save(tmp)
-            shutil.rmtree(final_dir, ignore_errors=True)
-            tmp.rename(final_dir)
-        acc.wait_for_everyone()
-
-    def _write_card(self, final_dir: Path, metrics: dict[str, Any], plots: list[Path]) -> None:
-        """README.md and card.json (what the card was built from, so `vembed export` and later renderings need
-        only the model folder) and the run's plots, into final/ (each file written whole, then renamed)."""
-        from vembed.model_card import build_card, remove_card, write_card
-        from vembed.models.base import read_adapter_file
-
-        data = {"train": self.train_report.to_dict(),
-                **{split: self.task.split_report(split) for split in ("validation", "test")}}
-        try:
-            card = build_card(self.recipe.to_dict(), adapter_info=read_adapter_file(final_dir),
-                              launch=getattr(self, "launch", None) or {},
-                              data={split: report for split, report in data.items() if report},
-                              metrics=metrics, plots=[path.name for path in plots])
-            write_card(final_dir, card, plots_from=self.output_dir, load_path=str(final_dir))
-        except OSError:
-            raise  # a full disk: writing_checkpoint_files reports it, as for the weights
-        except Exception as error:  # noqa: BLE001 - a card that cannot be rendered must not cost the trained model
-            remove_card(final_dir)
-            self.accelerator.print(f"warning: final/ has no model card: {type(error).__name__}: {error}")
-
-    def _plots(self, metrics: dict[str, Any]) -> list[Path]:
-        from vembed.evaluation.plots import plot_loss_curve
-
-        loss_curve = plot_loss_curve(metrics["loss_history"], self.output_dir / "loss_curve.png",
-                                     metrics["eval_history"])
-        return [path for path in (loss_curve, *self.task.plots(metrics, self.output_dir)) if path is not None]
-
-
-class _Meter:
-    """Loss and throughput since the last log line; the loss stays on the device until it is logged (no host sync
-    per step). With named sources, also the loss of each source's batches."""
-
-    def __init__(self, samples_per_batch: int, throughput: "ThroughputMeter", sources: list[str] | None = None,
-                 length_chunks: int = 1):
-        self.samples_per_batch = samples_per_batch
-        self.throughput = throughput
-        self.sources = {name: number for number, name in enumerate(sources or [])}
-        self.length_chunks = length_chunks
-        self.reset()
-
-    def reset(self) -> None:
-        self.started, self.samples, self.batches = time.perf_counter(), 0, 0
-        self.loss_sum: torch.Tensor | float = 0.0
-        self.source_sums: list[torch.Tensor | float] = [0.0] * len(self.sources)
-        self.source_batches = [0] * len(self.sources)
-        self.padding: torch.Tensor | None = None  # attended tokens, positions padded as one forward, as chunks
-        self.throughput.reset()
-
-    def add(self, loss: torch.Tensor, batch: dict[str, Any]) -> None:
-        self.loss_sum = self.loss_sum + loss.detach().float()
-        number = self.sources.get(batch.get("source"))
-        if number is not None:
-            self.source_sums[number] = self.source_sums[number] + loss.detach().float()
-            self.source_batches[number] += 1
-        self.throughput.add(batch)
-        self._add_padding(batch)
-        self.batches += 1
-        self.samples += self.samples_per_batch
-
-    def source_losses(self, accelerator: "Accelerator") -> dict[str, float]:
-        """`loss/<source>`: the mean loss of each source's batches in the window, averaged over ranks."""
-        if not self.sources:
-            return {}
-        sums = torch.stack([torch.as_tensor(value, device=accelerator.device, dtype=torch.float32)
-                            for value in self.source_sums])
-        means = accelerator.reduce(sums, "mean").tolist()
-        return {f"loss/{name}": means[number] / self.source_batches[number]
-                for name, number in self.sources.items() if self.source_batches[number]}
-
-    def _add_padding(self, batch: dict[str, Any]) -> None:
-        from vembed.models.batch import TEXT_INDEX
-        from vembed.models.length_chunks import padding_counts
-
-        for side in ("query", "positive", "negative"):
-            inputs = batch.get(side)
-            if isinstance(inputs, dict) and TEXT_INDEX in inputs and "attention_mask" in inputs:
-                counts = padding_counts(inputs["attention_mask"], self.length_chunks)
-                self.padding = counts if self.padding is None else self.padding + counts
-
-    def padding_record(self, accelerator: "Accelerator") -> dict[str, float]:
-        """`padding`: the share of text token positions that were padding in one padded forward per side;
-        `padding_chunked`: with the length-aware chunks the step ran (summed over ranks)."""
-        if self.padding is None:
-            return {}
-        attended, padded, chunked = accelerator.reduce(self.padding.float(), "sum").tolist()
-        return {"padding": 1 - attended / max(padded, 1), "padding_chunked": 1 - attended / max(chunked, 1)}
-
-    def mean_loss(self, device: torch.device) -> torch.Tensor:
-        return torch.as_tensor(self.loss_sum, device=device) / max(self.batches, 1)
-
-    def samples_per_second(self) -> float:
-        return self.samples / max(time.perf_counter() - self.started, 1e-9)
-
-    def throughput_record(self) -> dict[str, float]:
-        return self.throughput.record(time.perf_counter() - self.started)
-
 
 def wilson_lower_bound(successes: int, trials: int, z: float = 2.326) -> float:
     """One-sided 99% lower confidence bound of a proportion (Wilson score interval)."""
@@ -819,26 +623,6 @@ def wilson_lower_bound(successes: int, trials: int, z: float = 2.326) -> float:
     centre = p + z * z / (2 * trials)
     spread = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials))
     return max(0.0, (centre - spread) / (1 + z * z / trials))
-
-
-def _adapter_with_weights(recipe: "Recipe", objective_state: dict[str, torch.Tensor]):
-    """A single-device copy of the trained adapter, from the gathered state dict of a sharded objective."""
-    from vembed.components import model_class
-
-    adapter = model_class(recipe).from_recipe(recipe)
-    if recipe.use_lora:
-        adapter.apply_lora(recipe)
-    prefix = "adapter."
-    weights = {k[len(prefix):]: v for k, v in objective_state.items() if k.startswith(prefix)}
-    missing, unexpected = adapter.load_state_dict(weights, strict=False)
-    # Non-persistent buffers are not in any state dict; everything else must be.
-    buffers = {name for name, _ in adapter.named_buffers()}
-    missing = [k for k in missing if k not in buffers]
-    if missing or unexpected:
-        raise TrainingError(
-            f"the gathered weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
-    return adapter
 
 
 def _flat_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:

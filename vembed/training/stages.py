@@ -50,6 +50,8 @@ class Stage:
         return self.first_step + self.total_steps
 
     def plan(self, batches_per_epoch: int, accumulation: int, first_step: int) -> None:
+        """The stage's length: its epochs in micro-batches per process and optimizer steps, from `first_step` (a
+        stage plan, not the launch plan of launch_plan.py nor the memory plan of `vembed plan`)."""
         # accelerate also steps at the end of an epoch whose micro-batches do not fill the last accumulation.
         self.batches_per_epoch = batches_per_epoch
         self.steps_per_epoch = math.ceil(batches_per_epoch / accumulation)
@@ -86,6 +88,21 @@ def stages_of(recipe: "Recipe") -> list[Stage]:
             min_pixels=config.min_pixels or built["min_pixels"],
             max_pixels=config.max_pixels or built["max_pixels"],
         ))
+    return stages
+
+
+def planned_stages(recipe: "Recipe", dataset: Any, collate: Any, num_processes: int) -> list[Stage]:
+    """The stages to run, each with its (unprepared) training loader and its length planned, in batches per process
+    and optimizer steps, from the step where the previous one ends: the last one's `end_step` is the run's total."""
+    from vembed.training.train_loader import batches_per_epoch, train_loader
+
+    stages = stages_of(recipe)
+    first_step = 0
+    for stage in stages:
+        stage.loader, stage.batch_sampler = train_loader(dataset, collate, recipe, num_processes, stage)
+        stage.plan(batches_per_epoch(stage.loader, len(dataset), recipe, num_processes),
+                   recipe.gradient_accumulation_steps, first_step)
+        first_step = stage.end_step
     return stages
 
 

@@ -15,7 +15,7 @@ every slot replays to its position, and the DataLoader's round-robin restarts at
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -31,6 +31,15 @@ if TYPE_CHECKING:
 def _unchanged(item: Any) -> Any:
     # DataLoader(batch_size=None) would convert the (position, batch) pair; it is already what the loop wants.
     return item
+
+
+class StreamedSchedule(NamedTuple):
+    """The length of a streamed run, under the names the loop gives every run's."""
+
+    batches_per_epoch: int | None  # per rank, in the first epoch; None without an index (max_steps sizes the run)
+    steps_per_epoch: int | None
+    total_steps: int
+    num_epochs: int | None  # None: until max_steps
 
 
 class StreamedEpochs:
@@ -54,6 +63,30 @@ class StreamedEpochs:
         self.ran_short: list[tuple[int, int, int]] = []  # (epoch, batches taken, planned) of epochs that ended early
 
     # --- the plan --------------------------------------------------------------------------------------------------
+    def schedule(self) -> StreamedSchedule:
+        """The schedule of the run: `max_steps`, or the epochs' lengths planned from the shard index (epochs
+        differ a little: each deals the shards anew). Streamed epochs always end on an optimizer step. Records the
+        plan in the data report."""
+        recipe = self.recipe
+        epochs = 1 if recipe.max_steps is not None else recipe.epochs
+        planned = [self.planned_batches(epoch) for epoch in range(epochs)]
+        if 0 in planned:
+            layout = self.layout
+            raise DataError(
+                f"{self.report.planned_samples} samples in {len(self.stream.shards)} shards give some rank no "
+                f"full optimizer step of {recipe.gradient_accumulation_steps} batch(es) of {recipe.batch_size} in "
+                f"epoch {planned.index(0)} ({layout.world} rank(s) x {layout.workers} reader(s), each batching its "
+                "own shards); lower batch_size or data.num_workers, or add shards", file=self.stream.files[0])
+        self.report.batches_per_rank = planned[0]
+        if planned[0] is not None:
+            self.report.unread_per_epoch = [self.unread_samples(epoch) for epoch in range(epochs)]
+        return StreamedSchedule(
+            batches_per_epoch=planned[0],
+            steps_per_epoch=None if planned[0] is None else planned[0] // recipe.gradient_accumulation_steps,
+            total_steps=recipe.max_steps or sum(p // recipe.gradient_accumulation_steps for p in planned),
+            num_epochs=recipe.epochs if recipe.max_steps is None else None,
+        )
+
     def planned_batches(self, epoch: int) -> int | None:
         """Batches per rank in `epoch` by the shard index, in whole optimizer steps; None without an index."""
         planned = self.stream.planned_batches(epoch)

@@ -65,7 +65,7 @@ def user_omp_num_threads(env: Mapping[str, str]) -> str | None:
     """The OMP_NUM_THREADS the user set before launching (None: not set), not the one a launcher put in."""
     if USER_THREADS_ENV in env:
         return env[USER_THREADS_ENV] or None
-    from vembed.training.launcher import started_by_accelerate_or_torchrun
+    from vembed.training.launch_promise import started_by_accelerate_or_torchrun
 
     if started_by_accelerate_or_torchrun(env):
         parent = _parent_environment()

@@ -1,5 +1,6 @@
 """What started this process and what it promised: the command the user typed (run.py, vembed train, accelerate
-launch, or none), the number of processes it asked for, and how to phrase a fix in that command's own flags.
+launch, or none), the number of processes it asked for, and how to phrase a fix in that command's own flags. It
+launches nothing (vembed/entrypoints/launch.py does); launch_plan.py checks the promise against the launch.
 
 accelerate's simple launcher starts ONE process for `--cpu --num_processes N` and for a saved `MULTI_CPU` config
 (more need mpirun), and it sets no WORLD_SIZE. The launcher's own arguments and config file are then the only record

@@ -1,0 +1,98 @@
+"""What a log line of the loop reports, summed over the micro-batches since the previous one: the loss (each named
+source's too), the padding shares of the text sides, samples/s, and the speed figures of throughput.py.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from vembed.training.throughput import ThroughputMeter
+
+
+class LogMeter:
+    """Loss and throughput since the last log line; the loss stays on the device until it is logged (no host sync
+    per step). With named sources, also the loss of each source's batches."""
+
+    def __init__(self, samples_per_batch: int, throughput: "ThroughputMeter", sources: list[str] | None = None,
+                 length_chunks: int = 1):
+        self.samples_per_batch = samples_per_batch
+        self.throughput = throughput
+        self.sources = {name: number for number, name in enumerate(sources or [])}
+        self.length_chunks = length_chunks
+        self.reset()
+
+    def reset(self) -> None:
+        self.started, self.samples, self.batches = time.perf_counter(), 0, 0
+        self.loss_sum: torch.Tensor | float = 0.0
+        self.source_sums: list[torch.Tensor | float] = [0.0] * len(self.sources)
+        self.source_batches = [0] * len(self.sources)
+        self.padding: torch.Tensor | None = None  # attended tokens, positions padded as one forward, as chunks
+        self.throughput.reset()
+
+    def add(self, loss: torch.Tensor, batch: dict[str, Any]) -> None:
+        self.loss_sum = self.loss_sum + loss.detach().float()
+        number = self.sources.get(batch.get("source"))
+        if number is not None:
+            self.source_sums[number] = self.source_sums[number] + loss.detach().float()
+            self.source_batches[number] += 1
+        self.throughput.add(batch)
+        self._add_padding(batch)
+        self.batches += 1
+        self.samples += self.samples_per_batch
+
+    def source_losses(self, accelerator: "Accelerator") -> dict[str, float]:
+        """`loss/<source>`: the mean loss of each source's batches in the window, averaged over ranks."""
+        if not self.sources:
+            return {}
+        sums = torch.stack([torch.as_tensor(value, device=accelerator.device, dtype=torch.float32)
+                            for value in self.source_sums])
+        means = accelerator.reduce(sums, "mean").tolist()
+        return {f"loss/{name}": means[number] / self.source_batches[number]
+                for name, number in self.sources.items() if self.source_batches[number]}
+
+    def _add_padding(self, batch: dict[str, Any]) -> None:
+        from vembed.models.batch import TEXT_INDEX
+        from vembed.models.length_chunks import padding_counts
+
+        for side in ("query", "positive", "negative"):
+            inputs = batch.get(side)
+            if isinstance(inputs, dict) and TEXT_INDEX in inputs and "attention_mask" in inputs:
+                counts = padding_counts(inputs["attention_mask"], self.length_chunks)
+                self.padding = counts if self.padding is None else self.padding + counts
+
+    def padding_record(self, accelerator: "Accelerator") -> dict[str, float]:
+        """`padding`: the share of text token positions that were padding in one padded forward per side;
+        `padding_chunked`: with the length-aware chunks the step ran (summed over ranks)."""
+        if self.padding is None:
+            return {}
+        attended, padded, chunked = accelerator.reduce(self.padding.float(), "sum").tolist()
+        return {"padding": 1 - attended / max(padded, 1), "padding_chunked": 1 - attended / max(chunked, 1)}
+
+    def record(self, accelerator: "Accelerator", step: int, lr: float) -> dict[str, float]:
+        """The log line of optimizer step `step`, on every rank (its reductions are collectives): the loss averaged
+        over ranks, each named source's, the padding shares, `lr`, and the speed figures (tokens/s, peak memory, MFU).
+        The caller resets the meter once the line is written."""
+        return {
+            "step": step,
+            "loss": accelerator.reduce(self.mean_loss(accelerator.device), "mean").item(),  # averaged over ranks
+            **self.source_losses(accelerator),  # every rank drew the same sources, so the reduce lines up
+            **self.padding_record(accelerator),  # padding shares of the text sides (length-aware encoding)
+            "lr": lr,
+            "samples_per_second": self.samples_per_second(),
+            **self.throughput_record(),  # tokens/s, peak memory, MFU
+        }
+
+    def mean_loss(self, device: torch.device) -> torch.Tensor:
+        return torch.as_tensor(self.loss_sum, device=device) / max(self.batches, 1)
+
+    def samples_per_second(self) -> float:
+        return self.samples / max(time.perf_counter() - self.started, 1e-9)
+
+    def throughput_record(self) -> dict[str, float]:
+        return self.throughput.record(time.perf_counter() - self.started)
