@@ -25,7 +25,7 @@ def saved(tmp_path_factory, mask_tokenizer_dir):
               "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 32}
     recipe = recipe_from_dict({"model_type": "text", "tokenizer_name": mask_tokenizer_dir, "model_config": config,
                                "embedding": "multi_vector", "multi_vector_dim": 16, "query_length": 12,
-                               "loss_type": "late_interaction"})
+                               "max_length": 30, "loss_type": "late_interaction"})
     torch.manual_seed(0)
     MODELS.get("text").from_recipe(recipe).save(root / "model")
     corpus = make_corpus_folder(root / "corpus")

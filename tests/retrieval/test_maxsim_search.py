@@ -21,6 +21,11 @@ CUTOFFS = Cutoffs(ndcg=(1, 3, 10), recall=(1, 10, 100), map=(5, 100), mrr=(10,))
 
 @pytest.fixture(scope="module")
 def colbert(mask_tokenizer_dir):
+    return _colbert(mask_tokenizer_dir)
+
+
+def _colbert(mask_tokenizer_dir: str):
+    """A tiny random-init ColBERT, the same weights in every process that builds it."""
     from vembed.components import recipe_from_dict
     from vembed.models import MODELS
 
@@ -29,7 +34,7 @@ def colbert(mask_tokenizer_dir):
               "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
     recipe = recipe_from_dict({"model_type": "text", "tokenizer_name": mask_tokenizer_dir, "model_config": config,
                                "embedding": "multi_vector", "multi_vector_dim": 16, "query_length": 12,
-                               "loss_type": "late_interaction"})
+                               "max_length": 30, "loss_type": "late_interaction"})
     torch.manual_seed(0)
     return MODELS.get("text").from_recipe(recipe).eval()
 
@@ -193,3 +198,28 @@ def test_mining_with_a_multi_vector_model_scores_positives_and_negatives_by_maxs
                                        cache=EmbeddingCache(tmp_path / "cache", {"model": "colbert"}).open(),
                                        documents_per_block=7)
     assert stats.blocks_reused == 6 and stats.blocks_encoded == 0 and again == rows
+
+
+def _search_on_ranks(tokenizer_dir: str, folder: str, out_file: str) -> None:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    assert accelerator.num_processes == 2
+    split = load_corpus_split(folder, "train")
+    found = search_corpus(_colbert(tokenizer_dir), split.queries.sides, split.corpus.sides, 10,
+                          accelerator=accelerator, batch_size=4, documents_per_block=4)
+    if accelerator.is_main_process:
+        torch.save({"scores": found.scores, "indices": found.indices}, out_file)
+
+
+def test_two_ranks_each_scoring_a_share_of_each_block_find_what_one_process_finds(mask_tokenizer_dir, split,
+                                                                                   tmp_path):
+    from ranks import run_on_ranks
+
+    expected = search_corpus(_colbert(mask_tokenizer_dir), split.queries.sides, split.corpus.sides, 10,
+                             batch_size=4, documents_per_block=8)
+    out = tmp_path / "found.pt"
+    run_on_ranks(_search_on_ranks, mask_tokenizer_dir, str(split.folder), str(out), world=2, timeout=240)
+    found = torch.load(out, weights_only=True)
+    assert torch.equal(found["indices"], expected.indices)
+    torch.testing.assert_close(found["scores"], expected.scores, atol=1e-6, rtol=0)

@@ -80,7 +80,7 @@ class PackedTokens:
 
     def padded(self, start: int = 0, stop: int | None = None, device: torch.device | str | None = None
                ) -> torch.Tensor:
-        """Documents `[start, stop)` as float32 `(n, longest, dim)` on `device`, zero vectors after each one's tokens."""
+        """Documents `[start, stop)` as float32 `(n, longest, dim)` on `device`, zero vectors after their tokens."""
         stop = len(self) if stop is None else stop
         offsets, lengths = self._offsets(), self.lengths[start:stop]
         flat = self.vectors[int(offsets[start]) : int(offsets[stop])].to(device=device, dtype=torch.float32)
@@ -154,11 +154,15 @@ def encode_token_share(adapter: "EmbeddingAdapter", sides: Sequence["Side"], **k
     """A share of documents encoded (`encode_sides`' arguments), pooled by the adapter's `document_pool_factor`, and
     packed in float16: one block as `search.document_blocks` yields it."""
     padded = encode_sides(adapter, sides, **kwargs)
-    factor = pool_factor_of(unwrapped(adapter, kwargs.get("accelerator")))
-    if factor <= 1:
+    return pack_documents(padded, pool_factor_of(unwrapped(adapter, kwargs.get("accelerator"))))
+
+
+def pack_documents(padded: torch.Tensor, pool_factor: int = 1) -> PackedTokens:
+    """Documents' padded token vectors `(n, T, dim)`, each pooled by `pool_factor` (1: not), packed in float16."""
+    if pool_factor <= 1:
         return PackedTokens.pack(padded)
     kept = token_mask(padded)
-    return PackedTokens.pack([pool_tokens(doc[mask], factor) for doc, mask in zip(padded, kept)])
+    return PackedTokens.pack([pool_tokens(doc[mask], pool_factor) for doc, mask in zip(padded, kept)])
 
 
 def maxsim_top_k(queries: torch.Tensor, block: PackedTokens, k: int, *, doc_offset: int = 0,
@@ -206,5 +210,5 @@ def maxsim_pairs(queries: torch.Tensor, block: PackedTokens, rows: torch.Tensor)
 SCORINGS.register(MULTI_VECTOR)(Scoring(top_k=maxsim_top_k, pair_scores=maxsim_pairs, encode_share=encode_token_share,
                                         documents_per_block=DOCUMENTS_PER_BLOCK, stored=PackedTokens, faiss=False))
 
-__all__ = ["PackedTokens", "encode_token_share", "maxsim_pairs", "maxsim_top_k", "pool_factor_key", "pool_tokens",
-           "set_pool_factor"]
+__all__ = ["PackedTokens", "encode_token_share", "maxsim_pairs", "maxsim_top_k", "pack_documents", "pool_factor_key",
+           "pool_tokens", "set_pool_factor"]
