@@ -179,6 +179,20 @@ def test_a_pool_factor_shrinks_the_index_and_still_searches(colbert, split, monk
     assert (found.indices >= 0).all()
 
 
+def test_a_pool_factor_is_refused_for_a_single_vector_model_naming_the_flag(tiny_tokenizer_dir):
+    from corpora import text_model_keys
+
+    from vembed.components import recipe_from_dict
+    from vembed.errors import RecipeError
+    from vembed.models import MODELS
+    from vembed.retrieval.maxsim_search import set_pool_factor
+
+    dense = MODELS.get("text").from_recipe(recipe_from_dict(text_model_keys(tiny_tokenizer_dir)))
+    set_pool_factor(dense, 1)  # no pooling asks nothing of the model
+    with pytest.raises(RecipeError, match="--pool-factor: pools token vectors; this model gives one vector"):
+        set_pool_factor(dense, 2)
+
+
 def test_mining_with_a_multi_vector_model_scores_positives_and_negatives_by_maxsim(colbert, split, tmp_path):
     from vembed.retrieval.cache import EmbeddingCache
     from vembed.retrieval.mining import MiningSettings, mine_hard_negatives

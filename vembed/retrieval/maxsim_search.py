@@ -109,7 +109,8 @@ class PackedTokens:
 
 
 def pool_tokens(vectors: torch.Tensor, pool_factor: int) -> torch.Tensor:
-    """One document's token vectors `(t, dim)` pooled to about t / pool_factor (PyLate's hierarchical pooling):
+    """One document's token vectors `(t, dim)` pooled to about t / pool_factor (hierarchical token pooling, Clavié et
+    al. 2024, what PyLate's `pool_factor` does):
     Ward clustering of the vectors (euclidean distance between unit vectors orders pairs as cosine does), each
     cluster replaced by its mean, renormalised. Deterministic; `pool_factor` 1 or a single token: unchanged."""
     if pool_factor <= 1 or len(vectors) <= 1:

@@ -115,7 +115,7 @@ class Scoring:
 
     top_k: Callable[..., TopK]  # one block's top-k for every query (`top_k`'s signature)
     pair_scores: Callable[[torch.Tensor, Any, torch.Tensor], torch.Tensor]  # `cosine_pairs`' signature
-    encode_share: Callable[..., Any] | None = None  # documents -> a block (`encode_sides`' arguments); None: it
+    encode_share: Callable[..., Any] | None = None  # documents -> a block, given encode_sides' arguments (None: it)
     documents_per_block: int = DOCUMENTS_PER_BLOCK  # the default block, per process
     stored: Any = None  # a block class with state()/from_state() for the cache; None: blocks are tensors
     faiss: bool = True  # whether faiss's flat index can score its blocks (one vector per document)
