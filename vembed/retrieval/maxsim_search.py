@@ -115,7 +115,13 @@ def pool_tokens(vectors: torch.Tensor, pool_factor: int) -> torch.Tensor:
     cluster replaced by its mean, renormalised. Deterministic; `pool_factor` 1 or a single token: unchanged."""
     if pool_factor <= 1 or len(vectors) <= 1:
         return vectors
-    from scipy.cluster.hierarchy import fcluster, linkage
+    try:
+        from scipy.cluster.hierarchy import fcluster, linkage
+    except ImportError:
+        from vembed.errors import RecipeError
+
+        raise RecipeError("document_pool_factor", "token pooling (--pool-factor) needs scipy: pip install "
+                                                  "'vembed[colbert]', or index without pooling") from None
 
     clusters = max(1, len(vectors) // pool_factor)
     points = vectors.detach().double().cpu()
