@@ -72,6 +72,8 @@ ELSEWHERE: dict[str, set[str]] = {
                                  "load_embedding_model"},
     "vembed/generation/__init__.py": {"load_generator"},
     "vembed/cli.py": {"_index_command"},
+    "vembed/models/token_vectors.py": {"require_single_vector"},  # a dense-only command handed a ColBERT model
+    "vembed/retrieval/maxsim_search.py": {"pool_tokens", "set_pool_factor"},  # --pool-factor / document_pool_factor
     "vembed/entrypoints/evaluate.py": {"_evaluate_corpus", "run.body", "_named_sources"},
     "vembed/entrypoints/extract.py": {"run.body", "_mode"},
     "vembed/entrypoints/mine.py": {"run.body"},

@@ -79,7 +79,7 @@ def test_trained_colbert_loads_and_gives_the_training_adapters_token_vectors(col
     assert not out.exists()
 
 
-def test_multi_vector_needs_a_token_vector_loss_and_no_evaluation_split_yet(colbert_recipe, tmp_path):
+def test_multi_vector_needs_a_token_vector_loss_and_corpus_folders_to_evaluate_on(colbert_recipe, tmp_path):
     from vembed.errors import RecipeError
     from vembed.tasks.contrastive import ContrastiveTask
 
@@ -93,6 +93,26 @@ def test_multi_vector_needs_a_token_vector_loss_and_no_evaluation_split_yet(colb
     with pytest.raises(RecipeError) as err:
         ContrastiveTask.check_recipe(recipe_from_dict(single))
     assert err.value.key == "loss_type"
+
+
+def test_a_colbert_recipe_with_a_corpus_validation_split_evaluates_by_maxsim(colbert_recipe, tmp_path):
+    """In-run corpus evaluation searches the corpus with the training adapter's token vectors: the metrics the run
+    reports are `evaluate_corpus`'s on that adapter (the same search `vembed eval` runs on final/)."""
+    from corpora import make_corpus_folder
+
+    from vembed.data.corpus import load_corpus_split
+    from vembed.evaluation.corpus import evaluate_corpus
+    from vembed.training.loop import Trainer
+
+    folder = make_corpus_folder(tmp_path / "corpus")
+    recipe = {**colbert_recipe, "data": {**colbert_recipe["data"], "validation": str(folder)}, "max_steps": 2}
+    trainer = Trainer(recipe_from_dict(recipe))
+    result = trainer.run()
+    found = result.metrics["validation"]
+    assert trainer.recipe.metric_for_best_model == "corpus/ndcg@10"
+    expected = evaluate_corpus(trainer.adapter.cpu(), load_corpus_split(folder, "dev"))
+    for name in ("corpus/ndcg@10", "corpus/recall@10", "corpus/mrr@10"):
+        assert found[name] == pytest.approx(expected[name], abs=1e-6), name
 
 
 @pytest.mark.slow

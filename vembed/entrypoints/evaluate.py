@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-samples", type=int, help="evaluate on at most this many records (corpus folder: "
                                                         "queries; the corpus stays whole)")
     parser.add_argument("--split", help="a corpus folder's qrels split (qrels/<split>.tsv; default: test)")
+    parser.add_argument("--pool-factor", "--pool_factor", type=int, default=None,
+                        help="corpus folder, multi_vector model: pool each document's token vectors about this many "
+                             "to one (hierarchical clustering; default: the model's document_pool_factor, 1 = none)")
     parser.add_argument("--output", help="write the metrics as JSON here")
     parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     parser.add_argument("--trust-remote-code", "--trust_remote_code", action="store_true",
@@ -126,6 +129,7 @@ def _evaluate_corpus(args: argparse.Namespace, accelerator: "Accelerator") -> di
     from vembed.errors import RecipeError
     from vembed.evaluation.corpus import evaluate_corpus
     from vembed.models.foreign import load_embedding_model
+    from vembed.retrieval.maxsim_search import set_pool_factor
 
     for flag, value in (("--mrl-dims", args.mrl_dims), ("--column", args.column)):
         if value:
@@ -134,6 +138,7 @@ def _evaluate_corpus(args: argparse.Namespace, accelerator: "Accelerator") -> di
     source.check()
     quiet_libraries()
     adapter = load_embedding_model(args.model_dir, trust_remote_code=args.trust_remote_code)
+    set_pool_factor(adapter, args.pool_factor)
     split = source.load()
     return evaluate_corpus(adapter.to(accelerator.device), split, batch_size=args.batch_size,
                            max_queries=args.max_samples, show_progress=True, accelerator=accelerator)
@@ -145,6 +150,7 @@ def _evaluate_pairs(args: argparse.Namespace, accelerator: "Accelerator") -> dic
     from vembed.entrypoints import quiet_libraries
     from vembed.errors import RecipeError
     from vembed.models.foreign import load_embedding_model
+    from vembed.models.token_vectors import require_single_vector
     from vembed.recipe import ColumnMap, DataConfig
     from vembed.tasks.contrastive import check_images_per_side
 
@@ -161,8 +167,13 @@ def _evaluate_pairs(args: argparse.Namespace, accelerator: "Accelerator") -> dic
     except Exception as err:  # pydantic's message names the field
         raise RecipeError("--column", str(err).splitlines()[-1]) from None
     check_data_paths(data, ("test",))  # the checks a recipe's data gets
+    if args.pool_factor is not None:
+        raise RecipeError("--pool-factor", "applies to a corpus folder (documents indexed as token vectors), not to "
+                                           "pair files")
     quiet_libraries()
     adapter = load_embedding_model(args.model_dir, trust_remote_code=args.trust_remote_code)
+    require_single_vector(adapter, "vembed eval of pair files", "evaluate it on a corpus folder (corpus.jsonl, "
+                                                                "queries.jsonl, qrels/): vembed eval MODEL_DIR FOLDER")
     too_big = [d for d in args.mrl_dims or () if not 0 < d <= adapter.embedding_dim]
     if too_big:
         raise RecipeError("--mrl-dims", f"{too_big} are not in 1..{adapter.embedding_dim}, the model's "

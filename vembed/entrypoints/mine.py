@@ -55,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--faiss", choices=["auto", "yes", "no"], default="auto",
                         help="score blocks with faiss's flat index (exact; pip install faiss-cpu) or torch; "
                              "auto: faiss when installed")
+    parser.add_argument("--pool-factor", "--pool_factor", type=int, default=None,
+                        help="multi_vector models: pool each document's token vectors about this many to one "
+                             "(hierarchical clustering; default: the model's document_pool_factor, 1 = none)")
     parser.add_argument("--image-root", help="directory relative image paths are resolved against")
     parser.add_argument("--trust-remote-code", "--trust_remote_code", action="store_true",
                         help="let the model folder run Python code it ships (only for folders you trust)")
@@ -91,8 +94,9 @@ def run(args: argparse.Namespace) -> int:
         from vembed.files import check_replaceable
         from vembed.models.foreign import load_embedding_model, model_folder
         from vembed.retrieval.cache import EmbeddingCache, cache_key, check_cache_folder
+        from vembed.retrieval.maxsim_search import pool_factor_key, set_pool_factor
         from vembed.retrieval.mining import faiss_available, mine_hard_negatives, write_jsonl_atomic
-        from vembed.retrieval.search import DOCUMENTS_PER_BLOCK
+        from vembed.retrieval.search import scoring_of
 
         settings = settings_of(args)
         settings.check()
@@ -104,7 +108,6 @@ def run(args: argparse.Namespace) -> int:
             raise RecipeError("--out", f"{out} is a folder; name the JSONL file to write")
         check_replaceable(out, args.overwrite)
         model_dir = model_folder(args.model_dir)
-        use_faiss = args.faiss == "yes" or (args.faiss == "auto" and faiss_available())
         if args.faiss == "yes" and not faiss_available():
             raise RecipeError("--faiss", "faiss is not installed: pip install faiss-cpu (or pass --faiss no)")
         if not args.no_cache:
@@ -115,14 +118,21 @@ def run(args: argparse.Namespace) -> int:
         accelerator = Accelerator(cpu=on_cpu)
         _check_world_size(accelerator.num_processes)
         adapter = load_embedding_model(model_dir, trust_remote_code=args.trust_remote_code).to(accelerator.device)
+        scoring = scoring_of(adapter)
+        if args.faiss == "yes" and not scoring.faiss:  # before the cache folder is made: nothing written
+            raise RecipeError("--faiss", f"{model_dir} gives token vectors (multi_vector), scored exactly by MaxSim; "
+                                         "faiss's flat index scores one vector per document: pass --faiss no")
+        use_faiss = args.faiss == "yes" or (args.faiss == "auto" and faiss_available() and scoring.faiss)
+        set_pool_factor(adapter, args.pool_factor)
         cache = None
         if not args.no_cache:
             folder = args.cache_dir or f"{out}.cache"
-            key = cache_key(model_dir, Path(args.corpus) / CORPUS_FILE, image_root=args.image_root)
+            key = cache_key(model_dir, Path(args.corpus) / CORPUS_FILE, image_root=args.image_root,
+                            **pool_factor_key(adapter))
             cache = EmbeddingCache(folder, key).open(accelerator)
         rows, stats = mine_hard_negatives(
             adapter, split, settings, batch_size=args.batch_size, accelerator=accelerator, cache=cache,
-            use_faiss=use_faiss, documents_per_block=args.documents_per_block or DOCUMENTS_PER_BLOCK,
+            use_faiss=use_faiss, documents_per_block=args.documents_per_block,
             show_progress=True)
         if accelerator.is_main_process:
             write_jsonl_atomic(out, rows)
@@ -136,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
                     if settings.max_score_ratio is not None else f"no score threshold ({stats.candidates} candidates)")
             print(f"{out}: {len(rows)} rows from {stats.mined} of {stats.queries} queries, {settings.num_negatives} "
                   f"negatives each; {rule}; {stats.too_few} queries had fewer than {settings.num_negatives} "
-                  f"negatives left and were left out; search: {'faiss' if use_faiss else 'exact (torch)'}{where}; "
+                  f"negatives left and were left out; search: "
+                  f"{'faiss' if use_faiss else 'exact (torch' + (', MaxSim)' if not scoring.faiss else ')')}{where}; "
                   f"{accelerator.num_processes} process(es)")
         accelerator.wait_for_everyone()
         accelerator.end_training()  # tears the process group down together (gloo can abort otherwise)

@@ -156,6 +156,12 @@ class EmbeddingAdapter(nn.Module, ABC):
     def embedding_dim(self) -> int:
         ...
 
+    @property
+    def embedding_kind(self) -> str:
+        """What `encode` gives per side, and so how a corpus is searched (vembed.retrieval.SCORINGS):
+        "single", one vector; "multi_vector", token vectors (late interaction, `embedding: multi_vector`)."""
+        return getattr(self.settings, "embedding", "single")
+
     @abstractmethod
     def preprocess(self, sides: Sequence["Side"]) -> dict[str, torch.Tensor]:
         """Tokenise / process a list of sides into CPU tensors. Images may be paths or PIL images."""

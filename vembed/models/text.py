@@ -55,6 +55,9 @@ class TextSettings(PretrainedSettings):
     document_prefix: str = "[D] "  # put before every document's text
     query_length: int = Field(default=32, gt=0)  # every query is this many tokens: truncated, or expanded with [MASK]
     skip_punctuation: bool = True  # documents' punctuation tokens give no vector
+    # Corpus search (evaluation, mining) pools each document's token vectors about this many to one (hierarchical
+    # clustering, vembed/retrieval/maxsim_search.py); 1: none. Training and `encode_token_vectors` never pool.
+    document_pool_factor: int = Field(default=1, ge=1)
 
     @model_validator(mode="after")
     def _multi_vector_keys(self) -> "TextSettings":
@@ -64,7 +67,8 @@ class TextSettings(PretrainedSettings):
                                               "vector); remove normalize: false or use embedding: single")
             return self
         # By value, not by presence: a saved recipe (every key written out) must read back.
-        for key in ("multi_vector_dim", "query_prefix", "document_prefix", "query_length", "skip_punctuation"):
+        for key in ("multi_vector_dim", "query_prefix", "document_prefix", "query_length", "skip_punctuation",
+                    "document_pool_factor"):
             if getattr(self, key) != type(self).model_fields[key].default:
                 raise InvalidKey(key, "applies to token vectors only; set embedding: multi_vector or remove it")
         return self

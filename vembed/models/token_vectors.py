@@ -13,12 +13,16 @@ zero vectors (which are, by the rule above, no tokens).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from vembed.distributed import gather_with_grad, is_distributed
+
+if TYPE_CHECKING:
+    from vembed.models.base import EmbeddingAdapter
 
 
 def token_mask(vectors: torch.Tensor) -> torch.Tensor:
@@ -54,4 +58,14 @@ def gather_tokens(vectors: torch.Tensor) -> torch.Tensor:
     return gather_with_grad(pad_tokens(vectors, int(length.item())))
 
 
-__all__ = ["cat_tokens", "gather_tokens", "pad_tokens", "token_mask"]
+def require_single_vector(adapter: "EmbeddingAdapter", what: str, instead: str, key: str = "model_dir") -> None:
+    """A command that scores one vector per side (`what`) refuses a multi_vector model in one line, saying what to
+    do `instead`."""
+    from vembed.errors import RecipeError
+
+    if adapter.embedding_kind != "single":
+        raise RecipeError(key, f"{what} scores one vector per side, and this model gives token vectors "
+                               f"({adapter.embedding_kind}): {instead}")
+
+
+__all__ = ["cat_tokens", "gather_tokens", "pad_tokens", "require_single_vector", "token_mask"]

@@ -101,17 +101,23 @@ class EmbeddingCache:
     def path(self, start: int, stop: int) -> Path:
         return self.folder / f"docs-{start:010d}-{stop:010d}.pt"
 
-    def load(self, start: int, stop: int) -> torch.Tensor | None:
-        """The stored embeddings of corpus rows `[start, stop)`, or None when absent or unreadable."""
+    def load(self, start: int, stop: int, stored: Any = None) -> Any:
+        """The stored embeddings of corpus rows `[start, stop)`, or None when absent or unreadable. `stored`: the
+        class of blocks kept as tensors by name (`from_state`; packed token vectors), None for a plain tensor."""
         path = self.path(start, stop)
         if not path.is_file():
             return None
         try:
             emb = torch.load(path, map_location="cpu", weights_only=True)
+            if stored is not None:
+                emb = stored.from_state(emb)
         except Exception:  # noqa: BLE001 - a damaged file is recomputed, whatever torch raises for it
             return None
-        return emb if isinstance(emb, torch.Tensor) and len(emb) == stop - start else None
+        kind = torch.Tensor if stored is None else stored
+        return emb if isinstance(emb, kind) and len(emb) == stop - start else None
 
-    def store(self, start: int, stop: int, emb: torch.Tensor) -> None:
-        replace_atomically(self.path(start, stop), lambda tmp: torch.save(emb.detach().cpu().contiguous(), tmp))
+    def store(self, start: int, stop: int, emb: Any) -> None:
+        """`emb`: a tensor, or a block with `state()` (its tensors by name)."""
+        saved = emb.state() if hasattr(emb, "state") else emb.detach().cpu().contiguous()
+        replace_atomically(self.path(start, stop), lambda tmp: torch.save(saved, tmp))
         self.stored += 1

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from vembed.errors import RecipeError
 from vembed.files import replace_atomically
 from vembed.models.encoding import encode_sides
-from vembed.retrieval.search import DOCUMENTS_PER_BLOCK, TopK, document_blocks, search, top_k
+from vembed.retrieval.search import Scoring, TopK, document_blocks, scoring_of, search
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -184,18 +184,17 @@ def faiss_available() -> bool:
     return True
 
 
-def _with_positive_scores(blocks: Iterable[tuple[int, torch.Tensor]], query_emb: torch.Tensor,
-                          pair_query: torch.Tensor, pair_doc: torch.Tensor,
-                          into: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+def _with_positive_scores(blocks: Iterable[tuple[int, Any]], query_emb: torch.Tensor, pair_query: torch.Tensor,
+                          pair_doc: torch.Tensor, into: torch.Tensor,
+                          scoring: Scoring) -> Iterator[tuple[int, Any]]:
     """Pass `blocks` on, scoring on the way every (query, relevant document) pair whose document is in this share:
     positives are scored where their embedding is, wherever they rank."""
-    queries = F.normalize(query_emb.float(), dim=-1)
     for offset, emb in blocks:
         here = (pair_doc >= offset) & (pair_doc < offset + len(emb))
         if here.any():
-            docs = F.normalize(emb.float()[pair_doc[here] - offset], dim=-1)
-            into[here] = (queries[pair_query[here]] * docs.to(queries.device)).sum(-1)
+            into[here] = scoring.pair_scores(query_emb[pair_query[here]], emb, pair_doc[here] - offset).to(into.device)
         yield offset, emb
+        del emb  # one block held at a time
 
 
 def _max_across_processes(values: torch.Tensor, accelerator: "Accelerator | None") -> torch.Tensor:
@@ -213,12 +212,17 @@ def mine_hard_negatives(
     accelerator: "Accelerator | None" = None,
     cache: "EmbeddingCache | None" = None,
     use_faiss: bool = False,
-    documents_per_block: int = DOCUMENTS_PER_BLOCK,
+    documents_per_block: int | None = None,
     show_progress: bool = False,
 ) -> tuple[list[dict[str, Any]], MiningStats]:
     """Mine `split`'s queries against its corpus; returns the training rows (`training_rows`) and the counts.
-    Every process returns the same rows. `cache`: an opened `EmbeddingCache` for this model and corpus."""
+    Every process returns the same rows. `cache`: an opened `EmbeddingCache` for this model and corpus. The score
+    is the adapter's (`search.scoring_of`: cosine, or MaxSim for token vectors; faiss only for the former)."""
     settings.check()
+    scoring = scoring_of(adapter)
+    if use_faiss and not scoring.faiss:
+        raise RecipeError("--faiss", "faiss's flat index scores one vector per document; this model gives token "
+                                     "vectors (scored exactly by MaxSim): pass --faiss no")
     corpus, queries = split.corpus, split.queries
     relevant = [[corpus.index[d] for d in split.relevant(q)] for q in queries.ids]
     judged = [q for q, docs in enumerate(relevant) if docs]
@@ -237,8 +241,8 @@ def mine_hard_negatives(
                              documents_per_block=documents_per_block, show_progress=show_progress, cache=cache)
     counted = _Counted(blocks)
     found = search(query_emb, _with_positive_scores(counted, query_emb, pair_row.to(device), pair_doc.to(device),
-                                                    pair_scores),
-                   k, accelerator=accelerator, score_block=faiss_top_k if use_faiss else top_k)
+                                                    pair_scores, scoring),
+                   k, accelerator=accelerator, score_block=faiss_top_k if use_faiss else scoring.top_k)
     pair_scores = _max_across_processes(pair_scores, accelerator).cpu()
 
     lowest = torch.full((len(judged),), torch.inf)
@@ -255,13 +259,14 @@ def mine_hard_negatives(
 class _Counted:
     """Blocks passed through, counted (this process's shares: encoded or read from the cache)."""
 
-    def __init__(self, blocks: Iterable[tuple[int, torch.Tensor]]):
+    def __init__(self, blocks: Iterable[tuple[int, Any]]):
         self.inner, self.blocks = blocks, 0
 
-    def __iter__(self) -> Iterator[tuple[int, torch.Tensor]]:
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
         for item in self.inner:
             self.blocks += 1
             yield item
+            del item  # one block held at a time
 
 
 def _side_columns(sides: Sequence["Side"], text_key: str, image_key: str, as_list: bool) -> dict[str, Any]:

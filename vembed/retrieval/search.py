@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from vembed.models.encoding import encode_sides, share_bounds
+from vembed.retrieval import SCORINGS
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -101,6 +102,34 @@ def top_k(query_emb: torch.Tensor, doc_emb: torch.Tensor, k: int, *, doc_offset:
     return TopK(torch.cat([p.scores for p in parts]), torch.cat([p.indices for p in parts]))
 
 
+def cosine_pairs(queries: torch.Tensor, block: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`(p,)` cosine of query i `(p, dim)` with block row `rows[i]` (mining scores every positive so)."""
+    docs = F.normalize(block.float()[rows].to(queries.device), dim=-1)
+    return (F.normalize(queries.float(), dim=-1) * docs).sum(-1)
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """How the documents of one embedding kind are kept and scored, chosen by the adapter's `embedding_kind` in
+    SCORINGS: one vector per side by cosine (here), token vectors by MaxSim (vembed.retrieval.maxsim_search)."""
+
+    top_k: Callable[..., TopK]  # one block's top-k for every query (`top_k`'s signature)
+    pair_scores: Callable[[torch.Tensor, Any, torch.Tensor], torch.Tensor]  # `cosine_pairs`' signature
+    encode_share: Callable[..., Any] | None = None  # documents -> a block, given encode_sides' arguments (None: it)
+    documents_per_block: int = DOCUMENTS_PER_BLOCK  # the default block, per process
+    stored: Any = None  # a block class with state()/from_state() for the cache; None: blocks are tensors
+    faiss: bool = True  # whether faiss's flat index can score its blocks (one vector per document)
+
+
+SCORINGS.register("single")(Scoring(top_k=top_k, pair_scores=cosine_pairs))
+
+
+def scoring_of(adapter: "EmbeddingAdapter") -> Scoring:
+    """The Scoring of the adapter's `embedding_kind` (of the adapter inside a DDP/DeepSpeed wrapper: `.module`)."""
+    kind = getattr(adapter, "embedding_kind", None) or getattr(getattr(adapter, "module", None), "embedding_kind", None)
+    return SCORINGS.get(kind or "single")
+
+
 def merge_across_processes(local: TopK, accelerator: "Accelerator | None") -> TopK:
     """Every process's top-k merged into the global one (every process returns the same)."""
     if accelerator is None or accelerator.num_processes == 1:
@@ -117,36 +146,40 @@ def document_blocks(
     *,
     batch_size: int = 64,
     accelerator: "Accelerator | None" = None,
-    documents_per_block: int = DOCUMENTS_PER_BLOCK,
+    documents_per_block: int | None = None,
     forward: "Callable[[dict[str, Any]], torch.Tensor] | None" = None,
     show_progress: bool = False,
     cache: "EmbeddingCache | None" = None,
-) -> Iterator[tuple[int, torch.Tensor]]:
+) -> Iterator[tuple[int, Any]]:
     """(corpus position of the first row, embeddings) of this process's share of each block of the corpus.
 
     Every process runs the same number of forwards (sharded models need that); each block of
     `documents_per_block x num_processes` documents is split into contiguous shares. With a `cache` (an opened
     `vembed.retrieval.cache.EmbeddingCache`), a block every process finds stored is read instead of encoded (one
     process missing its share makes all encode it: the forwards stay in step) and each encoded share is stored.
+    A block is what the adapter's `scoring_of(...).encode_share` makes (embeddings, or packed token vectors); only
+    the one being yielded is held (`documents_per_block`: None, that Scoring's default).
     """
+    scoring = scoring_of(adapter)
     world = accelerator.num_processes if accelerator is not None else 1
     rank = accelerator.process_index if accelerator is not None else 0
-    block = documents_per_block * world
+    block = (documents_per_block or scoring.documents_per_block) * world
     starts: Iterable[int] = range(0, len(documents), block)
     if show_progress and rank == 0:
         from tqdm.auto import tqdm
 
         starts = tqdm(starts, desc="corpus", unit="block", leave=False)
+    encode = scoring.encode_share or encode_sides
     for start in starts:
+        emb = stored = None  # the previous block is the caller's to drop: never two held here
         part = documents[start : start + block]
         first, stop = share_bounds(len(part), rank, world)
-        stored = cache.load(start + first, start + stop) if cache is not None else None
+        stored = cache.load(start + first, start + stop, scoring.stored) if cache is not None else None
         if cache is not None and _on_every_process(stored is not None, accelerator):
             cache.reused += 1
             yield start + first, stored.to(accelerator.device if accelerator is not None else "cpu")
             continue
-        emb = encode_sides(adapter, part, batch_size=batch_size, accelerator=accelerator, forward=forward,
-                           gather=False)
+        emb = encode(adapter, part, batch_size=batch_size, accelerator=accelerator, forward=forward, gather=False)
         if cache is not None:
             cache.store(start + first, start + stop, emb)
         yield start + first, emb
@@ -175,6 +208,7 @@ def search(
     for offset, emb in blocks:
         if len(emb):
             best = best.merge(score_block(query_emb, emb, k, doc_offset=offset, normalize=normalize))
+        del emb  # before the next block is made: one block held at a time
     return merge_across_processes(best, accelerator)
 
 
@@ -186,14 +220,16 @@ def search_corpus(
     *,
     batch_size: int = 64,
     accelerator: "Accelerator | None" = None,
-    documents_per_block: int = DOCUMENTS_PER_BLOCK,
+    documents_per_block: int | None = None,
     forward: "Callable[[dict[str, Any]], torch.Tensor] | None" = None,
     show_progress: bool = False,
 ) -> TopK:
     """Encode `queries` (shared by every process) and the corpus (each process its share), and return each query's
-    `k` best documents by cosine. The same on one process and on many."""
+    `k` best documents by the score of the adapter's embedding kind (cosine, or MaxSim for token vectors: `Scoring`).
+    The same on one process and on many."""
     kwargs = dict(batch_size=batch_size, accelerator=accelerator, forward=forward)
     query_emb = encode_sides(adapter, queries, desc="queries", show_progress=show_progress, **kwargs)
     blocks = document_blocks(adapter, documents, documents_per_block=documents_per_block,
                              show_progress=show_progress, **kwargs)
-    return search(query_emb, blocks, min(k, max(1, len(documents))), accelerator=accelerator)
+    return search(query_emb, blocks, min(k, max(1, len(documents))), accelerator=accelerator,
+                  score_block=scoring_of(adapter).top_k)

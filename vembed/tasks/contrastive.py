@@ -495,8 +495,10 @@ def _check_teacher_embeddings(recipe: "Recipe", dim: int, streamed: bool) -> Non
 
 def _check_token_vectors(recipe: "Recipe") -> None:
     """Token vectors (`embedding: multi_vector`) go with a loss that scores them (late_interaction), one vector per
-    side with the others; what scores token vectors outside the loss (evaluation, search) is not built yet."""
+    side with the others; they are evaluated on corpus folders (MaxSim search, vembed/retrieval/maxsim_search.py),
+    not on pair files, whose metrics score one vector per side."""
     from vembed.components import loss_class
+    from vembed.data.corpus import corpus_sources
 
     multi = getattr(recipe.model, "embedding", "single") == "multi_vector"
     if multi != loss_class(recipe).token_vectors:
@@ -507,9 +509,14 @@ def _check_token_vectors(recipe: "Recipe") -> None:
                                        "(model_type text) or choose another loss_type")
     if multi:
         for split in ("validation", "test"):
-            if getattr(recipe.data, split) is not None:
-                raise RecipeError(f"data.{split}", "evaluating a multi_vector model is not built yet (issue 25); "
-                                                   f"remove data.{split}")
+            sources = recipe.data.sources(split)
+            parts = [None] if sources is None else list(sources)
+            pairs = [name for name in parts if name not in corpus_sources(recipe.data, split)]
+            if getattr(recipe.data, split) is not None and pairs:
+                key = f"data.{split}" if pairs == [None] else f"data.{split}.{pairs[0]}"
+                raise RecipeError(key, "pair files are evaluated one vector per side; a multi_vector model is "
+                                       "evaluated on a corpus folder (corpus.jsonl, queries.jsonl, qrels/): give "
+                                       "one, or remove the split")
 
 
 def _check_source_and_stage_keys(recipe: "Recipe", adapter_cls: type) -> None:

@@ -1,0 +1,74 @@
+"""A saved multi_vector (ColBERT) model through the commands: `vembed eval` on a corpus folder and `vembed mine` search
+its token vectors by MaxSim; a command that scores one vector per side refuses it in one line, exit 2, nothing
+written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from corpora import make_corpus_folder, write_pairs
+
+from vembed.cli import main
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, mask_tokenizer_dir):
+    """A tiny random-init ColBERT saved by vembed, the 36-document corpus folder of tests/corpora.py, and pairs."""
+    import torch
+
+    from vembed.components import recipe_from_dict
+    from vembed.models import MODELS
+
+    root = tmp_path_factory.mktemp("colbert")
+    config = {"model_type": "bert", "vocab_size": 512, "hidden_size": 32, "intermediate_size": 37,
+              "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 32}
+    recipe = recipe_from_dict({"model_type": "text", "tokenizer_name": mask_tokenizer_dir, "model_config": config,
+                               "embedding": "multi_vector", "multi_vector_dim": 16, "query_length": 12,
+                               "max_length": 30, "loss_type": "late_interaction"})
+    torch.manual_seed(0)
+    MODELS.get("text").from_recipe(recipe).save(root / "model")
+    corpus = make_corpus_folder(root / "corpus")
+    write_pairs(corpus, root / "pairs.jsonl")
+    return root
+
+
+def test_eval_searches_a_corpus_by_maxsim_and_a_pool_factor_changes_the_index(saved, tmp_path, capsys):
+    full, pooled = tmp_path / "full.json", tmp_path / "pooled.json"
+    assert main(["eval", str(saved / "model"), str(saved / "corpus"), "--split", "train", "--output", str(full)]) == 0
+    assert main(["eval", str(saved / "model"), str(saved / "corpus"), "--split", "train", "--pool-factor", "3",
+                 "--output", str(pooled)]) == 0
+    full, pooled = json.loads(full.read_text()), json.loads(pooled.read_text())
+    assert full["num_documents"] == pooled["num_documents"] == 36
+    assert 0 < full["corpus/ndcg@10"] <= 1 and 0 < pooled["corpus/ndcg@10"] <= 1
+    assert full != pooled  # the documents' pooled vectors score otherwise
+
+
+def test_mine_writes_negatives_scored_by_maxsim(saved, tmp_path, capsys):
+    out = tmp_path / "negatives.jsonl"
+    assert main(["mine", str(saved / "model"), str(saved / "corpus"), "--out", str(out), "--range-min", "1",
+                 "--range-max", "10", "--max-score-ratio", "none", "--num-negatives", "2",
+                 "--documents-per-block", "8"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows and all(len(row["negatives"]) == 2 for row in rows)
+    assert all(row["positive_score"] > 1 for row in rows)  # a sum over query tokens: beyond any cosine
+    printed = capsys.readouterr().out
+    assert "search: exact (torch, MaxSim)" in printed and "5 block(s) encoded" in printed  # faiss auto: not used
+
+
+@pytest.mark.parametrize("command, expected", [
+    (["eval", "{model}", "{pairs}", "--output", "{out}"],
+     "model_dir: vembed eval of pair files scores one vector per side, and this model gives token vectors "
+     "(multi_vector): evaluate it on a corpus folder"),
+    (["mine", "{model}", "{corpus}", "--out", "{out}", "--faiss", "yes"],
+     "--faiss: {model} gives token vectors (multi_vector), scored exactly by MaxSim; faiss's flat index"),
+    (["export", "{model}", "--out", "{out}"], "is a multi_vector (ColBERT) model"),
+    (["eval", "{model}", "{corpus}", "--pool-factor", "0", "--output", "{out}"], "--pool-factor: must be at least 1"),
+])
+def test_a_dense_only_command_refuses_a_multi_vector_model_in_one_line(saved, tmp_path, capsys, command, expected):
+    places = {"model": str(saved / "model"), "pairs": str(saved / "pairs.jsonl"), "corpus": str(saved / "corpus"),
+              "out": str(tmp_path / "out")}
+    code = main([part.format(**places) for part in command])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and expected.format(**places) in err, err
+    assert list(tmp_path.iterdir()) == []  # no output, no cache folder

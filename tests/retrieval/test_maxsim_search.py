@@ -1,0 +1,239 @@
+"""Corpus search with a multi_vector (ColBERT) model: exact MaxSim over packed float16 blocks, the same metrics as
+trec_eval on a run computed by brute force here, block size without effect, one block held at a time, token pooling,
+and mining through the same scorer."""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import pytest
+import torch
+from corpora import make_corpus_folder
+
+from vembed.data.corpus import load_corpus_split
+from vembed.evaluation.corpus import Cutoffs, evaluate_corpus
+from vembed.retrieval.maxsim_search import STORED_DTYPE, PackedTokens, maxsim_top_k, pool_tokens
+from vembed.retrieval.search import SCORINGS, search_corpus
+
+CUTOFFS = Cutoffs(ndcg=(1, 3, 10), recall=(1, 10, 100), map=(5, 100), mrr=(10,))
+
+
+@pytest.fixture(scope="module")
+def colbert(mask_tokenizer_dir):
+    return _colbert(mask_tokenizer_dir)
+
+
+def _colbert(mask_tokenizer_dir: str):
+    """A tiny random-init ColBERT, the same weights in every process that builds it."""
+    from vembed.components import recipe_from_dict
+    from vembed.models import MODELS
+
+    config = {"model_type": "bert", "vocab_size": 512, "hidden_size": 32, "intermediate_size": 37,
+              "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 32,
+              "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+    recipe = recipe_from_dict({"model_type": "text", "tokenizer_name": mask_tokenizer_dir, "model_config": config,
+                               "embedding": "multi_vector", "multi_vector_dim": 16, "query_length": 12,
+                               "max_length": 30, "loss_type": "late_interaction"})
+    torch.manual_seed(0)
+    return MODELS.get("text").from_recipe(recipe).eval()
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory):
+    return load_corpus_split(make_corpus_folder(tmp_path_factory.mktemp("corpus")), "train")
+
+
+def _vectors(adapter, sides) -> list[torch.Tensor]:
+    """Each side's own token vectors, encoded one at a time (no batch padding at all)."""
+    out = []
+    with torch.no_grad():
+        for side in sides:
+            vectors = adapter.encode(adapter.preprocess([side]))[0]
+            out.append(vectors[vectors.ne(0).any(dim=-1)])
+    return out
+
+
+def _brute_force_run(adapter, split, query_ids) -> dict[str, dict[str, float]]:
+    """Every (query, document) MaxSim by loops over tokens, in float64, documents as the index stores them."""
+    queries = _vectors(adapter, [split.queries.sides[split.queries.index[q]] for q in query_ids])
+    documents = [d.to(STORED_DTYPE).double() for d in _vectors(adapter, split.corpus.sides)]
+    run = {}
+    for query_id, query in zip(query_ids, queries):
+        query = query.double()
+        run[query_id] = {doc_id: float(sum(max(float(q @ t) for t in doc) for q in query))
+                         for doc_id, doc in zip(split.corpus.ids, documents)}
+    return run
+
+
+def test_corpus_metrics_of_a_multi_vector_model_equal_trec_eval_on_a_brute_force_maxsim_run(colbert, split):
+    pytrec_eval = pytest.importorskip("pytrec_eval")
+    query_ids = [q for q in split.queries.ids if any(g > 0 for g in split.qrels[q].values())]
+    run = _brute_force_run(colbert, split, query_ids)
+    measures = {"ndcg_cut.1,3,10", "recall.1,10,100", "map_cut.5,100", "recip_rank"}
+    # recip_rank has no cut-off in trec_eval: the run cut to 10 gives MRR@10
+    cut = {q: dict(sorted(docs.items(), key=lambda item: -item[1])[:10]) for q, docs in run.items()}
+    qrels = {q: split.qrels[q] for q in query_ids}
+    full = pytrec_eval.RelevanceEvaluator(qrels, measures).evaluate(run)
+    at_10 = pytrec_eval.RelevanceEvaluator(qrels, {"recip_rank"}).evaluate(cut)
+    expected = {}
+    for name in CUTOFFS.names():
+        metric, k = name.split("@")
+        trec = {"ndcg": f"ndcg_cut_{k}", "recall": f"recall_{k}", "map": f"map_cut_{k}"}.get(metric)
+        values = [at_10[q]["recip_rank"] if trec is None else full[q][trec] for q in query_ids]
+        expected[f"corpus/{name}"] = sum(values) / len(values)
+
+    found = evaluate_corpus(colbert, split, cutoffs=CUTOFFS, documents_per_block=5, batch_size=4)
+    assert found["num_documents"] == 36 and found["num_queries"] == len(query_ids)
+    for name, value in expected.items():
+        assert found[name] == pytest.approx(value, abs=1e-6), name
+    assert 0 < found["corpus/ndcg@10"] < 1  # a ranking that is neither perfect nor empty was compared
+
+
+def test_block_size_does_not_change_the_run(colbert, split):
+    queries, documents = split.queries.sides[:4], split.corpus.sides[:13]
+    runs = [search_corpus(colbert, queries, documents, 10, batch_size=7, documents_per_block=size)
+            for size in (1, 3, len(documents))]
+    for other in runs[1:]:
+        assert torch.equal(other.indices, runs[0].indices)
+        torch.testing.assert_close(other.scores, runs[0].scores, atol=1e-6, rtol=0)
+    assert (runs[0].indices >= 0).all()
+
+
+def test_the_scorer_holds_one_block_of_token_vectors_and_the_top_k(colbert, split, monkeypatch):
+    scoring = SCORINGS.get("multi_vector")
+    live: weakref.WeakSet = weakref.WeakSet()
+    seen = {"held": [], "sizes": [], "scored": 0}
+
+    def encode_share(adapter, sides, **kwargs):
+        seen["held"].append(len(live))  # blocks still alive while the next one is made
+        block = scoring.encode_share(adapter, sides, **kwargs)
+        live.add(block)
+        seen["sizes"].append(len(block))
+        return block
+
+    def top_k(queries, block, k, **kwargs):
+        assert list(live) == [block]  # nothing but the block being scored
+        seen["scored"] += 1
+        found = scoring.top_k(queries, block, k, **kwargs)
+        assert found.scores.shape == (len(queries), k)  # what is kept across blocks
+        return found
+
+    monkeypatch.setitem(SCORINGS._entries, "multi_vector", dataclasses.replace(scoring, encode_share=encode_share,
+                                                                                top_k=top_k))
+    found = search_corpus(colbert, split.queries.sides, split.corpus.sides, 10, batch_size=4, documents_per_block=5)
+    assert seen["sizes"] == [5] * 7 + [1] and seen["scored"] == 8
+    assert seen["held"] == [0] * 8
+    assert not list(live) and found.indices.shape == (len(split.queries), 10)
+
+
+def test_packed_blocks_keep_only_tokens_in_float16_and_unpack_to_the_padded_vectors():
+    torch.manual_seed(0)
+    padded = torch.nn.functional.normalize(torch.randn(3, 5, 4), dim=-1)
+    padded[0, 3:] = 0
+    padded[1, 1] = 0  # a skipped token inside a document
+    padded[2] = 0  # a document without tokens
+    packed = PackedTokens.pack(padded)
+    assert packed.vectors.dtype == STORED_DTYPE and packed.lengths.tolist() == [3, 4, 0]
+    assert packed.nbytes == 7 * 4 * 2 + 3 * 8
+    unpacked = packed.padded()
+    assert unpacked.shape == (3, 4, 4)
+    torch.testing.assert_close(unpacked[0, :3], padded[0, :3].half().float())
+    torch.testing.assert_close(unpacked[1], padded[1][[0, 2, 3, 4]].half().float())
+    assert not unpacked[0, 3:].any() and not unpacked[2].any()
+    round_trip = PackedTokens.from_state(packed.state())
+    assert torch.equal(round_trip.vectors, packed.vectors) and torch.equal(round_trip.lengths, packed.lengths)
+    # A document without tokens scores 0 and still ranks (after the others when their scores are positive).
+    queries = padded[:1, :3]
+    found = maxsim_top_k(queries, packed, 3, doc_offset=10)
+    assert sorted(found.indices[0].tolist()) == [10, 11, 12] and found.scores[0, -1] == 0
+
+
+def test_pooling_clusters_a_documents_tokens_into_unit_means():
+    torch.manual_seed(0)
+    centres = torch.nn.functional.normalize(torch.randn(3, 8), dim=-1)
+    tokens = torch.nn.functional.normalize(centres.repeat_interleave(2, 0) + 0.01 * torch.randn(6, 8), dim=-1)
+    pooled = pool_tokens(tokens, 2)
+    assert pooled.shape == (3, 8)
+    torch.testing.assert_close(pooled.norm(dim=-1), torch.ones(3))
+    # Each pooled vector is the (renormalised) mean of one centre's two tokens.
+    best = (pooled @ centres.T).max(dim=0).values
+    assert (best > 0.999).all()
+    assert torch.equal(pool_tokens(tokens, 1), tokens) and pool_tokens(tokens[:1], 3).shape == (1, 8)
+    assert pool_tokens(tokens, 3).shape == (2, 8)
+
+
+def test_a_pool_factor_shrinks_the_index_and_still_searches(colbert, split, monkeypatch):
+    from vembed.retrieval.maxsim_search import encode_token_share, set_pool_factor
+
+    sides = split.corpus.sides[:8]
+    full = encode_token_share(colbert, sides, batch_size=4)
+    set_pool_factor(colbert, 2)
+    try:
+        pooled = encode_token_share(colbert, sides, batch_size=4)
+        found = search_corpus(colbert, split.queries.sides, split.corpus.sides, 5, documents_per_block=9)
+    finally:
+        set_pool_factor(colbert, 1)
+    assert pooled.lengths.tolist() == [max(1, n // 2) for n in full.lengths.tolist()]
+    assert pooled.nbytes < 0.6 * full.nbytes
+    assert (found.indices >= 0).all()
+
+
+def test_a_pool_factor_is_refused_for_a_single_vector_model_naming_the_flag(tiny_tokenizer_dir):
+    from corpora import text_model_keys
+
+    from vembed.components import recipe_from_dict
+    from vembed.errors import RecipeError
+    from vembed.models import MODELS
+    from vembed.retrieval.maxsim_search import set_pool_factor
+
+    dense = MODELS.get("text").from_recipe(recipe_from_dict(text_model_keys(tiny_tokenizer_dir)))
+    set_pool_factor(dense, 1)  # no pooling asks nothing of the model
+    with pytest.raises(RecipeError, match="--pool-factor: pools token vectors; this model gives one vector"):
+        set_pool_factor(dense, 2)
+
+
+def test_mining_with_a_multi_vector_model_scores_positives_and_negatives_by_maxsim(colbert, split, tmp_path):
+    from vembed.retrieval.cache import EmbeddingCache
+    from vembed.retrieval.mining import MiningSettings, mine_hard_negatives
+
+    settings = MiningSettings(range_min=1, range_max=8, max_score_ratio=None, num_negatives=3)
+    cache = EmbeddingCache(tmp_path / "cache", {"model": "colbert"}).open()
+    rows, stats = mine_hard_negatives(colbert, split, settings, batch_size=4, cache=cache, documents_per_block=7)
+    assert rows and stats.blocks_encoded == 6 and stats.blocks_reused == 0
+    query_ids = sorted({row["query_id"] for row in rows})
+    run = _brute_force_run(colbert, split, query_ids)
+    for row in rows:
+        scores = run[row["query_id"]]
+        assert row["positive_score"] == pytest.approx(scores[row["positive_id"]], abs=1e-4)
+        assert row["negative_scores"] == pytest.approx([scores[d] for d in row["negative_ids"]], abs=1e-4)
+        assert row["positive_id"] not in row["negative_ids"]
+    again, stats = mine_hard_negatives(colbert, split, settings, batch_size=4,
+                                       cache=EmbeddingCache(tmp_path / "cache", {"model": "colbert"}).open(),
+                                       documents_per_block=7)
+    assert stats.blocks_reused == 6 and stats.blocks_encoded == 0 and again == rows
+
+
+def _search_on_ranks(tokenizer_dir: str, folder: str, out_file: str) -> None:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    assert accelerator.num_processes == 2
+    split = load_corpus_split(folder, "train")
+    found = search_corpus(_colbert(tokenizer_dir), split.queries.sides, split.corpus.sides, 10,
+                          accelerator=accelerator, batch_size=4, documents_per_block=4)
+    if accelerator.is_main_process:
+        torch.save({"scores": found.scores, "indices": found.indices}, out_file)
+
+
+def test_two_ranks_each_scoring_a_share_of_each_block_find_what_one_process_finds(mask_tokenizer_dir, split,
+                                                                                   tmp_path):
+    from ranks import run_on_ranks
+
+    expected = search_corpus(_colbert(mask_tokenizer_dir), split.queries.sides, split.corpus.sides, 10,
+                             batch_size=4, documents_per_block=8)
+    out = tmp_path / "found.pt"
+    run_on_ranks(_search_on_ranks, mask_tokenizer_dir, str(split.folder), str(out), world=2, timeout=240)
+    found = torch.load(out, weights_only=True)
+    assert torch.equal(found["indices"], expected.indices)
+    torch.testing.assert_close(found["scores"], expected.scores, atol=1e-6, rtol=0)

@@ -1,0 +1,222 @@
+"""Exact late-interaction (MaxSim, ColBERT) search of a corpus: search.py's cosine search, for token vectors.
+
+Each block of documents is encoded (each process its share), optionally pooled (`pool_tokens`: fewer vectors per
+document), and packed without padding (`PackedTokens`: every document's token vectors one after another in float16,
+with each document's count), which is also what the embedding cache stores. A block is scored against every query
+by MaxSim (`vembed.models.maxsim`, the one place it is computed) a chunk at a time and folded into the running top-k
+(`search.search`), then dropped: memory holds one block of token vectors and `(n_queries, k)` scores. Padding never
+reaches a score: packed blocks hold only tokens, and unpacking pads with zero vectors, which `maxsim` excludes.
+
+Chosen for adapters whose `embedding_kind` is "multi_vector" through `vembed.retrieval.SCORINGS`, so `vembed eval` on a corpus
+folder, in-run corpus evaluation and `vembed mine` search token vectors as they search single vectors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from vembed.models.encoding import encode_sides, unwrapped
+from vembed.models.maxsim import MAX_BLOCK_ELEMENTS, maxsim
+from vembed.models.token_vectors import token_mask
+from vembed.retrieval import SCORINGS
+from vembed.retrieval.search import SCORE_CHUNK_ELEMENTS, Scoring, TopK
+
+if TYPE_CHECKING:
+    from vembed.data.records import Side
+    from vembed.models.base import EmbeddingAdapter
+
+STORED_DTYPE = torch.float16  # a unit vector's components keep ~3 decimal digits: scores move by ~1e-3 at most
+# Documents per block and process: token vectors take ~100x the room of one vector per document, so blocks are
+# smaller than search.DOCUMENTS_PER_BLOCK (4096 documents of 200 tokens at 128 dims: 200 MiB of float16).
+DOCUMENTS_PER_BLOCK = 1 << 12
+# Documents unpacked to float32 at once while a block is scored (their padded token vectors, in elements).
+UNPACKED_ELEMENTS = 1 << 24
+MULTI_VECTOR = "multi_vector"
+
+
+@dataclass(eq=False)  # compared by identity: tensors have no one truth value
+class PackedTokens:
+    """The token vectors of a block of documents without padding: `vectors` `(total tokens, dim)`, document after
+    document, and `lengths` `(n_documents,)`, each document's number of vectors (0: a document with no token)."""
+
+    vectors: torch.Tensor
+    lengths: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.lengths.dim() != 1 or int(self.lengths.sum()) != len(self.vectors):
+            raise ValueError(f"{len(self.vectors)} token vectors for document lengths summing to "
+                             f"{int(self.lengths.sum())}")
+
+    def __len__(self) -> int:
+        return self.lengths.numel()
+
+    @classmethod
+    def pack(cls, documents: torch.Tensor | Sequence[torch.Tensor], dtype: torch.dtype = STORED_DTYPE
+             ) -> "PackedTokens":
+        """From padded token vectors `(n, T, dim)` (zero vectors: no token, `vembed.models.token_vectors`), or from a
+        list of each document's own `(t_i, dim)` vectors."""
+        if isinstance(documents, torch.Tensor):
+            kept = token_mask(documents)
+            return cls(documents[kept].to(dtype), kept.sum(dim=1).cpu())  # row-major: document after document
+        lengths = torch.tensor([len(doc) for doc in documents], dtype=torch.long)
+        vectors = torch.cat(list(documents)) if documents else torch.empty(0, 0)
+        return cls(vectors.to(dtype), lengths)
+
+    @property
+    def dim(self) -> int:
+        return self.vectors.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored vectors and lengths: the index size of the block."""
+        return self.vectors.numel() * self.vectors.element_size() + self.lengths.numel() * self.lengths.element_size()
+
+    def _offsets(self) -> torch.Tensor:
+        return torch.cat([self.lengths.new_zeros(1), self.lengths.cumsum(0)])
+
+    def padded(self, start: int = 0, stop: int | None = None, device: torch.device | str | None = None
+               ) -> torch.Tensor:
+        """Documents `[start, stop)` as float32 `(n, longest, dim)` on `device`, zero vectors after their tokens."""
+        stop = len(self) if stop is None else stop
+        offsets, lengths = self._offsets(), self.lengths[start:stop]
+        flat = self.vectors[int(offsets[start]) : int(offsets[stop])].to(device=device, dtype=torch.float32)
+        longest = int(lengths.max()) if len(lengths) else 0
+        out = flat.new_zeros(len(lengths), longest, self.vectors.shape[1])
+        out[(torch.arange(longest)[None, :] < lengths[:, None]).to(out.device)] = flat
+        return out
+
+    def select(self, rows: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+        """The documents at `rows` (block positions, any order) as float32 `(len(rows), longest, dim)`."""
+        offsets = self._offsets()
+        parts = [self.vectors[int(offsets[r]) : int(offsets[r + 1])] for r in rows.tolist()]
+        return PackedTokens.pack(parts, torch.float32).padded(device=device) if parts else \
+            torch.zeros(0, 0, self.dim, device=device)
+
+    def to(self, device: torch.device | str) -> "PackedTokens":
+        return PackedTokens(self.vectors.to(device), self.lengths)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """What a cache file holds (plain tensors: loaded with torch.load(weights_only=True))."""
+        return {"vectors": self.vectors.detach().cpu().contiguous(), "lengths": self.lengths.cpu().contiguous()}
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor]) -> "PackedTokens":
+        return cls(state["vectors"], state["lengths"])
+
+
+def pool_tokens(vectors: torch.Tensor, pool_factor: int) -> torch.Tensor:
+    """One document's token vectors `(t, dim)` pooled to about t / pool_factor (hierarchical token pooling, Clavié et
+    al. 2024, what PyLate's `pool_factor` does):
+    Ward clustering of the vectors (euclidean distance between unit vectors orders pairs as cosine does), each
+    cluster replaced by its mean, renormalised. Deterministic; `pool_factor` 1 or a single token: unchanged."""
+    if pool_factor <= 1 or len(vectors) <= 1:
+        return vectors
+    try:
+        from scipy.cluster.hierarchy import fcluster, linkage
+    except ImportError:
+        from vembed.errors import RecipeError
+
+        raise RecipeError("document_pool_factor", "token pooling (--pool-factor) needs scipy: pip install "
+                                                  "'vembed[colbert]', or index without pooling") from None
+
+    clusters = max(1, len(vectors) // pool_factor)
+    points = vectors.detach().double().cpu()
+    labels = fcluster(linkage(points.numpy(), method="ward"), t=clusters, criterion="maxclust")
+    labels = torch.as_tensor(labels, dtype=torch.long) - 1
+    sums = torch.zeros(int(labels.max()) + 1, vectors.shape[1], dtype=torch.float64).index_add_(0, labels, points)
+    return F.normalize(sums, dim=-1).to(vectors.dtype).to(vectors.device)  # the mean's direction
+
+
+def pool_factor_of(adapter: "EmbeddingAdapter") -> int:
+    """How much the adapter's documents are pooled when indexed (`document_pool_factor`; 1: not at all)."""
+    return int(getattr(adapter.settings, "document_pool_factor", 1) or 1)
+
+
+def set_pool_factor(adapter: "EmbeddingAdapter", factor: int | None, key: str = "--pool-factor") -> None:
+    """Index the adapter's documents pooled by `factor` from now on (None: keep the model's own setting)."""
+    from vembed.errors import RecipeError
+
+    if factor is None:
+        return
+    if factor < 1:
+        raise RecipeError(key, f"must be at least 1 (1: no pooling), got {factor}")
+    if adapter.embedding_kind != MULTI_VECTOR:
+        if factor == 1:
+            return
+        raise RecipeError(key, "pools token vectors; this model gives one vector per document: remove the flag")
+    adapter.settings.document_pool_factor = factor
+
+
+def pool_factor_key(adapter: "EmbeddingAdapter") -> dict[str, int]:
+    """What the embedding cache's key adds for pooled documents (nothing when unpooled: older caches stay valid)."""
+    factor = pool_factor_of(adapter)
+    return {"document_pool_factor": factor} if factor > 1 else {}
+
+
+def encode_token_share(adapter: "EmbeddingAdapter", sides: Sequence["Side"], **kwargs: Any) -> PackedTokens:
+    """A share of documents encoded (`encode_sides`' arguments), pooled by the adapter's `document_pool_factor`, and
+    packed in float16: one block as `search.document_blocks` yields it."""
+    padded = encode_sides(adapter, sides, **kwargs)
+    return pack_documents(padded, pool_factor_of(unwrapped(adapter, kwargs.get("accelerator"))))
+
+
+def pack_documents(padded: torch.Tensor, pool_factor: int = 1) -> PackedTokens:
+    """Documents' padded token vectors `(n, T, dim)`, each pooled by `pool_factor` (1: not), packed in float16."""
+    if pool_factor <= 1:
+        return PackedTokens.pack(padded)
+    kept = token_mask(padded)
+    return PackedTokens.pack([pool_tokens(doc[mask], pool_factor) for doc, mask in zip(padded, kept)])
+
+
+def maxsim_top_k(queries: torch.Tensor, block: PackedTokens, k: int, *, doc_offset: int = 0,
+                 normalize: bool = True, chunk_elements: int = UNPACKED_ELEMENTS) -> TopK:
+    """The `k` best documents of `block` for every query `(n, Tq, dim)` by MaxSim (`search.top_k`'s signature;
+    `normalize` is ignored: token vectors are unit vectors already). `doc_offset` is added to the indices.
+
+    Documents are unpacked `chunk_elements` at a time and queries taken in chunks that keep `maxsim`'s similarity
+    block near its bound; non-finite scores rank last; equal scores keep the lower corpus position first."""
+    if queries.dim() != 3 or queries.shape[2] != block.dim:
+        raise ValueError(f"token vectors must be (n, tokens, {block.dim}), got {tuple(queries.shape)}")
+    if k < 1:
+        raise ValueError(f"k must be at least 1, got {k}")
+    device, queries = queries.device, queries.float()
+    n_q, n_d = len(queries), len(block)
+    if n_q == 0 or n_d == 0:
+        return TopK.empty(n_q, k, device)
+    longest = max(1, int(block.lengths.max()))
+    doc_chunk = max(1, min(n_d, chunk_elements // (longest * block.dim)))
+    # At least 16 documents per similarity block of maxsim (it chunks documents, never queries).
+    query_chunk = max(1, min(n_q, MAX_BLOCK_ELEMENTS // (queries.shape[1] * longest * 16),
+                             SCORE_CHUNK_ELEMENTS // doc_chunk))
+    best = [TopK.empty(min(query_chunk, n_q - q), k, device) for q in range(0, n_q, query_chunk)]
+    for d_start in range(0, n_d, doc_chunk):
+        d_stop = min(d_start + doc_chunk, n_d)
+        documents = block.padded(d_start, d_stop, device)
+        for part, q_start in enumerate(range(0, n_q, query_chunk)):
+            scores = maxsim(queries[q_start : q_start + query_chunk], documents)
+            scores = torch.nan_to_num(scores, nan=-torch.inf)
+            # As search.top_k: a few extra, so that exact ties at the boundary reach the position ordering.
+            values, where = scores.topk(min(d_stop - d_start, k + 8), dim=1)
+            best[part] = best[part].merge(TopK(values, where + (doc_offset + d_start)))
+        del documents
+    return TopK(torch.cat([b.scores for b in best]), torch.cat([b.indices for b in best]))
+
+
+def maxsim_pairs(queries: torch.Tensor, block: PackedTokens, rows: torch.Tensor) -> torch.Tensor:
+    """`(p,)` MaxSim of query i `(p, Tq, dim)` with block document `rows[i]` (mining scores every positive so)."""
+    if len(rows) == 0:
+        return queries.new_zeros(0)
+    documents = block.select(rows, device=queries.device)
+    return torch.stack([maxsim(queries[i : i + 1].float(), documents[i : i + 1])[0, 0] for i in range(len(rows))])
+
+
+SCORINGS.register(MULTI_VECTOR)(Scoring(top_k=maxsim_top_k, pair_scores=maxsim_pairs, encode_share=encode_token_share,
+                                        documents_per_block=DOCUMENTS_PER_BLOCK, stored=PackedTokens, faiss=False))
+
+__all__ = ["PackedTokens", "encode_token_share", "maxsim_pairs", "maxsim_top_k", "pack_documents", "pool_factor_key",
+           "pool_tokens", "set_pool_factor"]
