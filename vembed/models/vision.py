@@ -52,6 +52,8 @@ class VisionSettings(PretrainedSettings):
 class VisionAdapter(TransformersAdapter):
     model_type = "vision"
     task: ClassVar[str] = "classification"  # vembed.tasks: trained by the classification task
+    # ... or, without a head, by the metric_learning task (vembed/tasks/metric_learning.py): the loss picks which.
+    tasks: ClassVar[tuple[str, ...]] = ("classification", "metric_learning")
     Settings: ClassVar[type[VisionSettings]] = VisionSettings
     modalities = frozenset({"image"})
     image_cache: ClassVar[bool] = True
