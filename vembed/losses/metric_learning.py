@@ -57,8 +57,10 @@ class MetricLoss(nn.Module):
     settings: dict[str, Any]  # what it was built with (config)
 
     @classmethod
-    def from_recipe(cls, recipe: "Recipe", *, num_classes: int, embedding_dim: int) -> "MetricLoss":
-        """`num_classes`: classes of the training data; `embedding_dim`: the adapter's output size."""
+    def from_recipe(cls, recipe: "Recipe", *, num_classes: int | None = None,
+                    embedding_dim: int | None = None) -> "MetricLoss":
+        """`num_classes`: classes of the training data; `embedding_dim`: the adapter's output size (the task passes
+        both; the memory planner, which reads no data, neither)."""
         raise NotImplementedError
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -90,7 +92,7 @@ class SupConLoss(MetricLoss):
         self.loss = _pml_losses("supcon").SupConLoss(temperature=float(temperature))
 
     @classmethod
-    def from_recipe(cls, recipe: "Recipe", *, num_classes: int, embedding_dim: int) -> "SupConLoss":
+    def from_recipe(cls, recipe: "Recipe", **sizes: int | None) -> "SupConLoss":
         return cls(temperature=recipe.loss.temperature)
 
 
@@ -111,7 +113,7 @@ class NTXentLoss(MetricLoss):
         self.loss = _pml_losses("ntxent").NTXentLoss(temperature=float(temperature))
 
     @classmethod
-    def from_recipe(cls, recipe: "Recipe", *, num_classes: int, embedding_dim: int) -> "NTXentLoss":
+    def from_recipe(cls, recipe: "Recipe", **sizes: int | None) -> "NTXentLoss":
         return cls(temperature=recipe.loss.temperature)
 
 
@@ -119,6 +121,7 @@ class SubCenterArcFaceSettings(MetricLossSettings):
     margin: float = Field(default=28.6, ge=0, lt=90)  # additive angular margin, in degrees (28.6 ≈ 0.5 rad)
     scale: float = Field(default=64.0, gt=0)  # logits are scale × cos(angle)
     sub_centers: int = Field(default=3, ge=1)  # centres per class (1: plain ArcFace)
+    num_classes: int | None = Field(default=None, gt=0)  # classes of the centres (unset: data.train's)
 
 
 @METRIC_LOSSES.register("subcenter_arcface")
@@ -140,8 +143,16 @@ class SubCenterArcFaceLoss(MetricLoss):
             sub_centers=int(sub_centers))
 
     @classmethod
-    def from_recipe(cls, recipe: "Recipe", *, num_classes: int, embedding_dim: int) -> "SubCenterArcFaceLoss":
+    def from_recipe(cls, recipe: "Recipe", *, num_classes: int | None = None,
+                    embedding_dim: int | None = None) -> "SubCenterArcFaceLoss":
+        from vembed.components import model_class
+
         settings = recipe.loss
+        num_classes = num_classes or settings.num_classes
+        if num_classes is None:
+            raise RecipeError("num_classes", "subcenter_arcface has a centre per class: set num_classes, or point "
+                                             "data.train at the labelled images")
+        embedding_dim = embedding_dim or model_class(recipe).embedding_dim_for(recipe)
         return cls(num_classes, embedding_dim, margin=settings.margin, scale=settings.scale,
                    sub_centers=settings.sub_centers)
 

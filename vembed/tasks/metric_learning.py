@@ -80,6 +80,10 @@ class MetricLearningTask(Task):
                               f"one of: {', '.join(METRICS)}")
         if data.train is not None:
             train = read_split(recipe, "train", None)
+            declared = getattr(recipe.loss, "num_classes", None)
+            if declared is not None and declared != len(train.names):
+                raise RecipeError("num_classes", f"is {declared} but {data.train} has {len(train.names)} classes; "
+                                                 f"set num_classes: {len(train.names)} or remove it")
             if loss_class(recipe).needs_positives:
                 check_positives(train, recipe.loss_type)
             for split in ("validation", "test"):
