@@ -179,3 +179,29 @@ def test_two_gloo_ranks_take_the_step_one_process_takes_on_both_halves(digits, t
         print(f"{loss}: relative gradient difference {relative:.2e}")
         assert relative <= 1e-5, f"{loss}: relative gradient difference {relative:.2e}"
     assert "loss.loss.W" in ddp["subcenter_arcface"]
+
+
+def test_ntxent_over_two_views_pairs_each_image_with_its_other_view(digits, tmp_path):
+    """positives: views: each image twice in the batch, labelled by its row, so its only positive is its other view;
+    a class of one image is then fine."""
+    from pytorch_metric_learning import losses
+
+    from vembed.components import recipe_from_dict
+    from vembed.tasks import check_recipe
+    from vembed.training.loop import Trainer
+
+    (tmp_path / "train.csv").write_text("image,label\nzero/0.png,zero\nzero/10.png,zero\none/1.png,one\n")
+    raw = recipe(digits, tmp_path / "run", loss_type="ntxent", positives="views", temperature=0.5, batch_size=3,
+                 data={"train": str(tmp_path / "train.csv"), "image_root": str(digits / "train")})
+    check_recipe(recipe_from_dict(raw))
+    trainer = Trainer(recipe_from_dict(raw))
+    trainer.build()
+    batch = trainer.collate([trainer.dataset[i] for i in (2, 0, 1)])
+    assert batch["labels"].tolist() == [2, 2, 0, 0, 1, 1]
+    pixels = batch["inputs"]["pixel_values"]
+    assert pixels.shape[0] == 6 and torch.equal(pixels[0], pixels[1]) and not torch.equal(pixels[1], pixels[2])
+    with torch.no_grad():
+        embeddings = trainer.objective.adapter.encode(batch["inputs"])
+        loss = trainer.objective(batch)
+    assert loss == losses.NTXentLoss(temperature=0.5)(embeddings, batch["labels"])
+    assert trainer.objective.loss.config == {"name": "NTXentLoss", "temperature": 0.5, "positives": "views"}

@@ -12,7 +12,7 @@ averages it. With the gather, DDP's average gives every parameter, the loss's in
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -70,6 +70,12 @@ class MetricLoss(nn.Module):
         with torch.autocast(device_type=embeddings.device.type, enabled=False):
             return self.loss(embeddings, labels)
 
+    @classmethod
+    def views_per_image(cls, settings: MetricLossSettings) -> int:
+        """How many views of each image a batch holds: 1, positives from labels; 2, each view's positive is the other
+        view of its image (the batch's labels are then row ids, so no class needs two images)."""
+        return 1
+
     @property
     def config(self) -> dict[str, Any]:
         return {"name": type(self).__name__, **self.settings}
@@ -98,6 +104,9 @@ class SupConLoss(MetricLoss):
 
 class NTXentSettings(MetricLossSettings):
     temperature: float = Field(default=0.07, gt=0)  # cosine similarities are divided by it
+    # labels: the other images of the class are positives; views: two views of every image in the batch, each the
+    # other's only positive (SimCLR; the views differ once the image processor draws random augmentations)
+    positives: Literal["labels", "views"] = "labels"
 
 
 @METRIC_LOSSES.register("ntxent")
@@ -107,14 +116,18 @@ class NTXentLoss(MetricLoss):
 
     Settings: ClassVar[type[NTXentSettings]] = NTXentSettings
 
-    def __init__(self, temperature: float = 0.07):
+    def __init__(self, temperature: float = 0.07, positives: str = "labels"):
         super().__init__()
-        self.settings = {"temperature": float(temperature)}
+        self.settings = {"temperature": float(temperature), "positives": positives}
         self.loss = _pml_losses("ntxent").NTXentLoss(temperature=float(temperature))
 
     @classmethod
     def from_recipe(cls, recipe: "Recipe", **sizes: int | None) -> "NTXentLoss":
-        return cls(temperature=recipe.loss.temperature)
+        return cls(temperature=recipe.loss.temperature, positives=recipe.loss.positives)
+
+    @classmethod
+    def views_per_image(cls, settings: NTXentSettings) -> int:
+        return 2 if settings.positives == "views" else 1
 
 
 class SubCenterArcFaceSettings(MetricLossSettings):

@@ -42,6 +42,29 @@ class MetricLearningObjective(nn.Module):
         return self.loss(self.adapter.encode(batch["inputs"]), batch["labels"])
 
 
+class RowsOfImages(LabelledImageDataset):
+    """(path, row) pairs: the row id is the label when the positives are views of one image (rows are distinct across
+    ranks, so a view's positive is never another rank's image)."""
+
+    def __getitem__(self, index: int) -> tuple[str, int]:
+        return self.data.paths[index], index
+
+
+class ViewsCollator:
+    """`views` views of each (path, row) item, one after the other, labelled by the row: each view's positives are the
+    other views of its image."""
+
+    def __init__(self, adapter: nn.Module, views: int):
+        self.adapter, self.views = adapter, views
+
+    def __call__(self, items: list[tuple[str, int]]) -> dict[str, Any]:
+        from vembed.data.records import Side
+
+        sides = [Side(image=path) for path, _ in items for _ in range(self.views)]
+        return {"inputs": self.adapter.preprocess(sides),
+                "labels": torch.tensor([row for _, row in items for _ in range(self.views)], dtype=torch.long)}
+
+
 def check_positives(data: "LabelledImages", loss_type: str) -> None:
     """A pair-based loss learns from two images of a class: a class with one image has no positive."""
     lone = sorted(label for label, count in Counter(data.labels).items() if count < 2)
@@ -84,7 +107,7 @@ class MetricLearningTask(Task):
             if declared is not None and declared != len(train.names):
                 raise RecipeError("num_classes", f"is {declared} but {data.train} has {len(train.names)} classes; "
                                                  f"set num_classes: {len(train.names)} or remove it")
-            if loss_class(recipe).needs_positives:
+            if loss_class(recipe).needs_positives and loss_class(recipe).views_per_image(recipe.loss) == 1:
                 check_positives(train, recipe.loss_type)
             for split in ("validation", "test"):
                 if getattr(data, split) is not None:
@@ -104,7 +127,12 @@ class MetricLearningTask(Task):
         return MetricLearningObjective(adapter, loss)
 
     def train_dataset(self, objective: nn.Module):
-        return LabelledImageDataset(self.train_data), ClassificationCollator(objective.adapter)
+        from vembed.components import loss_class
+
+        views = loss_class(self.recipe).views_per_image(self.recipe.loss)
+        if views == 1:
+            return LabelledImageDataset(self.train_data), ClassificationCollator(objective.adapter)
+        return RowsOfImages(self.train_data), ViewsCollator(objective.adapter, views)
 
     def load_eval_split(self, split: str) -> "LabelledImages | None":
         if getattr(self.recipe.data, split) is None:
