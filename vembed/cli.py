@@ -142,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     dm = sub.add_parser("demo", help="the offline demo: digits data, a tiny CLIP, train, evaluate, export")
     demo.add_arguments(dm)
     dm.set_defaults(func=demo.run)
-    dv = sub.add_parser("demo-vision", help="the offline image-classification demo: digit images, a tiny ViT")
+    dv = sub.add_parser("demo-vision", help="the offline image demos: digit images, a tiny ViT, classification or "
+                                            "image-to-image retrieval (--task i2i)")
     demo_vision.add_arguments(dv)
     dv.set_defaults(func=demo_vision.run)
     return parser

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from vembed import recipe as schema
 from vembed.errors import RecipeError, did_you_mean
 from vembed.generation import FLOW_LOSSES, GENERATORS
-from vembed.losses import CLASSIFICATION_LOSSES, LOSSES
+from vembed.losses import CLASSIFICATION_LOSSES, LOSSES, METRIC_LOSSES
 from vembed.models import MODELS
 from vembed.reranking import RANKING_LOSSES, RERANKERS
 
@@ -63,9 +63,10 @@ def _keys(settings: type["Settings"]) -> set[str]:
 
 
 # Embedding adapters and losses, then the generative path's (vembed.generation), then rerankers' (vembed.reranking),
-# then losses on class logits.
+# then losses on class logits, then metric-learning losses on labelled embeddings.
 CATALOG = RegistryCatalog({"model_type": (MODELS, GENERATORS, RERANKERS),
-                           "loss_type": (LOSSES, FLOW_LOSSES, RANKING_LOSSES, CLASSIFICATION_LOSSES)})
+                           "loss_type": (LOSSES, FLOW_LOSSES, RANKING_LOSSES, CLASSIFICATION_LOSSES,
+                                         METRIC_LOSSES)})
 
 
 def recipe_from_dict(raw: dict[str, Any], source: str | None = None) -> "Recipe":

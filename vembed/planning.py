@@ -347,10 +347,16 @@ def measure_model(recipe: "Recipe", with_lora: bool = True) -> ModelSize:
     for callers that only estimate the recipe's own setting; `trainable_lora` then equals `trainable`."""
     from vembed.components import loss_class, model_class
 
+    import inspect
+
     adapter_cls = model_class(recipe)
-    # The Matryoshka wrapper adds no parameters: the loss's own are all there are.
-    loss_parameters = sum(p.numel() for p in loss_class(recipe).from_recipe(recipe).parameters() if p.requires_grad)
     adapter: EmbeddingAdapter = adapter_cls.on_meta(recipe)
+    # The Matryoshka wrapper adds no parameters: the loss's own are all there are. A loss with weights of the
+    # embedding's size (ArcFace's centres) is told it, as the task tells it when training.
+    loss_cls = loss_class(recipe)
+    sizes = ({"embedding_dim": adapter.embedding_dim}
+             if "embedding_dim" in inspect.signature(loss_cls.from_recipe).parameters else {})
+    loss_parameters = sum(p.numel() for p in loss_cls.from_recipe(recipe, **sizes).parameters() if p.requires_grad)
     total = sum(p.numel() for p in adapter.parameters()) + loss_parameters
     trainable = sum(p.numel() for p in adapter.parameters() if p.requires_grad) + loss_parameters
     if hasattr(adapter, "activation_elements"):

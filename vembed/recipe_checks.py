@@ -23,6 +23,9 @@ tests/test_recipe_checks.py fails when a recipe error is raised anywhere else.
    - classification (`vembed/tasks/classification.py`): one file or ImageFolder per split, no streaming, GradCache
      or stages; a classification metric; the classes of the data (`vembed/data/labelled.py`, which reads the
      labelled files here) fit num_labels.
+   - metric_learning (`vembed/tasks/metric_learning.py`): the labelled files of classification, no head
+     (num_labels), no streaming, GradCache or stages; a retrieval metric (MAP@R, recall@k); every class has a second
+     image where the loss needs positives; ArcFace's num_classes fits the data.
    - rerank (`vembed/reranking/task.py`): no GradCache or streaming; the data files exist; held-out data is a
      corpus folder with a first-stage run; a reranking metric; the cross-encoder's own rules
      (`vembed/reranking/cross_encoder.py`).

@@ -96,7 +96,8 @@ def _table(file: Path, key: str, label_column: str, image_root: str | None, name
     for column in (IMAGE_COLUMN, label_column):
         if column not in table.columns:
             raise DataError(f"has no {column!r} column (columns: {', '.join(map(str, table.columns))}); "
-                            f"classification needs {IMAGE_COLUMN!r} and {label_column!r}", file=str(file))
+                            f"labelled images need {IMAGE_COLUMN!r} and {label_column!r} (data.columns.label)",
+                            file=str(file))
     labels = [str(v).strip() for v in table[label_column]]
     integer = all(v.lstrip("-").isdigit() for v in labels)
     if names is None and integer and num_labels is not None:

@@ -1,7 +1,9 @@
-"""The offline image-classification demo: scikit-learn's handwritten digits as an ImageFolder tree, a tiny ViT built
-from a config (`configs/demo_vision.yaml`, shipped in the package), trained on CPU in a minute or two through the
-launcher users run; prints validation accuracy and macro F1 before and after, test accuracy, and where the confusion
-matrix PNG is."""
+"""The offline image demos: scikit-learn's handwritten digits as an ImageFolder tree, a tiny ViT built from a config
+shipped in the package, trained on CPU in a minute or two through the launcher users run.
+
+`--task classification` (`configs/demo_vision.yaml`): validation accuracy and macro F1 before and after, test
+accuracy, and where the confusion matrix PNG is. `--task i2i` (`configs/demo_vision_i2i.yaml`, SupCon): image-to-image
+retrieval within the held-out splits, recall@1 and MAP@R before and after."""
 
 from __future__ import annotations
 
@@ -15,8 +17,17 @@ from vembed.resources import package_root
 DIGIT_NAMES = [str(digit) for digit in range(10)]  # folder names; sorted as strings they stay in digit order
 
 
-def demo_vision_recipe() -> Path:
-    return package_root() / "configs" / "demo_vision.yaml"
+# --task -> the shipped recipe, the report's title, its rows ((metric key, label) for validation and test), its PNGs.
+DEMOS = {
+    "classification": ("demo_vision.yaml", "digits classification demo",
+                       (("accuracy", "accuracy"), ("macro_f1", "macro F1")), "confusion_matrix.png, loss_curve.png"),
+    "i2i": ("demo_vision_i2i.yaml", "digits image-to-image retrieval demo (leave-one-out within each split)",
+            (("recall_at_1", "recall@1"), ("mean_average_precision_at_r", "MAP@R")), "loss_curve.png"),
+}
+
+
+def demo_vision_recipe(task: str = "classification") -> Path:
+    return package_root() / "configs" / DEMOS[task][0]
 
 
 def write_digit_folders(out_dir: str | Path) -> dict[str, int]:
@@ -42,8 +53,10 @@ def write_digit_folders(out_dir: str | Path) -> dict[str, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--recipe", default=str(demo_vision_recipe()), help="recipe to train (default: the shipped "
-                                                                            "demo_vision.yaml)")
+    parser.add_argument("--task", choices=sorted(DEMOS), default="classification",
+                        help="classification (demo_vision.yaml) or image-to-image retrieval by metric learning "
+                             "(demo_vision_i2i.yaml)")
+    parser.add_argument("--recipe", help="recipe to train (default: the task's shipped recipe)")
     parser.add_argument("--config_override", "--config-override", nargs="+", action="extend", default=[],
                         metavar="KEY=VALUE", help="override recipe keys, e.g. epochs=2")
     parser.add_argument("--data-dir", default="runs/demo_vision/data", help="where the digit images are written")
@@ -65,28 +78,32 @@ def run(args: argparse.Namespace) -> int:
             write_digit_folders(data_dir)
         overrides = [f"data.{split}={data_dir}/{split}" for split in ("train", "validation", "test")]
         overrides += ["overwrite_output_dir=true", "eval_before_training=true", *args.config_override]
-        recipe = load_recipe(args.recipe, overrides)
+        recipe_path = args.recipe or str(demo_vision_recipe(args.task))
+        recipe = load_recipe(recipe_path, overrides)
         check_recipe(recipe)
-        code = launch.main([args.recipe, "--config_override", *overrides, *(["--debug"] if args.debug else [])])
+        code = launch.main([recipe_path, "--config_override", *overrides, *(["--debug"] if args.debug else [])])
         if code != 0:
             return code
         metrics = json.loads((Path(recipe.output_dir) / "metrics.json").read_text())
-        _print_table(metrics, recipe.output_dir)
+        _print_table(metrics, recipe.output_dir, args.task)
         return 0
 
     return run_cli(body, args.debug)
 
 
-def _print_table(metrics: dict, output_dir: str) -> None:
+def _print_table(metrics: dict, output_dir: str, task: str = "classification") -> None:
+    _, title, rows, plots = DEMOS[task]
     before, after, test = metrics["before"], metrics["validation"], metrics.get("test", {})
-    lines = ["", "digits classification demo", f"{'metric':<28}{'before':>10}{'after':>10}"]
-    for key, label in (("accuracy", "validation accuracy"), ("macro_f1", "validation macro F1")):
-        lines.append(f"{label:<28}{before[key]:>10.3f}{after[key]:>10.3f}")
+    lines = ["", title, f"{'metric':<28}{'before':>10}{'after':>10}"]
+    for key, label in rows:
+        lines.append(f"{'validation ' + label:<28}{before[key]:>10.3f}{after[key]:>10.3f}")
+    first_key, first_label = rows[0]
     if test:
-        lines.append(f"{'test accuracy':<28}{'':>10}{test['accuracy']:>10.3f}")
+        lines.append(f"{'test ' + first_label:<28}{'':>10}{test[first_key]:>10.3f}")
+    if test.get("most_confused") is not None:
         pairs = ", ".join(f"{p['true']}→{p['predicted']} ({p['count']})" for p in test["most_confused"][:3])
         lines.append(f"most confused (test): {pairs or 'none'}")
-    lines.append(f"outputs: {output_dir}/ (final/, metrics.json, confusion_matrix.png, loss_curve.png)")
+    lines.append(f"outputs: {output_dir}/ (final/, metrics.json, {plots})")
     print("\n".join(lines))
 
 

@@ -17,6 +17,9 @@ LOSSES: Registry[type[EmbeddingLoss]] = Registry(
 )
 # Losses on class logits (the classification task), apart: they take no embeddings and no Matryoshka wrapper.
 CLASSIFICATION_LOSSES: Registry = Registry("loss_type", modules=("vembed.losses.classification",))
+# Losses on labelled embeddings computed by pytorch-metric-learning (the metric_learning task): their own contract,
+# embeddings and class ids, and their own parameters (ArcFace's centres).
+METRIC_LOSSES: Registry = Registry("loss_type", modules=("vembed.losses.metric_learning",))
 
 
 def build_loss(recipe: "Recipe") -> EmbeddingLoss:
@@ -28,4 +31,4 @@ def build_loss(recipe: "Recipe") -> EmbeddingLoss:
     return loss
 
 
-__all__ = ["CLASSIFICATION_LOSSES", "LOSSES", "EmbeddingLoss", "build_loss"]
+__all__ = ["CLASSIFICATION_LOSSES", "LOSSES", "METRIC_LOSSES", "EmbeddingLoss", "build_loss"]

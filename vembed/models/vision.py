@@ -1,7 +1,8 @@
 """Images alone: a Hugging Face vision backbone (ViT, DINOv2 with or without registers, the vision tower of CLIP or
 SigLIP) built through transformers' Auto classes, its tokens pooled into one vector, optionally projected, and, when
 the recipe names classes, a linear classification head on top (the `classification` task, vembed/tasks/
-classification.py).
+classification.py). Without a head, its embeddings are what a metric-learning loss trains (the `metric_learning`
+task, vembed/tasks/metric_learning.py).
 
 Saved as the backbone's HF folder (loadable by `AutoModel` on its own) plus `heads.safetensors` (projection and
 classifier, when present); the class names are in vembed.json.
@@ -52,6 +53,8 @@ class VisionSettings(PretrainedSettings):
 class VisionAdapter(TransformersAdapter):
     model_type = "vision"
     task: ClassVar[str] = "classification"  # vembed.tasks: trained by the classification task
+    # ... or, without a head, by the metric_learning task (vembed/tasks/metric_learning.py): the loss picks which.
+    tasks: ClassVar[tuple[str, ...]] = ("classification", "metric_learning")
     Settings: ClassVar[type[VisionSettings]] = VisionSettings
     modalities = frozenset({"image"})
     image_cache: ClassVar[bool] = True

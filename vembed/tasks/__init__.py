@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 TASKS: Registry[type["Task"]] = Registry(
     "task", modules=("vembed.tasks.contrastive", "vembed.generation.task", "vembed.reranking.task",
-                     "vembed.tasks.classification")
+                     "vembed.tasks.classification", "vembed.tasks.metric_learning")
 )
 
 
@@ -118,18 +118,21 @@ def task_name_for(recipe: "Recipe") -> str:
     """The model's task, checked against the loss's: a flow loss cannot train a contrastive model or back."""
     from vembed.components import CATALOG, loss_class, model_class
 
-    def task_of(component: Any) -> str:
-        return getattr(component, "task", "contrastive")
+    def tasks_of(component: Any) -> tuple[str, ...]:
+        # An adapter several tasks train lists them (`tasks`: the vision adapter, classification or metric learning);
+        # the loss, which belongs to one task, then picks it.
+        return tuple(getattr(component, "tasks", None) or (getattr(component, "task", "contrastive"),))
 
-    model_task, loss_task = task_of(model_class(recipe)), task_of(loss_class(recipe))
-    if model_task != loss_task:
-        fitting = [n for n in CATALOG.names("loss_type") if task_of(CATALOG.component("loss_type", n)) == model_task]
+    model_tasks, (loss_task,) = tasks_of(model_class(recipe)), tasks_of(loss_class(recipe))
+    if loss_task not in model_tasks:
+        fitting = [n for n in CATALOG.names("loss_type") if tasks_of(CATALOG.component("loss_type", n))[0]
+                   in model_tasks]
         raise RecipeError(
             "loss_type",
             f"{recipe.loss_type!r} is a {loss_task} loss but model_type {recipe.model_type!r} is trained by "
-            f"{model_task}; use loss_type {' or '.join(fitting)}",
+            f"{' or '.join(model_tasks)}; use loss_type {' or '.join(fitting)}",
         )
-    return model_task
+    return loss_task
 
 
 def task_for(recipe: "Recipe") -> type[Task]:

@@ -1,0 +1,55 @@
+"""The image-retrieval metrics equal pytorch-metric-learning's AccuracyCalculator on the same embeddings."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vembed.evaluation.metric_learning import retrieval_metrics
+
+pytest.importorskip("pytorch_metric_learning")
+
+
+def _reference(embeddings: np.ndarray, labels: np.ndarray) -> dict:
+    import torch
+    from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
+
+    calculator = AccuracyCalculator(include=("precision_at_1", "r_precision", "mean_average_precision_at_r"),
+                                    device=torch.device("cpu"))
+    return calculator.get_accuracy(embeddings, labels)  # leave-one-out: the reference is the queries
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_metrics_equal_pytorch_metric_learning(seed):
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 8, size=150)
+    labels[-1] = 99  # a class of one image: no query of it counts, as in PML
+    embeddings = (rng.normal(size=(150, 16)) + 1.2 * rng.normal(size=(100, 16))[labels % 100]).astype(np.float32)
+    ours, theirs = retrieval_metrics(embeddings, labels), _reference(embeddings, labels)
+    for key in ("precision_at_1", "r_precision", "mean_average_precision_at_r"):
+        assert ours[key] == theirs[key], key  # exact: the same sums in the same order
+    assert 0.1 < ours["mean_average_precision_at_r"] < 0.9  # neither chance nor solved: the ranks matter
+    assert ours["num_queries"] == 149 and ours["num_samples"] == 150 and ours["num_classes"] == 9
+
+
+def test_recall_at_k_is_the_share_of_queries_with_a_same_class_image_in_the_k_nearest():
+    # 1-D points: the order of neighbours is plain to see.
+    points = np.array([[0.0], [1.0], [2.5], [4.0], [10.0], [10.5]])
+    labels = np.array([0, 1, 0, 1, 2, 2])
+    metrics = retrieval_metrics(points, labels, ks=(1, 2))
+    # nearest of each: 1(b) 0(a) 1(b) 2(a) 5(c) 4(c) -> hits for queries 4 and 5 only
+    assert metrics["recall_at_1"] == metrics["precision_at_1"] == pytest.approx(2 / 6)
+    # two nearest: q0 {1, 2} hit, q1 {0, 2} miss, q2 {1, 3} miss, q3 {2, 1} hit, q4, q5 hit
+    assert metrics["recall_at_2"] == pytest.approx(4 / 6)
+    # R = 1 for every query: MAP@R is precision@1
+    assert metrics["mean_average_precision_at_r"] == pytest.approx(2 / 6)
+
+
+def test_small_chunks_give_the_same_numbers(monkeypatch):
+    import vembed.evaluation.metric_learning as module
+
+    rng = np.random.default_rng(3)
+    labels, embeddings = rng.integers(0, 5, size=40), rng.normal(size=(40, 4))
+    whole = retrieval_metrics(embeddings, labels)
+    monkeypatch.setattr(module, "_CHUNK_CELLS", 7 * 40)  # 7 queries a chunk
+    assert retrieval_metrics(embeddings, labels) == whole

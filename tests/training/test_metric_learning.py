@@ -1,0 +1,231 @@
+"""The metric_learning task end to end: a tiny ViT's embeddings trained on labelled images through the train
+entrypoint; the saved model retrieves as the run measured; ArcFace's centres are trained, checkpointed and resumed;
+2 ranks take one process's step; bad labelled data stops with one line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+pytest.importorskip("pytorch_metric_learning")
+
+VIT = {"model_type": "vit", "hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2,
+       "num_attention_heads": 4, "image_size": 32, "patch_size": 8, "hidden_dropout_prob": 0.0,
+       "attention_probs_dropout_prob": 0.0}
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    from tests.training.test_classification import write_digits
+
+    root = tmp_path_factory.mktemp("digits")
+    write_digits(root / "train")
+    rows = write_digits(root / "validation", per_class=6, offset=40)
+    lines = ["image,label"] + [f"{path},{label}" for path, label in rows]
+    (root / "validation" / "labels.csv").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def recipe(digits: Path, output_dir: Path, **changes) -> dict:
+    raw = {"model_type": "vision", "model_config": VIT, "pooling": "mean", "projection_dim": 16,
+           "loss_type": "supcon",
+           "data": {"train": str(digits / "train"), "validation": str(digits / "validation" / "labels.csv")},
+           "output_dir": str(output_dir), "batch_size": 6, "learning_rate": 2e-3, "max_steps": 6,
+           "logging_steps": 2, "seed": 0, "save_total_limit": 1}
+    raw.update(changes)
+    return raw
+
+
+def train(raw: dict, path: Path) -> int:
+    from vembed.entrypoints.train import run
+
+    path.write_text(yaml.safe_dump(raw))
+    return run(argparse.Namespace(recipe=str(path), config_override=[], debug=False))
+
+
+def test_trains_saves_and_the_saved_model_retrieves_as_the_run_measured(digits, tmp_path):
+    from vembed.data.labelled import read_labelled_images
+    from vembed.evaluation.metric_learning import retrieval_metrics
+    from vembed.models import load_adapter
+    from vembed.tasks.classification import ClassificationCollator, LabelledImageDataset
+
+    raw = recipe(digits, tmp_path / "run", eval_steps=3, save_steps=3, eval_before_training=True)
+    assert train(raw, tmp_path / "recipe.yaml") == 0
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert [entry["step"] for entry in metrics["eval_history"]] == [3, 6]
+    # metric_for_best_model defaults to MAP@R under a metric-learning loss
+    assert metrics["best"]["metric"] == "mean_average_precision_at_r"
+    assert metrics["best"]["value"] == max(e["mean_average_precision_at_r"] for e in metrics["eval_history"])
+    validation = metrics["validation"]
+    assert validation["num_samples"] == validation["num_queries"] == 18 and validation["num_classes"] == 3
+    assert metrics["train"]["loss"] == {"name": "SupConLoss", "temperature": 0.1}
+    assert metrics["before"]["mean_average_precision_at_r"] != validation["mean_average_precision_at_r"]
+
+    model = load_adapter(tmp_path / "run" / "final").eval()
+    assert model.classifier is None and model.embedding_dim == 16
+    data = read_labelled_images(str(digits / "validation" / "labels.csv"), "data.validation")
+    batch = ClassificationCollator(model)([LabelledImageDataset(data)[i] for i in range(len(data))])
+    with torch.no_grad():
+        embeddings = model.encode(batch["inputs"]).numpy()
+    again = retrieval_metrics(embeddings, data.labels)
+    for key in ("precision_at_1", "recall_at_4", "r_precision", "mean_average_precision_at_r"):
+        assert again[key] == pytest.approx(validation[key], abs=1e-9), key
+
+
+def test_arcface_centres_are_trained_checkpointed_and_resumed(digits, tmp_path):
+    from interrupts import stop_after_checkpoint
+
+    from vembed.components import recipe_from_dict
+    from vembed.training.loop import Trainer
+
+    def run(raw: dict) -> Trainer:
+        trainer = Trainer(recipe_from_dict(raw))
+        trainer.run()
+        return trainer
+
+    raw = recipe(digits, tmp_path / "whole", loss_type="subcenter_arcface", scale=16.0, sub_centers=2,
+                 max_steps=4, save_steps=2)
+    whole = run(raw)
+    centres = whole.objective.loss.loss.W.detach().clone()
+    assert centres.shape == (16, 3 * 2)
+    untrained = Trainer(recipe_from_dict(dict(raw, output_dir=str(tmp_path / "unused"))))
+    untrained.build()  # the centres as built: seeded as in every run
+    assert not torch.equal(untrained.objective.loss.loss.W, centres)  # in the optimizer: they moved
+
+    interrupted = dict(raw, output_dir=str(tmp_path / "interrupted"))
+    stop_after_checkpoint(lambda: run(interrupted), 2)
+    resumed = run(dict(interrupted, resume_from="auto"))
+    assert torch.equal(resumed.objective.loss.loss.W, centres)
+    final = {n: p for n, p in resumed.objective.adapter.named_parameters()}
+    for name, value in whole.objective.adapter.named_parameters():
+        assert torch.equal(final[name], value), name
+
+
+@pytest.mark.parametrize("case,message", [
+    ("no_label_column", r"train.csv: has no 'label' column .*labelled images need 'image' and 'label'"),
+    ("single_image_class", r"train.csv: 1 class\(es\) have a single image \('two'\); loss_type supcon needs two or "
+                           "more images of every class"),
+    ("num_labels", "num_labels: is not used by metric learning"),
+    ("metric", "metric_for_best_model: 'accuracy' is not a retrieval metric"),
+])
+def test_bad_input_stops_with_one_line_and_writes_nothing(digits, tmp_path, capsys, case, message):
+    import re
+
+    raw = recipe(digits, tmp_path / "run")
+    if case in ("no_label_column", "single_image_class"):
+        raw["data"] = {"train": str(tmp_path / "train.csv"), "image_root": str(digits / "train")}
+        rows = "image,label\nzero/0.png,zero\nzero/10.png,zero\none/1.png,one\none/11.png,one\ntwo/2.png,two\n"
+        if case == "no_label_column":
+            rows = rows.replace("image,label", "image,class")
+        (tmp_path / "train.csv").write_text(rows)
+    elif case == "num_labels":
+        raw["num_labels"] = 3
+    else:
+        raw["metric_for_best_model"] = "accuracy"
+    assert train(raw, tmp_path / "recipe.yaml") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(message, err), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_class_of_one_image_is_fine_for_arcface(digits, tmp_path):
+    from vembed.components import recipe_from_dict
+    from vembed.recipe_checks import check_recipe
+
+    (tmp_path / "train.csv").write_text("image,label\nzero/0.png,zero\nzero/10.png,zero\none/1.png,one\n")
+    raw = recipe(digits, tmp_path / "run", loss_type="subcenter_arcface",
+                 data={"train": str(tmp_path / "train.csv"), "image_root": str(digits / "train")})
+    check_recipe(recipe_from_dict(raw))
+
+
+SPREAD = [0, 13, 25, 1, 14, 26, 2, 15]  # rows of the ImageFolder dataset from all three classes; 4 per rank
+LOSSES = ("supcon", "subcenter_arcface")  # one launch for both: starting ranks costs more than the steps
+
+
+def _worker(raw_path: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from tests.training.test_ddp_step import _gradients
+
+    raw = json.loads(Path(raw_path).read_text())
+    rank = dist.get_rank()
+    grads = {loss: _gradients(dict(raw, loss_type=loss), SPREAD[rank * 4:(rank + 1) * 4]) for loss in LOSSES}
+    if rank == 0:
+        torch.save(grads, Path(out_dir, "ddp.pt"))
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_take_the_step_one_process_takes_on_both_halves(digits, tmp_path):
+    from ranks import run_on_ranks
+
+    from tests.training.test_ddp_step import _gradients
+
+    raw = recipe(digits, tmp_path / "run", batch_size=4)
+    raw_path = tmp_path / "raw.json"
+    raw_path.write_text(json.dumps(raw))
+    run_on_ranks(_worker, str(raw_path), str(tmp_path), world=2)
+    ddp = torch.load(tmp_path / "ddp.pt", weights_only=True)
+    for loss in LOSSES:
+        single = _gradients(dict(raw, batch_size=8, loss_type=loss), SPREAD)
+        assert ddp[loss].keys() == single.keys() and any(name.startswith("adapter.projection") for name in single)
+        reference = torch.cat([g.flatten() for g in single.values()])
+        actual = torch.cat([ddp[loss][name].flatten() for name in single])
+        relative = ((actual - reference).norm() / reference.norm()).item()
+        print(f"{loss}: relative gradient difference {relative:.2e}")
+        assert relative <= 1e-5, f"{loss}: relative gradient difference {relative:.2e}"
+    assert "loss.loss.W" in ddp["subcenter_arcface"]
+
+
+def test_ntxent_over_two_views_pairs_each_image_with_its_other_view(digits, tmp_path):
+    """positives: views: each image twice in the batch, labelled by its row, so its only positive is its other view;
+    a class of one image is then fine."""
+    from pytorch_metric_learning import losses
+
+    from vembed.components import recipe_from_dict
+    from vembed.recipe_checks import check_recipe
+    from vembed.training.loop import Trainer
+
+    (tmp_path / "train.csv").write_text("image,label\nzero/0.png,zero\nzero/10.png,zero\none/1.png,one\n")
+    raw = recipe(digits, tmp_path / "run", loss_type="ntxent", positives="views", temperature=0.5, batch_size=3,
+                 data={"train": str(tmp_path / "train.csv"), "image_root": str(digits / "train")})
+    check_recipe(recipe_from_dict(raw))
+    trainer = Trainer(recipe_from_dict(raw))
+    trainer.build()
+    batch = trainer.collate([trainer.dataset[i] for i in (2, 0, 1)])
+    assert batch["labels"].tolist() == [2, 2, 0, 0, 1, 1]
+    pixels = batch["inputs"]["pixel_values"]
+    assert pixels.shape[0] == 6 and torch.equal(pixels[0], pixels[1]) and not torch.equal(pixels[1], pixels[2])
+    with torch.no_grad():
+        embeddings = trainer.objective.adapter.encode(batch["inputs"])
+        loss = trainer.objective(batch)
+    assert loss == losses.NTXentLoss(temperature=0.5)(embeddings, batch["labels"])
+    assert trainer.objective.loss.config == {"name": "NTXentLoss", "temperature": 0.5, "positives": "views"}
+
+
+def test_augmented_views_of_an_image_differ_and_replay(digits, tmp_path):
+    """With augmentation, the two views of an image are two crops (what NT-Xent over views learns from), drawn per
+    (seed, epoch, view) so they replay; mixup/cutmix, which mix labels, are refused."""
+    from vembed.components import recipe_from_dict
+    from vembed.errors import RecipeError
+    from vembed.recipe_checks import check_recipe
+    from vembed.training.loop import Trainer
+
+    augmentation = {"crop_scale": [0.3, 0.6], "horizontal_flip": 0.5}
+    raw = recipe(digits, tmp_path / "run", loss_type="ntxent", positives="views", batch_size=2,
+                 augmentation=augmentation)
+    check_recipe(recipe_from_dict(raw))
+    trainer = Trainer(recipe_from_dict(raw))
+    trainer.build()
+    keys = [(0, 0), (0, 5)]
+    pixels = trainer.collate([trainer.dataset[key] for key in keys])["inputs"]["pixel_values"]
+    assert not torch.equal(pixels[0], pixels[1])  # two crops of image 0
+    assert torch.equal(pixels, trainer.collate([trainer.dataset[key] for key in keys])["inputs"]["pixel_values"])
+    later = trainer.collate([trainer.dataset[(1, 0)], trainer.dataset[(1, 5)]])["inputs"]["pixel_values"]
+    assert not torch.equal(pixels, later)  # another epoch, other crops
+    with pytest.raises(RecipeError, match="augmentation.mixup_alpha: mixes two images' labels"):
+        check_recipe(recipe_from_dict(dict(raw, augmentation={**augmentation, "mixup_alpha": 0.2})))
