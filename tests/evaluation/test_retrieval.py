@@ -63,7 +63,7 @@ def _ex(query: str, positive: str, label: str | None = None) -> Example:
 
 
 def _reference(query_emb, doc_emb, relevance, ks=(1, 5, 10)):
-    """The definitions, one query at a time: a full sort, non-relevant documents first among equal scores."""
+    """The definitions, one query at a time: a full sort, equal scores by document position (lowest first)."""
     q = torch.nn.functional.normalize(query_emb.double(), dim=-1)
     d = torch.nn.functional.normalize(doc_emb.double(), dim=-1)
     scores = (q @ d.T).tolist()
@@ -71,7 +71,7 @@ def _reference(query_emb, doc_emb, relevance, ks=(1, 5, 10)):
     for row, rel in zip(scores, relevance.tolist()):
         if not any(rel):
             continue
-        order = sorted(range(len(row)), key=lambda j: (-row[j], rel[j]))
+        order = sorted(range(len(row)), key=lambda j: (-row[j], j))
         ranks = [r + 1 for r, j in enumerate(order) if rel[j]]
         firsts.append(ranks[0])
         dcg = sum(1 / math.log2(r + 1) for r in ranks if r <= 10)
@@ -123,19 +123,25 @@ def test_ndcg_ignores_relevant_documents_below_rank_10_and_caps_the_ideal_at_10(
     assert retrieval_metrics(query, docs, relevance)["ndcg@10"] == pytest.approx(1.0)
 
 
-def test_ties_count_against_the_model_so_collapsed_embeddings_score_low():
+def test_ties_rank_by_document_position_so_collapsed_embeddings_score_as_corpus_order():
     queries, docs = torch.ones(3, 8), torch.ones(5, 8)
-    relevance = torch.eye(3, 5, dtype=torch.bool)
+    relevance = torch.eye(3, 5, dtype=torch.bool)  # query i's document at position i: rank i + 1
     metrics = retrieval_metrics(queries, docs, relevance)
-    assert metrics["recall@1"] == 0.0
-    assert metrics["mrr"] == pytest.approx(1 / 5)
-    assert metrics["ndcg@10"] == pytest.approx(1 / math.log2(6))
+    assert metrics["recall@1"] == pytest.approx(1 / 3)
+    assert metrics["mrr"] == pytest.approx((1 + 1 / 2 + 1 / 3) / 3)
+    assert metrics["ndcg@10"] == pytest.approx((1 + 1 / math.log2(3) + 1 / 2) / 3)
+    reversed_relevance = relevance.flip(1)  # query i's document at position 4 - i: rank 5 - i
+    assert retrieval_metrics(queries, docs, reversed_relevance)["mrr"] == pytest.approx((1 / 5 + 1 / 4 + 1 / 3) / 3)
 
 
-def test_nan_embeddings_rank_relevant_documents_last():
-    queries = torch.full((2, 4), float("nan"))
-    metrics = retrieval_metrics(queries, DOCS, torch.eye(2, 4, dtype=torch.bool))
-    assert metrics["recall@1"] == 0.0 and metrics["mrr"] == pytest.approx(1 / 4)
+def test_nan_embeddings_rank_last():
+    queries = torch.tensor([[4.0, 3, 2, 1], [1.0, 2, 3, 4]])
+    docs = DOCS.clone()
+    docs[0] = float("nan")  # query 0's document: last (rank 4); query 1's: third after documents 3 and 2
+    metrics = retrieval_metrics(queries, docs, torch.eye(2, 4, dtype=torch.bool))
+    assert metrics["recall@1"] == 0.0 and metrics["mrr"] == pytest.approx((1 / 4 + 1 / 3) / 2)
+    nan_queries = torch.full((2, 4), float("nan"))  # every score NaN: corpus order
+    assert retrieval_metrics(nan_queries, DOCS, torch.eye(2, 4, dtype=torch.bool))["mrr"] == pytest.approx(3 / 4)
 
 
 def test_queries_without_relevant_documents_are_left_out_of_the_average():
