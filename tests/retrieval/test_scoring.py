@@ -77,7 +77,7 @@ def test_query_chunks_stay_within_the_bound_and_cover_every_query():
 def test_pair_evaluation_and_corpus_search_break_ties_the_same_way(chunk_size):
     """Collapsed-ish embeddings (3 directions): the pair evaluation's metrics equal those read off the corpus search's
     ranking of the same scores, and the corpus metrics of that ranking (one relevant document per query, so
-    trec_eval's recall is the hit rate too)."""
+    trec_eval's recall is the hit rate, accuracy@k, too)."""
     queries, docs = _tied(17, 23, seed=2)
     tied = [(docs == query).all(dim=1).nonzero().squeeze(1) for query in queries]  # each query's direction
     # Each query's relevant document: the 1st, 2nd or 3rd of its direction (all tied at the top) or, for a few, any.
@@ -88,14 +88,14 @@ def test_pair_evaluation_and_corpus_search_break_ties_the_same_way(chunk_size):
 
     ranking = top_k(queries, docs, 23)  # the corpus search's full ranking
     ranks = (ranking.indices == relevant[:, None]).int().argmax(dim=1) + 1
-    by_hand = {f"recall@{k}": (ranks <= k).double().mean().item() for k in (1, 5, 10)}
+    by_hand = {f"accuracy@{k}": (ranks <= k).double().mean().item() for k in (1, 5, 10)}
     by_hand["mrr"] = (1.0 / ranks.double()).mean().item()
     by_hand["ndcg@10"] = torch.where(ranks <= 10, 1 / torch.log2(ranks.double() + 1), 0.0).mean().item()
     assert pair == pytest.approx(by_hand)
-    assert 0 < pair["recall@1"] < pair["recall@10"] < 1  # the ties decide ranks here
+    assert 0 < pair["accuracy@1"] < pair["accuracy@10"] < 1  # the ties decide ranks here
 
     qrels = {f"q{i}": {f"d{int(j)}": 1} for i, j in enumerate(relevant)}
     corpus = corpus_metrics(ranking, qrels, Cutoffs(ndcg=(10,), recall=(1, 5, 10), map=(), mrr=(23,)),
                             query_ids=list(qrels), doc_ids=[f"d{j}" for j in range(23)])
     assert corpus["ndcg@10"] == pytest.approx(pair["ndcg@10"]) and corpus["mrr@23"] == pytest.approx(pair["mrr"])
-    assert [corpus[f"recall@{k}"] for k in (1, 5, 10)] == pytest.approx([pair[f"recall@{k}"] for k in (1, 5, 10)])
+    assert [corpus[f"recall@{k}"] for k in (1, 5, 10)] == pytest.approx([pair[f"accuracy@{k}"] for k in (1, 5, 10)])

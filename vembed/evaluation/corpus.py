@@ -6,7 +6,7 @@ InformationRetrievalEvaluator (tests/evaluation/test_corpus_metrics.py checks th
 - ndcg@k (`ndcg_cut_k`): linear graded gains `grade / log2(rank + 1)` of the top k, divided by the same sum over the
   query's judged grades sorted best first (only grades > 0 count as gains).
 - recall@k (`recall_k`): relevant documents (grade > 0) in the top k / all the query's relevant documents. This is
-  not today's per-split `q2d/recall@k` (a hit: at least one relevant document in the top k).
+  not the pair evaluation's `q2d/accuracy@k` (a hit: at least one relevant document in the top k).
 - map@k (`map_cut_k`): the sum of precision@rank at each relevant document in the top k / all relevant documents.
 - mrr@k (`recip_rank` of the run cut to k): 1 / rank of the first relevant document in the top k, 0 if none.
 

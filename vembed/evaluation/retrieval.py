@@ -1,4 +1,4 @@
-"""Retrieval metrics (recall@k, MRR, nDCG@10) of an adapter on a list of examples, in both directions.
+"""Retrieval metrics (accuracy@k, MRR, nDCG@10) of an adapter on a list of examples, in both directions.
 
 The corpus is the set of unique positives; relevance comes from labels when the examples carry them, otherwise from
 each query's own positive. Scores are computed in chunks of queries so a large corpus never needs a full score matrix
@@ -7,6 +7,7 @@ each query's own positive. Scores are computed in chunks of queries so a large c
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -87,13 +88,14 @@ def retrieval_metrics(
         doc_emb: `(n_documents, dim)`.
         relevance: a boolean `(n_queries, n_documents)` matrix (tensor, array or nested lists), or a
             `GroupRelevance`.
-        ks: cut-offs for recall.
+        ks: cut-offs for accuracy.
         chunk_size: queries scored at once (default: as many as fit in ~128 MiB of scores).
 
-    Returns `{"recall@k": ..., "mrr": ..., "ndcg@10": ...}`, averaged over queries that have at least one relevant
+    Returns `{"accuracy@k": ..., "mrr": ..., "ndcg@10": ...}`, averaged over queries that have at least one relevant
     document (queries with none are left out, as in trec_eval):
-    - recall@k: the share of queries with at least one relevant document in the top k (the usual definition for
-      text-image retrieval; not the share of all relevant documents retrieved).
+    - accuracy@k: the share of queries with at least one relevant document in the top k (sentence-transformers'
+      InformationRetrievalEvaluator's name; often called recall@k in text-image papers, but it is not trec_eval's
+      recall, the share of the relevant documents retrieved, which the corpus evaluation reports as recall@k).
     - mrr: mean reciprocal rank of the first relevant document, over the full ranking (no cut-off).
     - ndcg@10: binary gains `1 / log2(rank + 1)` of relevant documents in the top 10, divided by the ideal DCG of
       `min(n_relevant, 10)` relevant documents at the top.
@@ -126,7 +128,7 @@ def retrieval_metrics(
     if not firsts:
         raise ValueError("no query has a relevant document; check the relevance matrix")
     ranks_all = torch.cat(firsts).double()
-    metrics = {f"recall@{k}": (ranks_all <= k).double().mean().item() for k in ks}
+    metrics = {f"accuracy@{k}": (ranks_all <= k).double().mean().item() for k in ks}
     metrics["mrr"] = (1.0 / ranks_all).mean().item()
     metrics[f"ndcg@{NDCG_K}"] = torch.cat(ndcgs).mean().item()
     return metrics
@@ -169,9 +171,20 @@ def _corpus_and_relevance(examples: Sequence["Example"]) -> tuple[list["Side"], 
 def retrieval_metric_names(mrl_dims: Sequence[int] | None = None, ks: Sequence[int] = (1, 5, 10)) -> list[str]:
     """The metric keys `evaluate_retrieval` returns (without the counts), for checking a recipe's
     metric_for_best_model before training."""
-    names = [f"recall@{k}" for k in ks] + ["mrr", f"ndcg@{NDCG_K}"]
+    names = [f"accuracy@{k}" for k in ks] + ["mrr", f"ndcg@{NDCG_K}"]
     return [f"{direction}/{prefix}{name}" for prefix in [""] + [f"dim{d}/" for d in mrl_dims or ()]
             for direction in ("q2d", "d2q") for name in names]
+
+
+# The hit rate was named recall@k before issue 23; a recipe naming it so still means it.
+_OLD_HIT_RATE = re.compile(r"^((?:[^/]+/)?(?:q2d|d2q)/(?:dim\d+/)?)recall@(\d+)$")
+
+
+def renamed_metric(name: str) -> str | None:
+    """The current name of a pair-evaluation metric named by its old name (`q2d/recall@1` -> `q2d/accuracy@1`, with
+    any source prefix and Matryoshka size), or None when `name` is not an old name."""
+    found = _OLD_HIT_RATE.match(name)
+    return f"{found[1]}accuracy@{found[2]}" if found else None
 
 
 def evaluate_retrieval(
@@ -186,7 +199,7 @@ def evaluate_retrieval(
 ) -> dict[str, float]:
     """Encode the queries and the unique positives of `examples` and score retrieval both ways.
 
-    Keys: `q2d/recall@1`, `q2d/recall@5`, `q2d/recall@10`, `q2d/mrr`, `q2d/ndcg@10` (queries retrieve documents),
+    Keys: `q2d/accuracy@1`, `q2d/accuracy@5`, `q2d/accuracy@10`, `q2d/mrr`, `q2d/ndcg@10` (queries retrieve documents),
     the same under `d2q/` (documents retrieve queries), the same again under `q2d/dim{d}/` and `d2q/dim{d}/` for each
     Matryoshka dimension in `mrl_dims` (embeddings truncated to `d`, then renormalised), and `num_queries`,
     `num_documents`. With an `accelerator`, encoding is sharded across processes and every process returns the same
