@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vembed.evaluation.corpus import Cutoffs, corpus_metrics
-from vembed.evaluation.retrieval import retrieval_metrics
+from vembed.evaluation.pairs import retrieval_metrics
 from vembed.retrieval.scoring import block_top_k, first_ranks, query_chunks, top_k
 
 

@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _test_figures(adapter, examples, prompts: dict, batch_size: int) -> tuple[float, float]:
     """Zero-shot digit accuracy and text→image accuracy@1 on the test split."""
-    from vembed.evaluation.retrieval import evaluate_retrieval, zero_shot_accuracy
+    from vembed.evaluation.pairs import evaluate_retrieval, zero_shot_accuracy
 
     hit_rate = evaluate_retrieval(adapter, examples, batch_size=batch_size)["q2d/accuracy@1"]
     return zero_shot_accuracy(adapter, examples, prompts, batch_size=batch_size), hit_rate

@@ -168,7 +168,7 @@ def _evaluate_pairs(args: argparse.Namespace, accelerator: "Accelerator") -> dic
     check_images_per_side(adapter.model_type, examples)
     if args.max_samples:
         examples = examples[: args.max_samples]
-    from vembed.evaluation.retrieval import evaluate_retrieval
+    from vembed.evaluation.pairs import evaluate_retrieval
     from vembed.evaluation.scored import evaluate_scored
 
     metrics = evaluate_retrieval(adapter.to(accelerator.device), examples, batch_size=args.batch_size,

@@ -350,7 +350,7 @@ class ContrastiveTask(Task):
                 metrics[key] = sum(found[key] for found in per_source.values()) / len(per_source)
             return metrics
         from vembed.data.corpus import CorpusSplit
-        from vembed.evaluation.retrieval import evaluate_retrieval
+        from vembed.evaluation.pairs import evaluate_retrieval
 
         # Through the wrapper, as in training: ZeRO-3 gathers weights read outside their module's forward (CLIP's
         # position embedding) only inside its engine's forward (ContrastiveObjective.forward's `encode`).
@@ -422,7 +422,7 @@ def validation_metric_names(recipe: "Recipe") -> list[str]:
     corpus folder `corpus/ndcg@10`, ...; named sources each under `<name>/` and, unprefixed, the keys they share."""
     from vembed.data.corpus import corpus_sources
     from vembed.evaluation.corpus import corpus_metric_names
-    from vembed.evaluation.retrieval import retrieval_metric_names
+    from vembed.evaluation.pairs import retrieval_metric_names
 
     data = recipe.data
     if data.validation is None:
@@ -452,7 +452,7 @@ def _resolve_best_metric(recipe: "Recipe", check: bool = False) -> None:
     the validation split is all corpus folders (the metric BEIR and MTEB rank by). An old name (`q2d/recall@1`, the
     hit rate before issue 23) is read as the new one, with a warning. `check`: a name that is not among the
     validation metrics is a RecipeError listing them (before anything is built)."""
-    from vembed.evaluation.retrieval import renamed_metric
+    from vembed.evaluation.pairs import renamed_metric
 
     new_name = renamed_metric(recipe.metric_for_best_model)
     if new_name is not None:

@@ -1,4 +1,5 @@
-"""Retrieval metrics against hand-computed values, and evaluate_retrieval on a lookup-table adapter."""
+"""Pair evaluation (vembed/evaluation/pairs.py): retrieval metrics against hand-computed values, and
+evaluate_retrieval on a lookup-table adapter."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from vembed.data.records import Example, Side
 from vembed.errors import DataError
-from vembed.evaluation.retrieval import (
+from vembed.evaluation.pairs import (
     GroupRelevance,
     encode_sides,
     evaluate_retrieval,

@@ -1,4 +1,6 @@
-"""Retrieval metrics (accuracy@k, MRR, nDCG@10) of an adapter on a list of examples, in both directions.
+"""Pair evaluation: retrieval metrics (accuracy@k, MRR, nDCG@10) of an adapter on a split of (query, positive)
+examples, in both directions, and zero-shot classification accuracy. A corpus folder with qrels is evaluated by
+corpus.py; searching a corpus with a trained model is vembed.retrieval's job.
 
 The corpus is the set of unique positives; relevance comes from labels when the examples carry them, otherwise from
 each query's own positive. Scores are computed in chunks of queries so a large corpus never needs a full score matrix
