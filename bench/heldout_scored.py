@@ -76,7 +76,7 @@ def main() -> None:
             "loss_type": loss, "output_dir": str(out / loss), "overwrite_output_dir": True, "batch_size": 32,
             "learning_rate": 1e-3, "max_steps": args.steps, "warmup_ratio": 0.1, "seed": 0, "save_steps": 10**6,
             "eval_steps": args.steps, "eval_before_training": True, "logging_steps": 50,
-            "metric_for_best_model": "similarity/spearman_cosine" if loss == "cosent" else "q2d/recall@1",
+            "metric_for_best_model": "similarity/spearman_cosine" if loss == "cosent" else "q2d/accuracy@1",
         })
         trainer = Trainer(recipe)
         trainer.build()

@@ -51,7 +51,7 @@ def main() -> None:
         trainer.accelerator.end_training()
     if not trainer.accelerator.is_main_process:
         return
-    print("test metrics:", {k: round(v, 3) for k, v in result.metrics["test"].items() if k.startswith("q2d/recall")})
+    print("test metrics:", {k: round(v, 3) for k, v in result.metrics["test"].items() if k.startswith("q2d/accuracy")})
 
     model = vembed.load(str(result.final_model_dir))
     texts = model.encode(texts=["a red circle", "a blue square"])

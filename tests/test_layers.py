@@ -124,7 +124,7 @@ import vembed.errors
 if TYPE_CHECKING:
     from vembed.training.loop import Trainer
 def build():
-    from vembed.recipe_checks import check_recipe
+    from vembed.tasks import check_recipe
 REGISTRY_MODULES = ("vembed.entrypoints.train",)
 '''
     names = [name for _, name in imported_modules(source, "vembed.models.clip", False)]

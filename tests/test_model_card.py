@@ -135,7 +135,7 @@ def test_card_launch_and_training_length_are_the_runs(trained):
 
 def test_card_shows_the_runs_plots_from_inside_the_folder(trained):
     linked = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", trained["card"])
-    assert sorted(linked) == ["loss_curve.png", "recall_vs_dim.png"]
+    assert sorted(linked) == ["accuracy_vs_dim.png", "loss_curve.png"]
     for name in linked:
         assert (trained["final"] / name).read_bytes() == (Path(trained["raw"]["output_dir"]) / name).read_bytes()
 
@@ -192,7 +192,7 @@ def test_export_of_a_folder_without_a_run_record_says_so(trained, tmp_path):
 
     bare = tmp_path / "bare"
     shutil.copytree(trained["final"], bare)
-    for name in (README_FILE, CARD_FILE, "loss_curve.png", "recall_vs_dim.png"):
+    for name in (README_FILE, CARD_FILE, "loss_curve.png", "accuracy_vs_dim.png"):
         (bare / name).unlink()
     text = (export_sentence_transformers(bare, tmp_path / "st") / README_FILE).read_text()
     assert "No training record came with this folder" in text and "## Evaluation" not in text

@@ -26,7 +26,8 @@ SPLITS = ("train", "validation", "test")
 EVAL_COLUMNS = (("before", "before training (validation)"), ("validation", "validation"), ("test", "test"))
 PLOT_CAPTIONS = {
     "loss_curve.png": "training loss (and the validation metric, when evaluated during training)",
-    "recall_vs_dim.png": "recall at each Matryoshka dimension",
+    "accuracy_vs_dim.png": "accuracy@k (a relevant document in the top k) at each Matryoshka dimension",
+    "recall_vs_dim.png": "accuracy@k at each Matryoshka dimension",  # its name in runs before issue 23
     "similarity_histogram.png": "per-image cosine of generated to real embeddings",
 }
 # Two texts of different lengths: the snippets then show padding handled as vembed handles it.
@@ -384,9 +385,11 @@ def _evaluation_section(evaluation: Mapping[str, Any] | None, best: Mapping[str,
     columns = [(key, title) for key, title in EVAL_COLUMNS if evaluation.get(key)]
     names = list(dict.fromkeys(name for key, _ in columns for name in evaluation[key]))
     parts = ["## Evaluation",
-             "The run's `metrics.json` (`q2d`: queries → documents, `d2q`: documents → queries; `dimN`: the "
-             "embedding cut to its first N dimensions (Matryoshka); with named sources the unprefixed rows are the "
-             "mean over sources). \"before training\" is the untrained model on the validation split."]
+             "The run's `metrics.json` (`q2d`: queries → documents, `d2q`: documents → queries; `accuracy@k`: the "
+             "share of queries with a relevant document in the top k; `corpus/recall@k`: trec_eval's recall, the "
+             "share of a query's relevant documents in the top k; `dimN`: the embedding cut to its first N "
+             "dimensions (Matryoshka); with named sources the unprefixed rows are the mean over sources). "
+             "\"before training\" is the untrained model on the validation split."]
     for group, group_names in metric_groups(names, sources):
         rows = [[name] + [_number(evaluation[key].get(name), name) for key, _ in columns] for name in group_names]
         if group:

@@ -436,7 +436,7 @@ class Recipe(_Strict):
     save_total_limit: int = Field(default=2, gt=0)  # recent checkpoints kept, besides the best one
     eval_steps: int | None = Field(default=None, gt=0)  # unset: evaluate at the end of each epoch
     eval_before_training: bool = True  # record the untrained model's metrics for comparison
-    metric_for_best_model: str = "q2d/recall@1"  # validation metric that picks the best checkpoint (higher is better)
+    metric_for_best_model: str = "q2d/accuracy@1"  # validation metric that picks the best checkpoint (higher: better)
     # Every log line also records samples/s, tokens/s, peak memory and MFU (vembed/training/throughput.py).
     report_to: list[Literal["tensorboard", "wandb", "trackio"]] = Field(default_factory=list)
     run_name: str | None = None

@@ -104,8 +104,8 @@ def test_accelerate_launch_two_cpu_processes_end_to_end(tiny_clip_recipe, tmp_pa
     assert metrics["train"]["world_size"] == 2
     assert metrics["train"]["steps"] == 4
     assert (out / "checkpoint-2" / "trainer_state.json").is_file()
-    assert (out / "loss_curve.png").stat().st_size > 0 and (out / "recall_vs_dim.png").stat().st_size > 0
-    assert "q2d/dim8/recall@1" in metrics["test"]
+    assert (out / "loss_curve.png").stat().st_size > 0 and (out / "accuracy_vs_dim.png").stat().st_size > 0
+    assert "q2d/dim8/accuracy@1" in metrics["test"]
     assert yaml.safe_load((out / "recipe.yaml").read_text())["learning_rate"] == pytest.approx(5e-4)
     assert list((out / "logs").rglob("events.out.tfevents*")), "tensorboard tracker wrote nothing"
 
@@ -118,7 +118,7 @@ def test_accelerate_launch_two_cpu_processes_end_to_end(tiny_clip_recipe, tmp_pa
     evaluated = _run([sys.executable, "-m", "vembed", "eval", str(out / "final"), raw["data"]["test"]])
     assert evaluated.returncode == 0, evaluated.stderr[-2000:]
     cli_metrics = json.loads(evaluated.stdout[evaluated.stdout.index("{"):])
-    assert cli_metrics["q2d/recall@1"] == pytest.approx(metrics["test"]["q2d/recall@1"], abs=1e-6)
+    assert cli_metrics["q2d/accuracy@1"] == pytest.approx(metrics["test"]["q2d/accuracy@1"], abs=1e-6)
 
     exported = _run([sys.executable, "-m", "vembed", "export", str(out / "final"), "--out", str(tmp_path / "st")])
     assert exported.returncode == 0, exported.stderr[-2000:]

@@ -9,8 +9,8 @@ from pathlib import Path
 from vembed.entrypoints.demo import _print_table
 
 ROOT = Path(__file__).resolve().parents[2]
-SUMMARY = {"zero_shot_accuracy": {"before": 0.1, "after": 0.9}, "test_text_to_image_recall@1": {"before": 0.1,
-                                                                                                  "after": 1.0}}
+SUMMARY = {"zero_shot_accuracy": {"before": 0.1, "after": 0.9}, "test_text_to_image_accuracy@1": {"before": 0.1,
+                                                                                                    "after": 1.0}}
 
 
 def test_outputs_line_lists_final_st_only_when_it_was_exported(capsys):

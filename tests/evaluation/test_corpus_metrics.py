@@ -14,7 +14,7 @@ from vembed.evaluation.corpus import (
     rankings_from_run,
     rankings_from_topk,
 )
-from vembed.retrieval.search import TopK
+from vembed.retrieval.scoring import TopK
 
 pytrec_eval = pytest.importorskip("pytrec_eval")
 

@@ -69,7 +69,7 @@ def test_vembed_eval_reports_similarity_and_triplet_metrics(tmp_path, tiny_token
     assert metrics["similarity/spearman_cosine"] == pytest.approx(stats.spearmanr(gold, cosines)[0], abs=1e-5)
     assert metrics["similarity/pearson_cosine"] == pytest.approx(stats.pearsonr(gold, cosines)[0], abs=1e-5)
     assert metrics["triplet/cosine_accuracy"] == pytest.approx(triplet_accuracy(q, p, n)["triplet/cosine_accuracy"])
-    assert "q2d/recall@1" in metrics  # retrieval as before
+    assert "q2d/accuracy@1" in metrics  # retrieval as before
 
 
 def test_in_run_evaluation_reports_them_per_named_source(tmp_path, tiny_tokenizer_dir):

@@ -146,7 +146,7 @@ def test_the_retrieval_metric_is_refused_with_the_fix(shards, tmp_path):
     from vembed.errors import RecipeError
 
     with pytest.raises(RecipeError, match="metric_for_best_model.*image_cosine"):
-        check_recipe(tiny_recipe(shards, tmp_path / "run", "metric_for_best_model=q2d/recall@1"))
+        check_recipe(tiny_recipe(shards, tmp_path / "run", "metric_for_best_model=q2d/accuracy@1"))
 
 
 def test_the_task_is_chosen_by_the_model_through_the_registry():

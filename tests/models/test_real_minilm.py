@@ -58,7 +58,7 @@ def test_fine_tune_real_minilm_then_export_loads_in_sentence_transformers(tmp_pa
         "batch_size": 16, "learning_rate": 5e-5, "max_steps": 4, "save_steps": None, "mrl_dims": [384, 128],
     })
     result = Trainer(recipe).run()
-    assert result.metrics["validation"]["q2d/recall@1"] >= result.metrics["before"]["q2d/recall@1"]
+    assert result.metrics["validation"]["q2d/accuracy@1"] >= result.metrics["before"]["q2d/accuracy@1"]
 
     out = export_sentence_transformers(result.final_model_dir, tmp_path / "st")
     import vembed

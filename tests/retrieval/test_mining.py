@@ -16,7 +16,7 @@ from tiny_models import hashing_encoder
 from vembed.data.corpus import CORPUS_FILE, load_corpus_split, write_corpus_folder
 from vembed.retrieval.cache import EmbeddingCache, cache_key
 from vembed.retrieval.mining import MiningSettings, MiningStats, mine_hard_negatives, select_negatives
-from vembed.retrieval.search import top_k
+from vembed.retrieval.scoring import top_k
 
 
 class _Lookup(torch.nn.Module):

@@ -6,7 +6,8 @@ import torch
 from ranks import run_on_ranks
 from tiny_models import hashing_encoder
 
-from vembed.retrieval.search import TopK, document_blocks, search, top_k
+from vembed.retrieval.scoring import TopK, top_k
+from vembed.retrieval.search import document_blocks, search
 
 
 def _reference(queries: torch.Tensor, docs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -79,7 +79,7 @@ def test_metric_for_best_model_must_be_a_validation_metric(corpus_run):
     named = {**raw, "data": {**raw["data"], "validation": {"beir": str(folder), "pairs": raw["data"]["train"]}}}
     check_recipe(recipe_from_dict({**named, "metric_for_best_model": "beir/corpus/map@100"}))
     check_recipe(recipe_from_dict({**named, "metric_for_best_model": "pairs/q2d/mrr"}))
-    with pytest.raises(RecipeError, match="'q2d/recall@1' is not a validation metric"):
+    with pytest.raises(RecipeError, match="'q2d/accuracy@1' is not a validation metric"):
         check_recipe(recipe_from_dict(named))  # mixed sources share no key: the default must be named
 
 

@@ -36,7 +36,7 @@ def _assert_same_metrics(got: dict, expected: dict, what: str) -> None:
 def _saved_model_metrics(out: Path, base: dict) -> dict:
     """The saved final/ evaluated on the validation split by one process, as `vembed eval` does."""
     from vembed.data.sources import load_examples
-    from vembed.evaluation.retrieval import evaluate_retrieval
+    from vembed.evaluation.pairs import evaluate_retrieval
     from vembed.evaluation.scored import evaluate_scored
     from vembed.models.base import load_adapter
     from vembed.recipe import DataConfig

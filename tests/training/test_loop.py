@@ -356,9 +356,10 @@ PINNED_TINY_CLIP_RUN = {
              4.8679704666137695],
     "lr": [0.0009330127018922195, 0.00075, 0.0005, 0.0002500000000000001, 6.698729810778065e-05, 0.0],
     "validation": {
-        "q2d/recall@1": 0.07142857142857142, "q2d/recall@5": 0.42857142857142855, "q2d/recall@10": 0.9285714285714286,
+        "q2d/accuracy@1": 0.07142857142857142, "q2d/accuracy@5": 0.42857142857142855,
+        "q2d/accuracy@10": 0.9285714285714286,
         "q2d/mrr": 0.24246031746031746, "q2d/ndcg@10": 0.3561594124683013,
-        "d2q/recall@1": 0.21428571428571427, "d2q/recall@5": 0.5, "d2q/recall@10": 1.0,
+        "d2q/accuracy@1": 0.21428571428571427, "d2q/accuracy@5": 0.5, "d2q/accuracy@10": 1.0,
         "d2q/mrr": 0.38202947845804985, "d2q/ndcg@10": 0.41598974098431923,
         "num_queries": 14.0, "num_documents": 14.0,
         # the dummy data's negatives are captions and its positives images: a caption of another colour is always
@@ -383,3 +384,21 @@ def test_pinned_loss_curve_and_metrics_of_a_tiny_clip_run(tiny_clip_recipe):
     assert actual["validation"].keys() == pinned["validation"].keys(), message
     for part in ("loss", "lr", "validation"):
         assert actual[part] == pytest.approx(pinned[part], rel=1e-4, abs=1e-9), message
+
+
+def test_the_old_name_of_accuracy_at_k_picks_the_best_checkpoint_by_the_new_one(tmp_path, tiny_tokenizer_dir, caplog):
+    """`q2d/recall@1` (the pair hit rate's name before it became accuracy@1) still names the metric, with one note."""
+    import logging
+
+    from corpora import make_corpus_folder, text_model_keys, write_pairs
+
+    pairs = str(write_pairs(make_corpus_folder(tmp_path / "corpus"), tmp_path / "pairs.jsonl"))
+    raw = {**text_model_keys(tiny_tokenizer_dir), "data": {"train": pairs, "validation": pairs},
+           "output_dir": str(tmp_path / "run"), "batch_size": 4, "max_steps": 4, "eval_steps": 2, "save_steps": 2,
+           "learning_rate": 1e-3, "seed": 0, "metric_for_best_model": "q2d/recall@1"}
+    with caplog.at_level(logging.WARNING):
+        metrics = Trainer(recipe_from_dict(raw)).run().metrics
+    notes = [record.getMessage() for record in caplog.records if "q2d/recall@1" in record.getMessage()]
+    assert len(notes) == 1 and "now named q2d/accuracy@1" in notes[0]
+    assert metrics["best"]["metric"] == "q2d/accuracy@1"
+    assert metrics["best"]["value"] == max(entry["q2d/accuracy@1"] for entry in metrics["eval_history"])

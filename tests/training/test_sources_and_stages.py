@@ -55,7 +55,7 @@ def test_each_batch_comes_from_one_source_and_losses_and_metrics_are_per_source(
     logged = [set(entry) for entry in result["loss_history"]]
     assert all({"loss/shapes", "loss/plain"} <= keys for keys in logged), logged
     validation = result["validation"]
-    for key in ("q2d/recall@1", "d2q/mrr"):
+    for key in ("q2d/accuracy@1", "d2q/mrr"):
         mean = (validation[f"shapes/{key}"] + validation[f"plain/{key}"]) / 2
         assert validation[key] == pytest.approx(mean)
     assert result["train"]["data"]["sources"]["plain"]["num_hard_negatives"] == 0
@@ -163,7 +163,7 @@ def test_the_shipped_mixed_sources_recipe_trains_offline(tmp_path, monkeypatch):
     check_recipe(recipe)
     result = Trainer(recipe).run().metrics
     assert {"loss/digits", "loss/shapes"} <= set(result["loss_history"][-1]) | set(result["loss_history"][0])
-    assert {"digits/q2d/recall@1", "shapes/q2d/recall@1", "q2d/recall@1"} <= set(result["validation"])
+    assert {"digits/q2d/accuracy@1", "shapes/q2d/accuracy@1", "q2d/accuracy@1"} <= set(result["validation"])
     assert result["train"]["data"]["sources"]["shapes"]["num_hard_negatives"] == 1
 
 

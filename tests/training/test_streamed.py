@@ -182,6 +182,6 @@ def test_the_webdataset_example_recipe_trains_on_generated_shards(tmp_path):
     trainer = Trainer(recipe)
     result = trainer.run()
     assert trainer.steps_per_epoch == 56 // 8 and result.metrics["train"]["steps"] == 2 * 7
-    assert result.metrics["train"]["data"]["total"] == 56 and "q2d/recall@1" in result.metrics["validation"]
+    assert result.metrics["train"]["data"]["total"] == 56 and "q2d/accuracy@1" in result.metrics["validation"]
     assert result.metrics["train"]["data"]["unread_per_epoch"] == [0, 0]  # 7 shards of 8, batches of 8, one reader
     assert trainer.task.split_report("validation")["evaluated"] == len(validation) == 12

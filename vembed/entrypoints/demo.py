@@ -27,11 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _test_figures(adapter, examples, prompts: dict, batch_size: int) -> tuple[float, float]:
-    """Zero-shot digit accuracy and text→image recall@1 on the test split."""
-    from vembed.evaluation.retrieval import evaluate_retrieval, zero_shot_accuracy
+    """Zero-shot digit accuracy and text→image accuracy@1 on the test split."""
+    from vembed.evaluation.pairs import evaluate_retrieval, zero_shot_accuracy
 
-    recall = evaluate_retrieval(adapter, examples, batch_size=batch_size)["q2d/recall@1"]
-    return zero_shot_accuracy(adapter, examples, prompts, batch_size=batch_size), recall
+    hit_rate = evaluate_retrieval(adapter, examples, batch_size=batch_size)["q2d/accuracy@1"]
+    return zero_shot_accuracy(adapter, examples, prompts, batch_size=batch_size), hit_rate
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         test_examples, _ = load_examples(recipe.data, "test", num_hard_negatives=0)
         prompts = json.loads((data_dir / "classes.json").read_text())
         batch_size = recipe.resolved_eval_batch_size
-        before, recall_before = _test_figures(untrained, test_examples, prompts, batch_size)
+        before, hits_before = _test_figures(untrained, test_examples, prompts, batch_size)
         del untrained
 
         code = launch.main([args.recipe, "--config_override", *overrides, *(["--debug"] if args.debug else [])])
@@ -78,11 +78,11 @@ def run(args: argparse.Namespace) -> int:
         from vembed.models.base import load_adapter
 
         final_dir = Path(recipe.output_dir) / "final"
-        after, recall_after = _test_figures(load_adapter(final_dir), test_examples, prompts, batch_size)
+        after, hits_after = _test_figures(load_adapter(final_dir), test_examples, prompts, batch_size)
         metrics = json.loads((Path(recipe.output_dir) / "metrics.json").read_text())
         summary = {
             "zero_shot_accuracy": {"before": before, "after": after},
-            "test_text_to_image_recall@1": {"before": recall_before, "after": recall_after},
+            "test_text_to_image_accuracy@1": {"before": hits_before, "after": hits_after},
             "test": metrics["test"],
         }
         exported = _export(final_dir)
@@ -109,7 +109,7 @@ def _export(final_dir: Path) -> Path | None:
 
 
 def _print_table(summary: dict, output_dir: str) -> None:
-    zs, r1 = summary["zero_shot_accuracy"], summary["test_text_to_image_recall@1"]
+    zs, r1 = summary["zero_shot_accuracy"], summary["test_text_to_image_accuracy@1"]
     if "sentence_transformers_export" in summary:
         outputs = "final/, final-st/, metrics.json, loss_curve.png, demo_summary.json"
     else:
@@ -120,7 +120,7 @@ def _print_table(summary: dict, output_dir: str) -> None:
         "digits demo — held-out test split",
         f"{'metric':<34}{'before':>10}{'after':>10}",
         f"{'zero-shot digit accuracy':<34}{zs['before']:>10.3f}{zs['after']:>10.3f}",
-        f"{'text→image recall@1 (same digit)':<34}{r1['before']:>10.3f}{r1['after']:>10.3f}",
+        f"{'text→image accuracy@1 (same digit)':<34}{r1['before']:>10.3f}{r1['after']:>10.3f}",
         f"outputs: {output_dir}/ ({outputs})",
     ]
     print("\n".join(lines))

@@ -181,7 +181,7 @@ def _evaluate_pairs(args: argparse.Namespace, accelerator: "Accelerator") -> dic
     # Negatives kept (as many as every record has) for triplet accuracy; retrieval reads only queries and positives.
     examples, report = load_examples(data, "test", num_hard_negatives=None)
     check_images_per_side(adapter.model_type, examples)
-    from vembed.evaluation.retrieval import evaluate_retrieval, merge_source_metrics
+    from vembed.evaluation.pairs import evaluate_retrieval, merge_source_metrics
     from vembed.evaluation.scored import evaluate_scored
 
     def evaluate(chosen: list) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """Evaluation of embedding models: retrieval metrics both ways, zero-shot classification, plots of a run."""
 
-from vembed.evaluation.retrieval import (
+from vembed.evaluation.pairs import (
     GroupRelevance,
     encode_sides,
     evaluate_retrieval,

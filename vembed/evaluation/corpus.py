@@ -6,7 +6,7 @@ InformationRetrievalEvaluator (tests/evaluation/test_corpus_metrics.py checks th
 - ndcg@k (`ndcg_cut_k`): linear graded gains `grade / log2(rank + 1)` of the top k, divided by the same sum over the
   query's judged grades sorted best first (only grades > 0 count as gains).
 - recall@k (`recall_k`): relevant documents (grade > 0) in the top k / all the query's relevant documents. This is
-  not today's per-split `q2d/recall@k` (a hit: at least one relevant document in the top k).
+  not the pair evaluation's `q2d/accuracy@k` (a hit: at least one relevant document in the top k).
 - map@k (`map_cut_k`): the sum of precision@rank at each relevant document in the top k / all relevant documents.
 - mrr@k (`recip_rank` of the run cut to k): 1 / rank of the first relevant document in the top k, 0 if none.
 
@@ -14,9 +14,9 @@ Means run over the judged queries that have at least one relevant document; a qu
 left out (and counted in `num_queries_without_relevant`), where trec_eval would average its zeros in. A judged query
 missing from a run dict counts as a query that retrieved nothing (trec_eval's `-c`).
 
-Ties: a ranking given as positions (a `TopK` from vembed.retrieval.search) is taken in its order (equal scores by
-corpus position). A run dict `{query_id: {doc_id: score}}` is sorted as trec_eval sorts it: score descending, equal
-scores by document id descending (string order).
+Ties: a ranking given as positions (a `TopK` from vembed.retrieval.scoring) is taken in its order (equal scores by
+corpus position, the rule of every ranking vembed builds). A run dict `{query_id: {doc_id: score}}` is sorted as
+trec_eval sorts it: score descending, equal scores by document id descending (string order).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from vembed.data.corpus import CorpusSplit
     from vembed.models.base import EmbeddingAdapter
-    from vembed.retrieval.search import TopK
+    from vembed.retrieval.scoring import TopK
 
 Qrels = Mapping[str, Mapping[str, int]]
 Run = Mapping[str, Mapping[str, float]]

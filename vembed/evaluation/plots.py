@@ -1,4 +1,4 @@
-"""PNG plots of a run: recall against Matryoshka dimension, and the training loss curve.
+"""PNG plots of a run: accuracy@k against Matryoshka dimension, and the training loss curve.
 
 matplotlib is imported inside each function so importing vembed stays light. Figures are built with the object API
 and drawn by the Agg canvas: no display needed, and pyplot's global backend and figure list are left alone.
@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-_DIM_KEY = re.compile(r"^(q2d|d2q)/dim(\d+)/recall@(\d+)$")
+_DIM_KEY = re.compile(r"^(q2d|d2q)/dim(\d+)/accuracy@(\d+)$")
 _DIRECTION_NAMES = {"q2d": "query → document", "d2q": "document → query"}
 
 
@@ -32,15 +32,15 @@ def _save(fig, path: str | Path) -> Path:
     return path
 
 
-def plot_recall_vs_dim(
+def plot_accuracy_vs_dim(
     metrics: Mapping[str, float], path: str | Path, *, full_dim: int | None = None
 ) -> Path | None:
-    """Plot recall@k against the Matryoshka dimension, one panel per direction, from `evaluate_retrieval` metrics.
+    """Plot accuracy@k against the Matryoshka dimension, one panel per direction, from `evaluate_retrieval` metrics.
 
-    Reads the `{q2d,d2q}/dim{d}/recall@{k}` keys; with `full_dim`, the un-truncated `{q2d,d2q}/recall@{k}` values
-    are drawn at that dimension too. Returns the PNG path, or None when the metrics have no per-dimension recall.
+    Reads the `{q2d,d2q}/dim{d}/accuracy@{k}` keys; with `full_dim`, the un-truncated `{q2d,d2q}/accuracy@{k}` values
+    are drawn at that dimension too. Returns the PNG path, or None when the metrics have no per-dimension accuracy.
     """
-    series: dict[str, dict[int, dict[int, float]]] = {}  # direction -> k -> dim -> recall
+    series: dict[str, dict[int, dict[int, float]]] = {}  # direction -> k -> dim -> accuracy
     for key, value in metrics.items():
         match = _DIM_KEY.match(key)
         if match:
@@ -51,7 +51,7 @@ def plot_recall_vs_dim(
     if full_dim is not None:
         for direction, by_k in series.items():
             for k, by_dim in by_k.items():
-                full = metrics.get(f"{direction}/recall@{k}")
+                full = metrics.get(f"{direction}/accuracy@{k}")
                 if full is not None:
                     by_dim.setdefault(full_dim, float(full))
 
@@ -60,7 +60,7 @@ def plot_recall_vs_dim(
     for ax, direction in zip(axes, directions):
         for k, by_dim in sorted(series[direction].items()):
             dims = sorted(by_dim)
-            ax.plot(dims, [by_dim[d] for d in dims], marker="o", label=f"recall@{k}")
+            ax.plot(dims, [by_dim[d] for d in dims], marker="o", label=f"accuracy@{k}")
         ax.set_xscale("log", base=2)
         all_dims = sorted({d for by_dim in series[direction].values() for d in by_dim})
         ax.set_xticks(all_dims, [str(d) for d in all_dims])
@@ -70,7 +70,7 @@ def plot_recall_vs_dim(
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
         ax.legend()
-    axes[0].set_ylabel("recall")
+    axes[0].set_ylabel("accuracy (a relevant document in the top k)")
     return _save(fig, path)
 
 
@@ -85,7 +85,7 @@ def plot_loss_curve(
 
     `history` holds `{"step": int, "loss": float[, "lr": float]}` dicts. `eval_history` holds `{"step": int, <metric>:
     float, ...}` dicts (for example `evaluate_retrieval` results with their step); `eval_metric` (default: the first
-    of `q2d/recall@1`, `eval_loss`, `loss` present) is drawn in a panel of its own. Returns the PNG path, or None when
+    of `q2d/accuracy@1`, `eval_loss`, `loss` present) is drawn in a panel of its own. Returns the PNG path, or None when
     there is no loss to plot.
     """
     points = [(int(h["step"]), float(h["loss"])) for h in history if "step" in h and h.get("loss") is not None]
@@ -95,7 +95,7 @@ def plot_loss_curve(
     if eval_history:
         if eval_metric is None:
             present = {key for entry in eval_history for key in entry}
-            eval_metric = next((m for m in ("q2d/recall@1", "eval_loss", "loss") if m in present), None)
+            eval_metric = next((m for m in ("q2d/accuracy@1", "eval_loss", "loss") if m in present), None)
         if eval_metric is not None:
             evals = [
                 (int(e["step"]), float(e[eval_metric]))

@@ -24,7 +24,8 @@ from vembed.models.encoding import encode_sides, unwrapped
 from vembed.models.maxsim import MAX_BLOCK_ELEMENTS, maxsim
 from vembed.models.token_vectors import token_mask
 from vembed.retrieval import SCORINGS
-from vembed.retrieval.search import SCORE_CHUNK_ELEMENTS, Scoring, TopK
+from vembed.retrieval.scoring import SCORE_CHUNK_ELEMENTS, TopK
+from vembed.retrieval.search import Scoring
 
 if TYPE_CHECKING:
     from vembed.data.records import Side

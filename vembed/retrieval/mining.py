@@ -42,7 +42,8 @@ import torch.nn.functional as F
 from vembed.errors import RecipeError
 from vembed.files import replace_atomically
 from vembed.models.encoding import encode_sides
-from vembed.retrieval.search import Scoring, TopK, document_blocks, scoring_of, search
+from vembed.retrieval.scoring import TopK, top_k
+from vembed.retrieval.search import Scoring, document_blocks, scoring_of, search
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -159,7 +160,7 @@ def select_negatives(found: TopK, positives: Sequence[Iterable[int]], positive_s
 
 def faiss_top_k(query_emb: torch.Tensor, doc_emb: torch.Tensor, k: int, *, doc_offset: int = 0,
                 normalize: bool = True) -> TopK:
-    """`search.top_k` through faiss's exact flat inner-product index (needs `pip install faiss-cpu`)."""
+    """`scoring.top_k` through faiss's exact flat inner-product index (needs `pip install faiss-cpu`)."""
     import faiss
     import numpy as np
 

@@ -1,12 +1,12 @@
-"""Exact nearest-neighbour search of a corpus: cosine scores in bounded blocks, a running top-k, any number of ranks.
+"""Exact nearest-neighbour search of a corpus: blocks of documents folded into a running top-k, any number of ranks.
 
 Memory is bounded for corpora of millions of documents: documents are encoded and scored a block at a time (each
 process its own share of each block), only `(n_queries, k)` best scores and positions are kept, and the processes'
 top-k lists are merged at the end. Exact search is brute force on purpose: it is the reference the metrics are
 defined against (an approximate index such as faiss is an accelerator a caller may choose, not the default).
 
-Order: by score, highest first; equal scores by corpus position, lowest first, so that one process and several give
-the same ranking wherever the k-th score is not itself tied.
+Scores, the top-k of a block and the order of equal scores are `vembed.retrieval.scoring`'s (score descending, then
+corpus position): one process and several give the same ranking, ties included.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from vembed.models.encoding import encode_sides, share_bounds
 from vembed.retrieval import SCORINGS
+from vembed.retrieval.scoring import TopK, best_of, top_k
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -28,78 +29,7 @@ if TYPE_CHECKING:
     from vembed.models.base import EmbeddingAdapter
     from vembed.retrieval.cache import EmbeddingCache
 
-SCORE_CHUNK_ELEMENTS = 1 << 25  # query x document scores held at once (128 MiB of float32)
 DOCUMENTS_PER_BLOCK = 1 << 15  # documents encoded per process before their scores are folded into the top-k
-
-
-@dataclass
-class TopK:
-    """Each query's best documents: `scores` and corpus `indices`, `(n_queries, k)`, best first (-1/-inf: none)."""
-
-    scores: torch.Tensor
-    indices: torch.Tensor
-
-    @classmethod
-    def empty(cls, n_queries: int, k: int, device: torch.device | str = "cpu") -> "TopK":
-        return cls(torch.full((n_queries, k), -torch.inf, device=device),
-                   torch.full((n_queries, k), -1, dtype=torch.long, device=device))
-
-    @property
-    def k(self) -> int:
-        return self.scores.shape[1]
-
-    def merge(self, other: "TopK") -> "TopK":
-        """The best `k` of both lists (score descending, then lower corpus position first)."""
-        scores = torch.cat([self.scores, other.scores.to(self.scores.device)], dim=1)
-        indices = torch.cat([self.indices, other.indices.to(self.indices.device)], dim=1)
-        return _best(scores, indices, self.k)
-
-
-def _best(scores: torch.Tensor, indices: torch.Tensor, k: int) -> TopK:
-    # Sort by position first, then stably by score: ties end up lowest position first. Missing entries (-1) last.
-    positions = torch.where(indices < 0, torch.iinfo(torch.long).max, indices)
-    by_position = positions.argsort(dim=1, stable=True)
-    scores, indices = scores.gather(1, by_position), indices.gather(1, by_position)
-    order = scores.argsort(dim=1, descending=True, stable=True)[:, :k]
-    return TopK(scores.gather(1, order), indices.gather(1, order))
-
-
-def top_k(query_emb: torch.Tensor, doc_emb: torch.Tensor, k: int, *, doc_offset: int = 0,
-          normalize: bool = True, chunk_elements: int = SCORE_CHUNK_ELEMENTS) -> TopK:
-    """The `k` best documents of `doc_emb` for every query, by cosine (or dot product with `normalize=False`).
-
-    `doc_offset` is added to the returned indices (the corpus position of `doc_emb[0]`). Scores are computed in
-    blocks of at most `chunk_elements`; non-finite scores rank last.
-    """
-    if query_emb.ndim != 2 or doc_emb.ndim != 2 or query_emb.shape[1] != doc_emb.shape[1]:
-        raise ValueError(f"embeddings must be (n, dim) with the same dim, got {tuple(query_emb.shape)} and "
-                         f"{tuple(doc_emb.shape)}")
-    if k < 1:
-        raise ValueError(f"k must be at least 1, got {k}")
-    device = query_emb.device
-    queries = query_emb.float()
-    docs = doc_emb.float().to(device)
-    if normalize:
-        queries, docs = F.normalize(queries, dim=-1), F.normalize(docs, dim=-1)
-    n_q, n_d = len(queries), len(docs)
-    result = TopK.empty(n_q, k, device)
-    if n_d == 0 or n_q == 0:
-        return result
-    doc_chunk = max(1, min(n_d, chunk_elements // max(1, min(n_q, 1024))))
-    query_chunk = max(1, chunk_elements // doc_chunk)
-    parts = []
-    for q_start in range(0, n_q, query_chunk):
-        q_stop = min(q_start + query_chunk, n_q)
-        best = TopK.empty(q_stop - q_start, k, device)
-        for d_start in range(0, n_d, doc_chunk):
-            d_stop = min(d_start + doc_chunk, n_d)
-            scores = torch.nan_to_num(queries[q_start:q_stop] @ docs[d_start:d_stop].T, nan=-torch.inf)
-            take = min(k, d_stop - d_start)
-            # topk breaks ties at its boundary arbitrarily: take a few extra so exact ties survive to the ordering.
-            values, where = scores.topk(min(d_stop - d_start, take + 8), dim=1)
-            best = best.merge(TopK(values, where + (doc_offset + d_start)))
-        parts.append(best)
-    return TopK(torch.cat([p.scores for p in parts]), torch.cat([p.indices for p in parts]))
 
 
 def cosine_pairs(queries: torch.Tensor, block: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -136,8 +66,7 @@ def merge_across_processes(local: TopK, accelerator: "Accelerator | None") -> To
         return local
     scores = accelerator.gather(local.scores.contiguous()).reshape(accelerator.num_processes, *local.scores.shape)
     indices = accelerator.gather(local.indices.contiguous()).reshape(accelerator.num_processes, *local.indices.shape)
-    # Concatenated in process order = corpus order, which the tie rule relies on.
-    return _best(torch.cat(list(scores), dim=1), torch.cat(list(indices), dim=1), local.k)
+    return best_of(torch.cat(list(scores), dim=1), torch.cat(list(indices), dim=1), local.k)
 
 
 def document_blocks(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     EvalData = list[Example] | CorpusSplit
     from vembed.recipe import Recipe
     from vembed.training.stages import Stage
+
+logger = logging.getLogger(__name__)
 
 
 class ContrastiveObjective(nn.Module):
@@ -352,15 +355,15 @@ class ContrastiveTask(Task):
 
     def evaluate(self, model: "nn.Module", data: "list[Example] | dict[str, list[Example]]",
                  accelerator: "Accelerator", prepared: "nn.Module | None" = None) -> dict[str, float]:
-        """Retrieval metrics; for named sources, each source's own (`<source>/q2d/recall@1`, its queries against its
+        """Retrieval metrics; for named sources, each source's own (`<source>/q2d/accuracy@1`, its queries against its
         documents, as MTEB scores each task apart) and, unprefixed, their mean over sources."""
         if isinstance(data, dict):
-            from vembed.evaluation.retrieval import merge_source_metrics
+            from vembed.evaluation.pairs import merge_source_metrics
 
             return merge_source_metrics({name: self.evaluate(model, examples, accelerator, prepared)
                                          for name, examples in data.items()})
         from vembed.data.corpus import CorpusSplit
-        from vembed.evaluation.retrieval import evaluate_retrieval
+        from vembed.evaluation.pairs import evaluate_retrieval
 
         # Through the wrapper, as in training: ZeRO-3 gathers weights read outside their module's forward (CLIP's
         # position embedding) only inside its engine's forward (ContrastiveObjective.forward's `encode`).
@@ -392,16 +395,16 @@ class ContrastiveTask(Task):
 
     def headline(self, metrics: dict[str, float]) -> str:
         keys = ("similarity/spearman_cosine", "triplet/cosine_accuracy",
-                "q2d/recall@1", "q2d/recall@5", "q2d/recall@10", "q2d/mrr", "d2q/recall@1", "corpus/ndcg@10",
+                "q2d/accuracy@1", "q2d/accuracy@5", "q2d/accuracy@10", "q2d/mrr", "d2q/accuracy@1", "corpus/ndcg@10",
                 "corpus/recall@100", "corpus/mrr@10")
         return "  ".join(f"{k}={metrics[k]:.3f}" for k in keys if k in metrics)
 
     def plots(self, metrics: dict[str, Any], output_dir: Path) -> list[Path]:
-        from vembed.evaluation.plots import plot_recall_vs_dim
+        from vembed.evaluation.plots import plot_accuracy_vs_dim
 
         split = metrics.get("test") or metrics.get("validation")
         if split and self.recipe.loss.mrl_dims:
-            path = plot_recall_vs_dim(split, output_dir / "recall_vs_dim.png")
+            path = plot_accuracy_vs_dim(split, output_dir / "accuracy_vs_dim.png")
             return [path] if path is not None else []
         return []
 
@@ -428,11 +431,11 @@ def _check_not_streamed(recipe: "Recipe") -> None:
 
 
 def validation_metric_names(recipe: "Recipe") -> list[str]:
-    """The metric keys evaluating `data.validation` gives (without counts): a split of pairs `q2d/recall@1`, ...; a
+    """The metric keys evaluating `data.validation` gives (without counts): a split of pairs `q2d/accuracy@1`, ...; a
     corpus folder `corpus/ndcg@10`, ...; named sources each under `<name>/` and, unprefixed, the keys they share."""
     from vembed.data.corpus import corpus_sources
     from vembed.evaluation.corpus import corpus_metric_names
-    from vembed.evaluation.retrieval import retrieval_metric_names
+    from vembed.evaluation.pairs import retrieval_metric_names
 
     data = recipe.data
     if data.validation is None:
@@ -458,9 +461,18 @@ def _scored_metric_names(recipe: "Recipe") -> list[str]:
 
 
 def _resolve_best_metric(recipe: "Recipe", check: bool = False) -> None:
-    """metric_for_best_model must be a validation metric. Left unset, it is q2d/recall@1, or corpus/ndcg@10 where
-    the validation split is all corpus folders (the metric BEIR and MTEB rank by). `check`: a name that is not among
-    the validation metrics is a RecipeError listing them (before anything is built)."""
+    """metric_for_best_model must be a validation metric. Left unset, it is q2d/accuracy@1, or corpus/ndcg@10 where
+    the validation split is all corpus folders (the metric BEIR and MTEB rank by). An old name (`q2d/recall@1`, the
+    hit rate before issue 23) is read as the new one, with a warning. `check`: a name that is not among the
+    validation metrics is a RecipeError listing them (before anything is built)."""
+    from vembed.evaluation.pairs import renamed_metric
+
+    new_name = renamed_metric(recipe.metric_for_best_model)
+    if new_name is not None:
+        logger.warning("metric_for_best_model: %s is now named %s (the share of queries with a relevant document in "
+                       "the top k, as sentence-transformers names it); using %s", recipe.metric_for_best_model,
+                       new_name, new_name)
+        recipe.metric_for_best_model = new_name
     names = validation_metric_names(recipe)
     if not names or recipe.metric_for_best_model in names:
         return

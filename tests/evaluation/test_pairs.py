@@ -1,4 +1,5 @@
-"""Retrieval metrics against hand-computed values, and evaluate_retrieval on a lookup-table adapter."""
+"""Pair evaluation (vembed/evaluation/pairs.py): retrieval metrics against hand-computed values, and
+evaluate_retrieval on a lookup-table adapter."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import torch
 
 from vembed.data.records import Example, Side
 from vembed.errors import DataError
-from vembed.evaluation.retrieval import (
+from vembed.evaluation.pairs import (
     GroupRelevance,
     encode_sides,
     evaluate_retrieval,
+    renamed_metric,
     retrieval_metrics,
     zero_shot_accuracy,
 )
@@ -63,7 +65,7 @@ def _ex(query: str, positive: str, label: str | None = None) -> Example:
 
 
 def _reference(query_emb, doc_emb, relevance, ks=(1, 5, 10)):
-    """The definitions, one query at a time: a full sort, non-relevant documents first among equal scores."""
+    """The definitions, one query at a time: a full sort, equal scores by document position (lowest first)."""
     q = torch.nn.functional.normalize(query_emb.double(), dim=-1)
     d = torch.nn.functional.normalize(doc_emb.double(), dim=-1)
     scores = (q @ d.T).tolist()
@@ -71,13 +73,13 @@ def _reference(query_emb, doc_emb, relevance, ks=(1, 5, 10)):
     for row, rel in zip(scores, relevance.tolist()):
         if not any(rel):
             continue
-        order = sorted(range(len(row)), key=lambda j: (-row[j], rel[j]))
+        order = sorted(range(len(row)), key=lambda j: (-row[j], j))
         ranks = [r + 1 for r, j in enumerate(order) if rel[j]]
         firsts.append(ranks[0])
         dcg = sum(1 / math.log2(r + 1) for r in ranks if r <= 10)
         ideal = sum(1 / math.log2(r + 1) for r in range(1, min(len(ranks), 10) + 1))
         ndcgs.append(dcg / ideal)
-    out = {f"recall@{k}": sum(r <= k for r in firsts) / len(firsts) for k in ks}
+    out = {f"accuracy@{k}": sum(r <= k for r in firsts) / len(firsts) for k in ks}
     out["mrr"] = sum(1 / r for r in firsts) / len(firsts)
     out["ndcg@10"] = sum(ndcgs) / len(ndcgs)
     return out
@@ -88,23 +90,23 @@ def _reference(query_emb, doc_emb, relevance, ks=(1, 5, 10)):
 DOCS = torch.eye(4)  # document j has cosine q[j] / |q| with query q, so each query's ranking is read off its entries
 
 
-def test_single_relevant_document_recall_mrr_ndcg_match_hand_values():
+def test_single_relevant_document_accuracy_mrr_ndcg_match_hand_values():
     queries = torch.tensor([[4.0, 3, 2, 1], [4.0, 3, 2, 1], [1.0, 2, 3, 4]])  # rankings 0123, 0123, 3210
     relevance = torch.tensor([[1, 0, 0, 0], [0, 0, 1, 0], [1, 0, 0, 0]], dtype=torch.bool)  # at ranks 1, 3, 4
     metrics = retrieval_metrics(queries, DOCS, relevance, ks=(1, 3))
-    assert metrics["recall@1"] == pytest.approx(1 / 3)
-    assert metrics["recall@3"] == pytest.approx(2 / 3)
+    assert metrics["accuracy@1"] == pytest.approx(1 / 3)
+    assert metrics["accuracy@3"] == pytest.approx(2 / 3)
     assert metrics["mrr"] == pytest.approx((1 + 1 / 3 + 1 / 4) / 3)
     assert metrics["ndcg@10"] == pytest.approx((1 + 1 / math.log2(4) + 1 / math.log2(5)) / 3)
-    assert set(metrics) == {"recall@1", "recall@3", "mrr", "ndcg@10"}
+    assert set(metrics) == {"accuracy@1", "accuracy@3", "mrr", "ndcg@10"}
 
 
-def test_several_relevant_documents_use_the_first_for_recall_and_mrr_and_all_for_ndcg():
+def test_several_relevant_documents_use_the_first_for_accuracy_and_mrr_and_all_for_ndcg():
     queries = torch.tensor([[4.0, 3, 2, 1]])
     relevance = torch.tensor([[0, 1, 0, 1]], dtype=torch.bool)  # relevant at ranks 2 and 4
     metrics = retrieval_metrics(queries, DOCS, relevance, ks=(1, 2))
-    assert metrics["recall@1"] == 0.0
-    assert metrics["recall@2"] == 1.0
+    assert metrics["accuracy@1"] == 0.0
+    assert metrics["accuracy@2"] == 1.0
     assert metrics["mrr"] == pytest.approx(1 / 2)
     ideal = 1 + 1 / math.log2(3)
     assert metrics["ndcg@10"] == pytest.approx((1 / math.log2(3) + 1 / math.log2(5)) / ideal)
@@ -123,19 +125,25 @@ def test_ndcg_ignores_relevant_documents_below_rank_10_and_caps_the_ideal_at_10(
     assert retrieval_metrics(query, docs, relevance)["ndcg@10"] == pytest.approx(1.0)
 
 
-def test_ties_count_against_the_model_so_collapsed_embeddings_score_low():
+def test_ties_rank_by_document_position_so_collapsed_embeddings_score_as_corpus_order():
     queries, docs = torch.ones(3, 8), torch.ones(5, 8)
-    relevance = torch.eye(3, 5, dtype=torch.bool)
+    relevance = torch.eye(3, 5, dtype=torch.bool)  # query i's document at position i: rank i + 1
     metrics = retrieval_metrics(queries, docs, relevance)
-    assert metrics["recall@1"] == 0.0
-    assert metrics["mrr"] == pytest.approx(1 / 5)
-    assert metrics["ndcg@10"] == pytest.approx(1 / math.log2(6))
+    assert metrics["accuracy@1"] == pytest.approx(1 / 3)
+    assert metrics["mrr"] == pytest.approx((1 + 1 / 2 + 1 / 3) / 3)
+    assert metrics["ndcg@10"] == pytest.approx((1 + 1 / math.log2(3) + 1 / 2) / 3)
+    reversed_relevance = relevance.flip(1)  # query i's document at position 4 - i: rank 5 - i
+    assert retrieval_metrics(queries, docs, reversed_relevance)["mrr"] == pytest.approx((1 / 5 + 1 / 4 + 1 / 3) / 3)
 
 
-def test_nan_embeddings_rank_relevant_documents_last():
-    queries = torch.full((2, 4), float("nan"))
-    metrics = retrieval_metrics(queries, DOCS, torch.eye(2, 4, dtype=torch.bool))
-    assert metrics["recall@1"] == 0.0 and metrics["mrr"] == pytest.approx(1 / 4)
+def test_nan_embeddings_rank_last():
+    queries = torch.tensor([[4.0, 3, 2, 1], [1.0, 2, 3, 4]])
+    docs = DOCS.clone()
+    docs[0] = float("nan")  # query 0's document: last (rank 4); query 1's: third after documents 3 and 2
+    metrics = retrieval_metrics(queries, docs, torch.eye(2, 4, dtype=torch.bool))
+    assert metrics["accuracy@1"] == 0.0 and metrics["mrr"] == pytest.approx((1 / 4 + 1 / 3) / 2)
+    nan_queries = torch.full((2, 4), float("nan"))  # every score NaN: corpus order
+    assert retrieval_metrics(nan_queries, DOCS, torch.eye(2, 4, dtype=torch.bool))["mrr"] == pytest.approx(3 / 4)
 
 
 def test_queries_without_relevant_documents_are_left_out_of_the_average():
@@ -182,15 +190,15 @@ def test_evaluate_retrieval_dedupes_positives_and_scores_both_directions():
     # Document rankings over queries: A: a b c (relevant a, c), B: c b a (relevant b).
     metrics = evaluate_retrieval(adapter, [_ex("a", "A"), _ex("b", "B"), _ex("c", "A")])
     assert metrics["num_queries"] == 3 and metrics["num_documents"] == 2
-    assert metrics["q2d/recall@1"] == pytest.approx(1 / 3)
-    assert metrics["q2d/recall@5"] == 1.0
+    assert metrics["q2d/accuracy@1"] == pytest.approx(1 / 3)
+    assert metrics["q2d/accuracy@5"] == 1.0
     assert metrics["q2d/mrr"] == pytest.approx((1 + 1 / 2 + 1 / 2) / 3)
     assert metrics["q2d/ndcg@10"] == pytest.approx((1 + 2 / math.log2(3)) / 3)
-    assert metrics["d2q/recall@1"] == pytest.approx(1 / 2)
+    assert metrics["d2q/accuracy@1"] == pytest.approx(1 / 2)
     assert metrics["d2q/mrr"] == pytest.approx((1 + 1 / 2) / 2)
     ndcg_a = (1 + 1 / math.log2(4)) / (1 + 1 / math.log2(3))
     assert metrics["d2q/ndcg@10"] == pytest.approx((ndcg_a + 1 / math.log2(3)) / 2)
-    expected_keys = {f"{d}/{m}" for d in ("q2d", "d2q") for m in ("recall@1", "recall@5", "recall@10", "mrr",
+    expected_keys = {f"{d}/{m}" for d in ("q2d", "d2q") for m in ("accuracy@1", "accuracy@5", "accuracy@10", "mrr",
                                                                   "ndcg@10")}
     assert set(metrics) == expected_keys | {"num_queries", "num_documents"}
 
@@ -202,13 +210,13 @@ def test_labels_make_every_document_of_the_label_relevant():
     examples = [_ex("a", "A", "x"), _ex("b", "B", "x"), _ex("c", "C", "y"), _ex("a", "A", "x")]
     metrics = evaluate_retrieval(adapter, examples)
     assert metrics["num_queries"] == 4 and metrics["num_documents"] == 3
-    assert metrics["q2d/recall@1"] == pytest.approx(2 / 4)
+    assert metrics["q2d/accuracy@1"] == pytest.approx(2 / 4)
     assert metrics["q2d/mrr"] == pytest.approx((1 + 1 / 2 + 1 / 2 + 1) / 4)
     ideal_two = 1 + 1 / math.log2(3)
     ndcg = [(1 + 1 / math.log2(4)) / ideal_two, (1 / math.log2(3) + 1 / math.log2(4)) / ideal_two, 1 / math.log2(3)]
     assert metrics["q2d/ndcg@10"] == pytest.approx((2 * ndcg[0] + ndcg[1] + ndcg[2]) / 4)
     # Document rankings over queries a, b, c, a: A: a a b c (1), B: c b a a (2), C: b a a c (4: the copies of a tie).
-    assert metrics["d2q/recall@1"] == pytest.approx(1 / 3)
+    assert metrics["d2q/accuracy@1"] == pytest.approx(1 / 3)
     assert metrics["d2q/mrr"] == pytest.approx((1 + 1 / 2 + 1 / 4) / 3)
 
 
@@ -232,7 +240,7 @@ def test_mrl_dims_add_truncated_renormalised_metrics():
     for d in (2, 4):
         assert {k for k in metrics if f"/dim{d}/" in k} == {
             f"{direction}/dim{d}/{m}" for direction in ("q2d", "d2q")
-            for m in ("recall@1", "recall@5", "recall@10", "mrr", "ndcg@10")
+            for m in ("accuracy@1", "accuracy@5", "accuracy@10", "mrr", "ndcg@10")
         }
     queries = torch.tensor([table[f"q{i}"] for i in range(6)])[:, :2]
     docs = torch.tensor([table[f"d{i}"] for i in range(6)])[:, :2]
@@ -361,3 +369,12 @@ def test_real_clip_on_captions_and_image_files_matches_scoring_by_hand(tiny_clip
     predicted = [names[int(i)] for i in (images @ prompt_emb.T).argmax(dim=1)]
     expected = sum(p == ex.label for p, ex in zip(predicted, examples)) / len(examples)
     assert zero_shot_accuracy(adapter, examples, prompts) == pytest.approx(expected)
+
+
+def test_old_hit_rate_names_map_to_accuracy_and_nothing_else_is_renamed():
+    assert renamed_metric("q2d/recall@1") == "q2d/accuracy@1"
+    assert renamed_metric("d2q/dim64/recall@10") == "d2q/dim64/accuracy@10"
+    assert renamed_metric("digits/q2d/dim8/recall@5") == "digits/q2d/dim8/accuracy@5"
+    for current in ("q2d/accuracy@1", "corpus/recall@10", "beir/corpus/recall@1", "reranked/recall@10", "q2d/mrr",
+                    "a/b/q2d/recall@1", "q2d/recall@k"):
+        assert renamed_metric(current) is None, current

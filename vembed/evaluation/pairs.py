@@ -1,12 +1,15 @@
-"""Retrieval metrics (recall@k, MRR, nDCG@10) of an adapter on a list of examples, in both directions.
+"""Pair evaluation: retrieval metrics (accuracy@k, MRR, nDCG@10) of an adapter on a split of (query, positive)
+examples, in both directions, and zero-shot classification accuracy. A corpus folder with qrels is evaluated by
+corpus.py; searching a corpus with a trained model is vembed.retrieval's job.
 
 The corpus is the set of unique positives; relevance comes from labels when the examples carry them, otherwise from
-each query's own positive. Scores are computed in chunks of queries so a large corpus never needs a full score matrix.
+each query's own positive. Scores are computed in chunks of queries so a large corpus never needs a full score matrix
+(`vembed.retrieval.scoring`, which also orders equal scores).
 """
 
 from __future__ import annotations
 
-import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -16,6 +19,7 @@ import torch.nn.functional as F
 
 from vembed.errors import DataError
 from vembed.models.encoding import encode_sides, unwrapped
+from vembed.retrieval.scoring import block_top_k, embeddings_for_scoring, first_ranks, query_chunks
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -24,7 +28,6 @@ if TYPE_CHECKING:
     from vembed.models.base import EmbeddingAdapter
 
 NDCG_K = 10
-SCORE_CHUNK_ELEMENTS = 1 << 25  # query-chunk x corpus scores held at once (128 MiB of float32)
 
 
 # --- relevance -----------------------------------------------------------------------------------------------------
@@ -87,42 +90,30 @@ def retrieval_metrics(
         doc_emb: `(n_documents, dim)`.
         relevance: a boolean `(n_queries, n_documents)` matrix (tensor, array or nested lists), or a
             `GroupRelevance`.
-        ks: cut-offs for recall.
+        ks: cut-offs for accuracy.
         chunk_size: queries scored at once (default: as many as fit in ~128 MiB of scores).
 
-    Returns `{"recall@k": ..., "mrr": ..., "ndcg@10": ...}`, averaged over queries that have at least one relevant
+    Returns `{"accuracy@k": ..., "mrr": ..., "ndcg@10": ...}`, averaged over queries that have at least one relevant
     document (queries with none are left out, as in trec_eval):
-    - recall@k: the share of queries with at least one relevant document in the top k (the usual definition for
-      text-image retrieval; not the share of all relevant documents retrieved).
+    - accuracy@k: the share of queries with at least one relevant document in the top k (sentence-transformers'
+      InformationRetrievalEvaluator's name; often called recall@k in text-image papers, but it is not trec_eval's
+      recall, the share of the relevant documents retrieved, which the corpus evaluation reports as recall@k).
     - mrr: mean reciprocal rank of the first relevant document, over the full ranking (no cut-off).
     - ndcg@10: binary gains `1 / log2(rank + 1)` of relevant documents in the top 10, divided by the ideal DCG of
       `min(n_relevant, 10)` relevant documents at the top.
 
-    Ties count against the model: a non-relevant document scoring the same as a relevant one ranks before it, so a
-    collapsed model (all embeddings equal) scores near zero rather than perfectly. Non-finite scores rank last.
+    Ties are broken as everywhere in vembed (`vembed.retrieval.scoring`): equal scores by document position, lowest
+    first; non-finite scores (NaN embeddings) rank last.
     """
-    if query_emb.ndim != 2 or doc_emb.ndim != 2 or query_emb.shape[1] != doc_emb.shape[1]:
-        shapes = f"{tuple(query_emb.shape)} and {tuple(doc_emb.shape)}"
-        raise ValueError(f"embeddings must be (n, dim) with the same dim, got {shapes}")
-    n_q, n_d = len(query_emb), len(doc_emb)
-    rel = _as_relevance(relevance, (n_q, n_d))
-    device = query_emb.device
-    queries = F.normalize(query_emb.float(), dim=-1)
-    docs = F.normalize(doc_emb.float().to(device), dim=-1)
-    chunk = chunk_size or max(1, SCORE_CHUNK_ELEMENTS // max(n_d, 1))
+    queries, docs = embeddings_for_scoring(query_emb, doc_emb)
+    n_d = len(docs)
+    rel = _as_relevance(relevance, (len(queries), n_d))
+    device = queries.device
     top = min(NDCG_K, n_d)
-    discounts = 1.0 / torch.log2(torch.arange(2, NDCG_K + 2, device=device, dtype=torch.float64))
-
-    # Finite embeddings give finite cosines; otherwise NaN scores become -inf so that they rank last.
-    finite = bool(torch.isfinite(queries).all() and torch.isfinite(docs).all())
-    order = torch.arange(top, device=device)
-    ideal_by_count = torch.cumsum(discounts, 0)  # ideal DCG of 1..10 relevant documents
-    first_ranks, ndcgs = [], []
-    for start in range(0, n_q, chunk):
-        stop = min(start + chunk, n_q)
-        scores = queries[start:stop] @ docs.T
-        if not finite:
-            scores = torch.nan_to_num(scores, nan=-math.inf)
+    discounts = 1.0 / torch.log2(torch.arange(2, top + 2, device=device, dtype=torch.float64))
+    ideal_by_count = torch.cumsum(discounts, 0)  # ideal DCG of 1..top relevant documents
+    firsts, ndcgs = [], []
+    for start, stop, scores in query_chunks(queries, docs, chunk_size=chunk_size):
         is_rel = _relevance_block(rel, start, stop, device)
         n_rel = is_rel.sum(dim=1)
         keep = n_rel > 0
@@ -130,28 +121,16 @@ def retrieval_metrics(
             scores, is_rel, n_rel = scores[keep], is_rel[keep], n_rel[keep]
         if not len(n_rel):
             continue
-        top_rel = scores.masked_fill(~is_rel, -math.inf).topk(top, dim=1).values  # (c, top), descending
-        non_rel = scores.masked_fill(is_rel, -math.inf)
-        del scores
-        # Rank of the first relevant document: 1 + non-relevant documents scoring at least as high (ties pessimistic;
-        # a relevant score of -inf ranks after every non-relevant document).
-        best_rel = top_rel[:, 0]
-        ahead = (non_rel >= best_rel[:, None]).sum(dim=1, dtype=torch.int32)
-        first_ranks.append(1 + torch.where(best_rel > -math.inf, ahead, n_d - n_rel))
+        firsts.append(first_ranks(scores, is_rel))
+        # nDCG@10: binary gains of the top 10 in the same order.
+        found = block_top_k(scores, top)
+        gains = (is_rel.gather(1, found.indices) * discounts).sum(dim=1)
+        ndcgs.append(gains / ideal_by_count[n_rel.clamp(max=top) - 1])
 
-        # nDCG@10: the r-th best relevant document (r = 0..9) ranks at 1 + r + (non-relevant scoring >= it). Only
-        # ranks <= 10 matter, so comparing against the 10 best non-relevant scores is enough (the count is capped).
-        top_non = non_rel.topk(top, dim=1).values  # -inf where fewer than `top` non-relevant documents exist
-        beaten = (top_non[:, None, :] >= top_rel[:, :, None]) & (top_non[:, None, :] > -math.inf)
-        ranks = 1 + order[None, :] + beaten.sum(dim=-1)  # (c, top)
-        valid = (order[None, :] < n_rel[:, None]) & (ranks <= NDCG_K)
-        gains = discounts[(ranks - 1).clamp(max=NDCG_K - 1)] * valid
-        ndcgs.append(gains.sum(dim=1) / ideal_by_count[n_rel.clamp(max=NDCG_K) - 1])
-
-    if not first_ranks:
+    if not firsts:
         raise ValueError("no query has a relevant document; check the relevance matrix")
-    ranks_all = torch.cat(first_ranks).double()
-    metrics = {f"recall@{k}": (ranks_all <= k).double().mean().item() for k in ks}
+    ranks_all = torch.cat(firsts).double()
+    metrics = {f"accuracy@{k}": (ranks_all <= k).double().mean().item() for k in ks}
     metrics["mrr"] = (1.0 / ranks_all).mean().item()
     metrics[f"ndcg@{NDCG_K}"] = torch.cat(ndcgs).mean().item()
     return metrics
@@ -194,9 +173,20 @@ def _corpus_and_relevance(examples: Sequence["Example"]) -> tuple[list["Side"], 
 def retrieval_metric_names(mrl_dims: Sequence[int] | None = None, ks: Sequence[int] = (1, 5, 10)) -> list[str]:
     """The metric keys `evaluate_retrieval` returns (without the counts), for checking a recipe's
     metric_for_best_model before training."""
-    names = [f"recall@{k}" for k in ks] + ["mrr", f"ndcg@{NDCG_K}"]
+    names = [f"accuracy@{k}" for k in ks] + ["mrr", f"ndcg@{NDCG_K}"]
     return [f"{direction}/{prefix}{name}" for prefix in [""] + [f"dim{d}/" for d in mrl_dims or ()]
             for direction in ("q2d", "d2q") for name in names]
+
+
+# The hit rate was named recall@k before issue 23; a recipe naming it so still means it.
+_OLD_HIT_RATE = re.compile(r"^((?:[^/]+/)?(?:q2d|d2q)/(?:dim\d+/)?)recall@(\d+)$")
+
+
+def renamed_metric(name: str) -> str | None:
+    """The current name of a pair-evaluation metric named by its old name (`q2d/recall@1` -> `q2d/accuracy@1`, with
+    any source prefix and Matryoshka size), or None when `name` is not an old name."""
+    found = _OLD_HIT_RATE.match(name)
+    return f"{found[1]}accuracy@{found[2]}" if found else None
 
 
 def evaluate_retrieval(
@@ -211,7 +201,7 @@ def evaluate_retrieval(
 ) -> dict[str, float]:
     """Encode the queries and the unique positives of `examples` and score retrieval both ways.
 
-    Keys: `q2d/recall@1`, `q2d/recall@5`, `q2d/recall@10`, `q2d/mrr`, `q2d/ndcg@10` (queries retrieve documents),
+    Keys: `q2d/accuracy@1`, `q2d/accuracy@5`, `q2d/accuracy@10`, `q2d/mrr`, `q2d/ndcg@10` (queries retrieve documents),
     the same under `d2q/` (documents retrieve queries), the same again under `q2d/dim{d}/` and `d2q/dim{d}/` for each
     Matryoshka dimension in `mrl_dims` (embeddings truncated to `d`, then renormalised), and `num_queries`,
     `num_documents`. With an `accelerator`, encoding is sharded across processes and every process returns the same
