@@ -2,8 +2,11 @@
 run on this venv's sentence-transformers 6 / transformers 5.2x). `run_pylate` starts this file in a child process
 with that stack in front of the venv's packages; the child imports PyLate only, never vembed.
 
-    encode: load `pylate.models.ColBERT(model)`, encode queries and documents as PyLate does, and save (torch.save)
-            their token vectors and MaxSim scores (`pylate.scores.colbert_scores`).
+A job is a JSON object whose keys name the steps to run, in the order of `COMMANDS`:
+
+    encode:  load `pylate.models.ColBERT(model)`, encode queries and documents as PyLate does, and save (torch.save)
+             their token vectors and MaxSim scores (`pylate.scores.colbert_scores`);
+    snippet: run Python code (a model card's PyLate example) and save the `scores` it leaves.
 """
 
 from __future__ import annotations
@@ -23,15 +26,15 @@ def pylate_available() -> bool:
     return (STACK / "pylate").is_dir()
 
 
-def run_pylate(command: str, job: dict[str, Any], work: Path, timeout: float = 600) -> None:
-    """Run `command` on `job` (written to `work/job.json`) in a child process on PyLate's stack."""
+def run_pylate(job: dict[str, Any], work: Path, timeout: float = 600) -> None:
+    """Run `job` (written to `work/job.json`) in one child process on PyLate's stack."""
     work.mkdir(parents=True, exist_ok=True)
     (work / "job.json").write_text(json.dumps(job))
     env = {**os.environ, "PYTHONPATH": str(STACK), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run([sys.executable, __file__, command, str(work / "job.json")], env=env, timeout=timeout,
+    done = subprocess.run([sys.executable, __file__, str(work / "job.json")], env=env, timeout=timeout,
                           capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"PyLate {command} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+        raise RuntimeError(f"PyLate job {sorted(job)} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
 
 
 def encode(job: dict[str, Any]) -> None:
@@ -54,7 +57,18 @@ def encode(job: dict[str, Any]) -> None:
                     "scores": scored.float(), "pylate": pylate.__version__}, out)
 
 
-COMMANDS = {"encode": encode}
+def snippet(job: dict[str, Any]) -> None:
+    import torch
+
+    namespace: dict[str, Any] = {}
+    exec(job["code"], namespace)
+    torch.save(torch.as_tensor(namespace["scores"]), job["out"])
+
+
+COMMANDS = {"encode": encode, "snippet": snippet}
 
 if __name__ == "__main__":
-    COMMANDS[sys.argv[1]](json.loads(Path(sys.argv[2]).read_text()))
+    steps = json.loads(Path(sys.argv[1]).read_text())
+    for name, step in COMMANDS.items():
+        if name in steps:
+            step(steps[name])

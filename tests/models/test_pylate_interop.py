@@ -114,10 +114,21 @@ def test_sentence_transformers_multi_vector_encoder_gives_vembeds_vectors(colber
 @pytest.mark.slow  # a child process on PyLate's stack
 @pytest.mark.skipif(not pylate_available(), reason="PyLate's stack is not installed (bash scripts/setup.sh dev)")
 def test_pylate_loads_the_folder_and_gives_vembeds_token_vectors_and_scores(colbert_dirs, tmp_path):
+    """Also: the model card's PyLate example runs and scores as vembed does."""
+    from vembed.model_card import EXAMPLE_TEXTS, code_blocks, folder_card, render_card
+
     outs = {name: tmp_path / f"{name}.pt" for name in colbert_dirs}
-    run_pylate("encode", {"models": [[str(colbert_dirs[name]), str(outs[name])] for name in colbert_dirs],
-                          "queries": QUERIES, "documents": DOCUMENTS}, tmp_path / "job", timeout=300)
+    folder = colbert_dirs["defaults"]
+    card = render_card(folder_card(folder), load_path=str(folder))
+    example = next(block for block in code_blocks(card) if "pylate" in block)
+    run_pylate({"encode": {"models": [[str(colbert_dirs[name]), str(outs[name])] for name in colbert_dirs],
+                           "queries": QUERIES, "documents": DOCUMENTS},
+                "snippet": {"code": example, "out": str(tmp_path / "card.pt")}}, tmp_path / "job", timeout=300)
     for name, out in outs.items():
         theirs = torch.load(out)
         assert len(theirs["queries"][0]) == 10 and theirs["pylate"]  # expanded to query_length
         _assert_same(theirs["queries"], theirs["documents"], theirs["scores"], colbert_dirs[name])
+    model = vembed.load(str(folder), device="cpu")
+    expected = model.score(model.encode_token_vectors(EXAMPLE_TEXTS[:1], role="query"),
+                           model.encode_token_vectors(EXAMPLE_TEXTS, role="document"))
+    torch.testing.assert_close(torch.load(tmp_path / "card.pt").float(), expected, atol=1e-5, rtol=0)
