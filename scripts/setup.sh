@@ -16,6 +16,21 @@ if [ ! -x .venv/bin/python ]; then
 fi
 venv_python=.venv/bin/python
 
+# PyLate, for the ColBERT interop test and bench/colbert_vs_pylate.py (dev and bench extras only). Its latest release
+# (1.6.0) pins sentence-transformers==5.3.0 and transformers<=5.3.0 and does not run on the 6.x/5.2x in this venv
+# (ColBERT() crashes in sentence-transformers 6's module loading, and its encode calls the removed _text_length), so
+# it cannot be an extra: it goes with its own pinned stack into a folder of its own (--no-deps: pip would otherwise
+# replace the venv's packages), put in front of the venv's packages only by the processes that run PyLate
+# (PYTHONPATH=.venv/pylate-stack); torch, numpy, scipy and the rest come from the venv.
+pylate_stack=.venv/pylate-stack
+if [[ " dev bench " == *" $extras "* ]] && [ ! -f "$pylate_stack/.complete" ]; then
+  echo "installing PyLate and its pinned stack into $pylate_stack ..." >&2
+  rm -rf "$pylate_stack"
+  "$venv_python" -m pip install -q --no-deps --target "$pylate_stack" pylate==1.6.0 sentence-transformers==5.3.0 \
+    transformers==5.3.0 tokenizers==0.22.2 huggingface-hub==1.33.0
+  touch "$pylate_stack/.complete"
+fi
+
 # Reinstall only when the package metadata changed (hashlib: sha1sum is not on every OS).
 digest=$("$venv_python" -c "import hashlib; print(hashlib.sha1(open('setup.cfg','rb').read() + open('pyproject.toml','rb').read()).hexdigest()[:12])")
 stamp=".venv/.vembed-$extras-$digest"

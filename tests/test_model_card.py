@@ -270,3 +270,21 @@ def test_adapters_without_a_transformers_equivalent_say_so(model_type):
     assert f"Not without vembed: a `{model_type}` model's embedding is computed by vembed's adapter" in card
     assert "`vembed export` refuses it" in card and "SentenceTransformer(" not in card
     assert len(code_blocks(card)) == 1  # vembed.load only
+
+
+def test_multi_vector_card_states_what_the_scores_depend_on_and_how_pylate_loads_it():
+    import yaml
+
+    settings = {"embedding": "multi_vector", "multi_vector_dim": 128, "query_prefix": "[Q] ", "document_prefix": "",
+                "query_length": 32, "max_length": 180, "skip_punctuation": False, "normalize": True}
+    card = render_card({"model": {"model_type": "text", "embedding_dim": 128, "settings": settings}}, load_path="m")
+    assert {"ColBERT", "PyLate"} <= set(yaml.safe_load(card.split("---\n")[1])["tags"])
+    assert "Token vectors (ColBERT late interaction) of 128 dimensions, L2-normalised" in card
+    rows = dict(_table(card, "Late interaction"))
+    assert rows["token vector size"] == "128" and rows["score"].startswith("MaxSim")
+    assert rows["query prefix"] == "`'[Q] '` (one token)" and rows["document prefix"] == "none"
+    assert rows["query length"].startswith("32 tokens") and rows["document length"] == "at most 180 tokens"
+    assert rows["punctuation skip-list"] == "off"
+    vembed_block, pylate_block = code_blocks(card)
+    assert "encode_token_vectors" in vembed_block and "models.ColBERT('m')" in pylate_block
+    assert "MultiVectorEncoder('m')" in card and "SentenceTransformer(" not in card

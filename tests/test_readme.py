@@ -116,3 +116,14 @@ def test_the_layout_names_every_module():
         if not named:
             missing.append(str(relative))
     assert not missing, f"README's Layout does not name: {', '.join(missing)}"
+
+
+def test_the_readmes_colbert_example_runs_offline(tmp_path, monkeypatch):
+    """The late-interaction example builds a tiny ColBERT, loads it and scores (1 query x 2 documents)."""
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+    example = next(block for block in blocks if "encode_token_vectors" in block)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(example, namespace)
+    assert namespace["queries"].shape == (1, 32, 128) and namespace["scores"].shape == (1, 2)
+    assert (tmp_path / "runs" / "colbert_tiny" / "final" / "config_sentence_transformers.json").is_file()  # PyLate's

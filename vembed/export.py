@@ -72,8 +72,9 @@ def export_sentence_transformers(
             f"model_type {model_type!r} cannot be exported to sentence-transformers; exportable model types: {names}"
         )
     if info.get("settings", {}).get("embedding") == "multi_vector":
-        raise ExportError(f"{str(model_dir)!r} is a multi_vector (ColBERT) model: its token vectors have no "
-                          "sentence-transformers equivalent; load it with vembed.load(...).encode_token_vectors")
+        raise ExportError(f"{str(model_dir)!r} is a multi_vector (ColBERT) model: it needs no export, the folder "
+                          "itself loads in PyLate (pylate.models.ColBERT(path)) and in sentence-transformers >= 6 "
+                          "(MultiVectorEncoder(path)); with vembed: vembed.load(path).encode_token_vectors")
     if out_dir.resolve() == model_dir.resolve():
         raise ExportError(f"the output folder must differ from the model folder {str(model_dir)!r}")
     if out_dir.exists() and not out_dir.is_dir():

@@ -141,6 +141,7 @@ def render_card(card: Mapping[str, Any], *, flavour: Flavour = "vembed", load_pa
         _front_matter(card, flavour),
         _title(card, flavour, source_path),
         _base_section(model, recorded="recipe" in card),
+        _late_interaction_section(model),
         _data_section(card.get("data")),
         _launch_section(card.get("launch")),
         _training_section(card.get("training"), card.get("recipe")),
@@ -180,6 +181,8 @@ def _front_matter(card: Mapping[str, Any], flavour: Flavour) -> str:
     model_type = model.get("model_type")
     modalities = _modalities(model_type)
     tags = ["vembed", str(model_type), "feature-extraction"]
+    if _multi_vector(model):
+        tags += ["ColBERT", "PyLate"]  # what the Hub lists late-interaction models under; final/ loads in PyLate
     if flavour == "sentence-transformers" or _exportable(model):
         tags.insert(1, "sentence-transformers")
     if modalities == {"text"}:
@@ -213,6 +216,8 @@ def _title(card: Mapping[str, Any], flavour: Flavour, source_path: str | None) -
     normalized = {True: ", L2-normalised", False: ", not normalised"}.get(
         (model.get("settings") or {}).get("normalize"), "")
     what = f"Embeddings of {dim} dimensions{normalized}" if dim else "A model"
+    if _multi_vector(model):
+        what = f"Token vectors (ColBERT late interaction) of {dim} dimensions{normalized}"
     modalities = " and ".join(sorted(_modalities(model.get("model_type")))) or "its inputs"
     training = card.get("training") or {}
     if training.get("steps") is not None:
@@ -246,6 +251,35 @@ def _base_section(model: Mapping[str, Any], recorded: bool) -> str:
         lines.append("- weights: random init from the recipe's sizes (below)" if recorded else
                      "- weights: where they came from is not recorded in this folder")
     return "\n".join(lines)
+
+
+def _late_interaction_section(model: Mapping[str, Any]) -> str:
+    """What a multi-vector model's scores depend on besides its weights (`vembed/models/text.py`'s ColBERT)."""
+    if not _multi_vector(model):
+        return ""
+    settings = model.get("settings") or {}
+    skip = settings.get("skip_punctuation")
+    rows = [
+        ["token vector size", model.get("embedding_dim")],
+        ["score", "MaxSim: the sum over query tokens of the best dot product with any document token"],
+        *([f"{role} prefix", f"`{prefix!r}` (one token)" if prefix else "none"]
+          for role, prefix in (("query", settings.get("query_prefix")), ("document", settings.get("document_prefix")))),
+        ["query length", f"{settings.get('query_length')} tokens: longer queries truncated, shorter ones expanded "
+                         "with the mask token (attended, scored)"],
+        ["document length", f"at most {settings.get('max_length')} tokens"],
+        ["punctuation skip-list", "documents' punctuation tokens give no vector" if skip else "off"],
+    ]
+    return "## Late interaction\n\n" + _table(["setting", "value"], rows)
+
+
+def _pylate_lines(path: str) -> list[str]:
+    """Loading the folder in PyLate (vembed writes its files: `vembed/models/pylate_folder.py`)."""
+    return ["With PyLate (`pip install pylate`), which reads the prefixes, lengths and skip-list from the folder:", "",
+            "```python", "from pylate import models", "from pylate.scores import colbert_scores",
+            f"model = models.ColBERT({path!r})", f"queries = model.encode({EXAMPLE_TEXTS[:1]!r}, is_query=True)",
+            f"documents = model.encode({EXAMPLE_TEXTS!r}, is_query=False)",
+            "scores = [[float(colbert_scores(q[None], d[None])) for d in documents] for q in queries]  # MaxSim",
+            "```"]
 
 
 def _source_names(card: Mapping[str, Any]) -> list[str]:
@@ -462,6 +496,9 @@ def _load_section(model: Mapping[str, Any], flavour: Flavour, path: str, source_
         lines += ["With sentence-transformers: export it first (the export embeds as vembed does, checked on "
                   "probe inputs), then load the export:", "", "```bash", f"vembed export {path} --out {export}",
                   "```", "", *_sentence_transformers_lines(export, images), "", *_mteb_lines(export, images)]
+    elif _multi_vector(model):
+        lines += [*_pylate_lines(path), "", "sentence-transformers >= 6 reads the same folder: "
+                  f"`MultiVectorEncoder({path!r})`."]
     else:
         lines.append(f"sentence-transformers: a `{model_type}` model has no sentence-transformers equivalent "
                      "(`vembed export` refuses it); evaluate it with `vembed eval`.")

@@ -101,3 +101,16 @@ def test_only_smoke_runs_leave_bench_results(tmp_path, monkeypatch):
     assert smoke.parent == tmp_path and smoke != output_dir(None, smoke=True)
     assert output_dir(str(tmp_path / "mine"), smoke=True) == tmp_path / "mine"
     sys.modules.pop("outputs", None)
+
+
+@pytest.mark.slow  # two training child processes, one on PyLate's stack
+def test_colbert_vs_pylate_smoke_trains_the_same_losses_in_both_tools(smoke_dir):
+    bench = _load("colbert_vs_pylate")
+    if not bench.pylate_available():
+        pytest.skip("PyLate's stack is not installed (bash scripts/setup.sh dev)")
+    assert bench.main(["--smoke"]) == 0
+    summary = json.loads(_written(smoke_dir, "colbert_vs_pylate.json").read_text())
+    assert summary["steps"] == 4 and len(summary["runs"]["pylate"]["losses"]) == 4
+    # the same start, batches, loss and optimizer: the same curve, with or without length chunks
+    assert max(summary["max_loss_difference"].values()) < 1e-5
+    assert _written(smoke_dir, "colbert_vs_pylate.png").stat().st_size > 0

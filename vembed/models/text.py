@@ -5,12 +5,11 @@ ColBERT, as PyLate and the ColBERT papers build it: a query is `query_prefix + t
 tokens with the tokenizer's mask token, every position attended and kept (query expansion); a document is
 `document_prefix + text` (each prefix one token added to the vocabulary), its punctuation tokens dropped
 (`skip_punctuation`); every last hidden state goes through a bias-free Linear to `multi_vector_dim` and is
-L2-normalised. The output follows `vembed.models.token_vectors` (zero vectors where there is no token). The projection is saved as sentence-transformers' Dense module (`1_Dense/`), where
-PyLate keeps it too."""
+L2-normalised. The output follows `vembed.models.token_vectors` (zero vectors where there is no token). A saved
+ColBERT is also a PyLate folder (`vembed/models/pylate_folder.py`): `pylate.models.ColBERT(path)` loads it."""
 
 from __future__ import annotations
 
-import json
 import string
 from dataclasses import replace
 from collections.abc import Sequence
@@ -30,6 +29,7 @@ from vembed.models.batch import forward_argument_names, make_batch
 from vembed.models.hf import freeze_unused_pooler, resolve_max_length
 from vembed.models.lora import ATTENTION_PROJECTIONS
 from vembed.models.pooling import pool
+from vembed.models.pylate_folder import PROJECTION_FOLDER, read_projection, write_pylate_files
 from vembed.recipe import InvalidKey
 
 if TYPE_CHECKING:
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 # Which tokens of a preprocessed batch become token vectors (multi_vector): all of an expanded query, a document's
 # attended tokens but its punctuation. Sliced and trimmed with the other (n, T) token keys; never fed to the model.
 VECTOR_MASK = "token_vector_mask"
-PROJECTION_FOLDER = "1_Dense"  # sentence-transformers' Dense module of a saved multi_vector model (PyLate's layout)
 
 
 class TextSettings(PretrainedSettings):
@@ -94,7 +93,8 @@ class TextAdapter(TransformersAdapter):
             # New weights on the model's device (meta when planned); a saved or PyLate folder's are read by the caller.
             self.projection = nn.Linear(model.config.hidden_size, settings.multi_vector_dim, bias=False,
                                         device=next(model.parameters()).device)
-            self._skipped = _punctuation_ids(tokenizer) if tokenizer is not None and settings.skip_punctuation else []
+            self._skipped = ([tokenizer.convert_tokens_to_ids(t) for t in punctuation_tokens(tokenizer)]
+                             if tokenizer is not None and settings.skip_punctuation else [])
             if tokenizer is not None and tokenizer.mask_token_id is None:
                 raise RecipeError("embedding", "multi_vector expands queries with the tokenizer's mask token, and "
                                                "this tokenizer has none; use one with a mask token (BERT-style)")
@@ -140,15 +140,8 @@ class TextAdapter(TransformersAdapter):
     def save(self, path: str | Path) -> None:
         super().save(path)
         if self.settings.multi_vector:
-            from safetensors.torch import save_file
-
-            folder = Path(path, PROJECTION_FOLDER)
-            folder.mkdir(parents=True, exist_ok=True)
-            weight = self.projection.weight.detach().float().cpu().contiguous()
-            save_file({"linear.weight": weight}, str(folder / "model.safetensors"))
-            config = {"in_features": weight.shape[1], "out_features": weight.shape[0], "bias": False,
-                      "activation_function": "torch.nn.modules.linear.Identity"}
-            (folder / "config.json").write_text(json.dumps(config, indent=2))
+            skipped = punctuation_tokens(self.tokenizer) if self.settings.skip_punctuation else []
+            write_pylate_files(path, self.settings, self.projection.weight, skipped)
 
     def _add_prefix_tokens(self) -> None:
         """The query and document prefixes as one new token each (as PyLate adds them), so that a prefix is one
@@ -161,13 +154,13 @@ class TextAdapter(TransformersAdapter):
 
     def load_projection(self, path: str | Path) -> None:
         """The token projection saved in `path/1_Dense` (sentence-transformers' Dense layout)."""
-        from safetensors.torch import load_file
-
-        file = Path(path, PROJECTION_FOLDER, "model.safetensors")
-        if not file.is_file():
-            raise RecipeError("model", f"{str(path)!r} holds a multi_vector model without its projection ({file})")
-        weight = load_file(str(file))["linear.weight"]
+        try:
+            weight = read_projection(path)
+        except FileNotFoundError as missing:
+            raise RecipeError("model", f"{str(path)!r} holds a multi_vector model without its projection "
+                                       f"({missing})") from None
         if tuple(weight.shape) != tuple(self.projection.weight.shape):
+            file = Path(path, PROJECTION_FOLDER)
             raise RecipeError("multi_vector_dim", f"{file} projects {weight.shape[1]} -> {weight.shape[0]}, but this "
                                                   f"model needs {self.projection.in_features} -> "
                                                   f"{self.projection.out_features}; set multi_vector_dim: "
@@ -255,7 +248,8 @@ class TextAdapter(TransformersAdapter):
         return F.normalize(embeddings, dim=-1) if self.settings.normalize else embeddings
 
 
-def _punctuation_ids(tokenizer: Any) -> list[int]:
-    """Ids of the tokenizer's tokens that are one punctuation character (ColBERT's document skip-list)."""
-    ids = {tokenizer.convert_tokens_to_ids(char) for char in string.punctuation}
-    return sorted(i for i in ids if i is not None and i != tokenizer.unk_token_id)
+def punctuation_tokens(tokenizer: Any) -> list[str]:
+    """The punctuation characters that are tokens of `tokenizer` (ColBERT's document skip-list); the others would
+    map to the unknown token, which is kept."""
+    known = [(char, tokenizer.convert_tokens_to_ids(char)) for char in string.punctuation]
+    return [char for char, token_id in known if token_id is not None and token_id != tokenizer.unk_token_id]
