@@ -36,7 +36,7 @@ def _trec_means(qrels: dict, run: dict, top_k: int) -> dict[str, float]:
     from vembed.evaluation.corpus import rankings_from_run
 
     judged = [q for q, grades in qrels.items() if any(g > 0 for g in grades.values())]
-    measures = {f"ndcg_cut.10", f"recall.1,10,{top_k}", f"map_cut.{top_k}"}
+    measures = {"ndcg_cut.10", f"recall.1,10,{top_k}", f"map_cut.{top_k}"}
     found = pytrec_eval.RelevanceEvaluator(qrels, measures).evaluate(run)
     top10 = {q: {d: run[q][d] for d in ranking[:10]} for q, ranking in rankings_from_run(run).items()}
     mrr = pytrec_eval.RelevanceEvaluator(qrels, {"recip_rank"}).evaluate(top10)
