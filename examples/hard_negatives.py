@@ -26,7 +26,9 @@ Results go to OUT/results.json and OUT/hard_negatives.png.
 The whole two-stage pipeline instead: train the embedder (in-batch) -> `vembed mine` its training queries -> train a
 cross-encoder (configs/reranker_functions.yaml) on lists of the positive and the mined negatives -> `vembed eval
 RERANKER CORPUS --first-stage EMBEDDER --top-k K` on the held-out queries: the embedder's nDCG@10 alone and reranked,
-per seed, and mean ± sd over the seeds, in OUT/pipeline.json.
+per seed, and mean ± sd over the seeds, in OUT/pipeline.json. The reranker's encoder starts from the embedder's
+weights (a new one-logit head): from random weights, lists of near-duplicate siblings alone gave it nothing to start
+from (seed 0, 2 epochs: the listwise loss stayed at ln 4, chance over 4 documents; --reranker-from-scratch).
 """
 
 from __future__ import annotations
@@ -131,8 +133,10 @@ def train(data: Path, tokenizer: Path, output_dir: Path, seed: int, epochs: int,
 
 
 def train_reranker(corpus: Path, mined: Path, tokenizer: Path, output_dir: Path, seed: int, epochs: int,
-                   num_hard_negatives: int) -> Path:
-    """The cross-encoder on the corpus's training queries, each a list of its positive and the mined negatives."""
+                   num_hard_negatives: int, encoder: Path | None) -> Path:
+    """The cross-encoder on the corpus's training queries, each a list of its positive and the mined negatives;
+    its encoder starts from `encoder`'s weights (the embedder: same tokenizer and shape, a new score head), or from
+    random weights when None."""
     from vembed.components import load_recipe
     from vembed.training.loop import Trainer
 
@@ -140,6 +144,8 @@ def train_reranker(corpus: Path, mined: Path, tokenizer: Path, output_dir: Path,
         return output_dir / "final"
     overrides = [f"data.train={corpus}", f"data.hard_negatives={mined}", f"output_dir={output_dir}", f"seed={seed}",
                  f"epochs={epochs}", f"tokenizer_name={tokenizer}", f"data.num_hard_negatives={num_hard_negatives}"]
+    if encoder is not None:  # the embedder's 48 positions bound the pair: query + document fit in 48 tokens here
+        overrides += ["model_config=null", f"model_name={encoder}", f"tokenizer_name={encoder}", "max_length=48"]
     trainer = Trainer(load_recipe(str(RERANKER_RECIPE), overrides))
     try:
         return Path(trainer.run().final_model_dir)
@@ -165,9 +171,11 @@ def pipeline(args: argparse.Namespace, out: Path, data: Path) -> int:
                            "--cache-dir", str(out / f"cache-s{seed}")])
             if code:
                 return code
-        reranker = train_reranker(data, mined, data / "tokenizer", out / f"reranker-s{seed}", seed, args.epochs,
-                                  args.num_negatives)
-        metrics_file = out / f"rerank-s{seed}-top{args.top_k}.json"
+        start = None if args.reranker_from_scratch else embedder
+        name = "reranker-scratch" if start is None else "reranker"
+        reranker = train_reranker(data, mined, data / "tokenizer", out / f"{name}-s{seed}-e{args.reranker_epochs}",
+                                  seed, args.reranker_epochs, args.num_negatives, start)
+        metrics_file = out / f"{reranker.parent.name}-top{args.top_k}.json"
         code = vembed(["eval", str(reranker), str(data), "--split", "test", "--first-stage", str(embedder),
                        "--top-k", str(args.top_k), "--batch-size", "128", "--output", str(metrics_file),
                        "--overwrite"])
@@ -236,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pipeline", action="store_true",
                         help="embedder -> mine -> reranker, and first stage vs reranked instead")
     parser.add_argument("--top-k", type=int, default=20, help="--pipeline: candidates per query the reranker reorders")
+    parser.add_argument("--reranker-epochs", type=int, default=1, help="--pipeline: the reranker's epochs")
+    parser.add_argument("--reranker-from-scratch", action="store_true",
+                        help="--pipeline: a random-init reranker instead of one on the embedder's encoder (measured: "
+                             "it does not learn from these lists; see the docstring)")
     args = parser.parse_args(argv)
 
     from vembed.cli import main as vembed
