@@ -20,6 +20,15 @@ default because every query's judgements here are complete: a document scored ne
 and the top ranks are the model's actual confusions, which the defaults' --range-min 10 skips (measured in
 docs/benchmarks.md: 0.982 vs 0.992 nDCG@10).
 Results go to OUT/results.json and OUT/hard_negatives.png.
+
+    python examples/hard_negatives.py --pipeline [--seeds 0 1 2] [--top-k 20]
+
+The whole two-stage pipeline instead: train the embedder (in-batch) -> `vembed mine` its training queries -> train a
+cross-encoder (configs/reranker_functions.yaml) on lists of the positive and the mined negatives -> `vembed eval
+RERANKER CORPUS --first-stage EMBEDDER --top-k K` on the held-out queries: the embedder's nDCG@10 alone and reranked,
+per seed, and mean ± sd over the seeds, in OUT/pipeline.json. The reranker's encoder starts from the embedder's
+weights (a new one-logit head): from random weights, lists of near-duplicate siblings alone gave it nothing to start
+from (seed 0, 2 epochs: the listwise loss stayed at ln 4, chance over 4 documents; --reranker-from-scratch).
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "configs" / "hard_negatives_functions.yaml"
+RERANKER_RECIPE = ROOT / "configs" / "reranker_functions.yaml"
 
 # (canonical word in documents, paraphrases in queries). Actions and items are matched through shared words or a
 # few synonyms, which random in-batch negatives teach; they are what separates two random documents.
@@ -122,6 +132,75 @@ def train(data: Path, tokenizer: Path, output_dir: Path, seed: int, epochs: int,
         trainer.accelerator.end_training()
 
 
+def train_reranker(corpus: Path, mined: Path, tokenizer: Path, output_dir: Path, seed: int, epochs: int,
+                   num_hard_negatives: int, encoder: Path | None) -> Path:
+    """The cross-encoder on the corpus's training queries, each a list of its positive and the mined negatives;
+    its encoder starts from `encoder`'s weights (the embedder: same tokenizer and shape, a new score head), or from
+    random weights when None."""
+    from vembed.components import load_recipe
+    from vembed.training.loop import Trainer
+
+    if (output_dir / "final").is_dir():
+        return output_dir / "final"
+    overrides = [f"data.train={corpus}", f"data.hard_negatives={mined}", f"output_dir={output_dir}", f"seed={seed}",
+                 f"epochs={epochs}", f"tokenizer_name={tokenizer}", f"data.num_hard_negatives={num_hard_negatives}"]
+    if encoder is not None:  # the embedder's 48 positions bound the pair: query + document fit in 48 tokens here
+        overrides += ["model_config=null", f"model_name={encoder}", f"tokenizer_name={encoder}", "max_length=48"]
+    trainer = Trainer(load_recipe(str(RERANKER_RECIPE), overrides))
+    try:
+        return Path(trainer.run().final_model_dir)
+    finally:
+        trainer.accelerator.end_training()
+
+
+def pipeline(args: argparse.Namespace, out: Path, data: Path) -> int:
+    """Embedder -> mine -> reranker -> first stage vs reranked on the held-out queries, per seed; mean ± sd."""
+    import statistics
+
+    from vembed.cli import main as vembed
+
+    saved = out / "pipeline.json"
+    runs = {r["seed"]: r for r in json.loads(saved.read_text())["seeds"]} if saved.is_file() else {}
+    for seed in args.seeds:
+        started = time.time()
+        embedder = train(data / "train_pairs.jsonl", data / "tokenizer", out / f"inbatch-s{seed}", seed, args.epochs)
+        mined = out / f"mined-s{seed}-0-100-none.jsonl"
+        if not mined.is_file():
+            code = vembed(["mine", str(embedder), str(data), "--out", str(mined), "--range-min", "0", "--range-max",
+                           "100", "--max-score-ratio", "none", "--num-negatives", str(args.num_negatives),
+                           "--cache-dir", str(out / f"cache-s{seed}")])
+            if code:
+                return code
+        start = None if args.reranker_from_scratch else embedder
+        name = "reranker-scratch" if start is None else "reranker"
+        reranker = train_reranker(data, mined, data / "tokenizer", out / f"{name}-s{seed}-e{args.reranker_epochs}",
+                                  seed, args.reranker_epochs, args.num_negatives, start)
+        metrics_file = out / f"{reranker.parent.name}-top{args.top_k}.json"
+        code = vembed(["eval", str(reranker), str(data), "--split", "test", "--first-stage", str(embedder),
+                       "--top-k", str(args.top_k), "--batch-size", "128", "--output", str(metrics_file),
+                       "--overwrite"])
+        if code:
+            return code
+        metrics = json.loads(metrics_file.read_text())
+        runs[seed] = {"seed": seed, **{f"{stage}/{name}": metrics[f"{stage}/{name}"]
+                                       for stage in ("first_stage", "reranked")
+                                       for name in ("ndcg@10", "mrr@10", "recall@1", f"recall@{args.top_k}")},
+                      "seconds": round(time.time() - started)}
+        print(json.dumps(runs[seed]))
+        rows = sorted(runs.values(), key=lambda r: r["seed"])
+        summary = {}
+        for key in ("first_stage/ndcg@10", "reranked/ndcg@10", "first_stage/mrr@10", "reranked/mrr@10"):
+            values = [r[key] for r in rows]
+            summary[key] = {"mean": statistics.mean(values),
+                            "sd": statistics.stdev(values) if len(values) > 1 else 0.0}
+        # after every seed, so a stopped run keeps what it measured
+        saved.write_text(json.dumps({"top_k": args.top_k, "seeds": rows, "summary": summary}, indent=1))
+    for key, value in summary.items():
+        print(f"{key:<22} {value['mean']:.4f} ± {value['sd']:.4f} over {len(rows)} seed(s)")
+    print(f"wrote {saved}")
+    return 0
+
+
 def ndcg_at_10(model_dir: Path, folder: Path, split: str = "test") -> dict[str, float]:
     """nDCG@10 and recall@1 of `split`'s queries over the whole corpus (vembed.evaluation.corpus: trec_eval's
     definitions, exact search)."""
@@ -162,6 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-negatives", type=int, default=3)
     parser.add_argument("--mine", nargs="*", default=["0-100:none"],
                         help="mining settings to compare, RANGE_MIN-RANGE_MAX:MAX_SCORE_RATIO each")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="embedder -> mine -> reranker, and first stage vs reranked instead")
+    parser.add_argument("--top-k", type=int, default=20, help="--pipeline: candidates per query the reranker reorders")
+    parser.add_argument("--reranker-epochs", type=int, default=1, help="--pipeline: the reranker's epochs")
+    parser.add_argument("--reranker-from-scratch", action="store_true",
+                        help="--pipeline: a random-init reranker instead of one on the embedder's encoder (measured: "
+                             "it does not learn from these lists; see the docstring)")
     args = parser.parse_args(argv)
 
     from vembed.cli import main as vembed
@@ -176,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     train_tokenizer(texts * 2, data / "tokenizer", vocab_size=512, max_length=48)
     pairs = pairs_file(data, data / "train_pairs.jsonl")
     print(f"corpus: {sizes}")
+    if args.pipeline:
+        return pipeline(args, out, data)
 
     saved = out / "results.json"
     results = {r["seed"]: r for r in json.loads(saved.read_text())} if saved.is_file() else {}

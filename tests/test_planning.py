@@ -380,6 +380,7 @@ ARCHITECTURES = {
     "openai/clip-vit-base-patch32": "clip_vit_base_patch32.json",
     "google/siglip-base-patch16-224": "siglip_base_patch16_224.json",
     "sentence-transformers/all-MiniLM-L6-v2": "all_minilm_l6_v2.json",
+    "cross-encoder/ms-marco-MiniLM-L6-v2": "cross_encoder_ms_marco_minilm_l6_v2.json",
     "bert-base-uncased": "bert_base_uncased.json",
     "facebook/dinov2-small": "dinov2_small.json",
     "Qwen/Qwen3-VL-Embedding-2B": "qwen3_vl_2b.json",

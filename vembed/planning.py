@@ -38,6 +38,9 @@ Models that are not transformer encoders with an HF config (the BLIP3-o DiT: one
 flow-matching loss) count what autograd keeps themselves (`CountedShape`): fp32 and 16-bit elements per sample, since
 under autocast their residual stream and norms stay fp32; LoRA and GradCache strategies are left out for them when
 they train without (`ModelSize.lora`, `.gradient_cache`), and there is no contrastive loss matrix.
+A cross-encoder reranker routes one role, `pair`: an example is a list of 1 + data.num_hard_negatives (query,
+document) pairs, each read jointly by its one encoder at max_length tokens; it has no embeddings, no batch-wide loss
+and no GradCache, and with `pairs_per_chunk` only one chunk's activations are counted (each chunk is checkpointed).
 
 The total (a steady-state step's peak) is parameters + optimizer state + persistent gradient buffers (DDP buckets,
 DeepSpeed partitions) + max(activations, gradients): gradients are freed by zero_grad(set_to_none=True) and, during
@@ -330,6 +333,15 @@ class ModelSize:
     lora: bool = True  # the model can train with LoRA (else LoRA strategies are not planned)
     gradient_cache: bool = True  # the model can train with GradCache
     checkpointing: bool = True  # the model can train with gradient checkpointing (else its ckpt column repeats acts)
+    # samples encoded per forward chunk, each chunk checkpointed (a reranker's pairs_per_chunk): the activations of
+    # one chunk are alive at a time, not the whole batch's
+    chunk_samples: int | None = None
+
+
+# The roles an example holds 1 + hard negatives of: a contrastive example's documents, a reranker's list of
+# (query, document) pairs (each read jointly by one encoder: `CrossEncoderAdapter.planning_tokens`).
+PAIR_ROLE = "pair"
+LISTED_ROLES = ("document", PAIR_ROLE)
 
 
 def default_routes(encoders: dict[str, EncoderShape]) -> dict[str, dict[str, int]]:
@@ -370,12 +382,14 @@ def measure_model(recipe: "Recipe", with_lora: bool = True) -> ModelSize:
         modality: EncoderShape.from_config(config, modality, adapter.settings.max_length, longest.get(modality))
         for modality, config in adapter.encoder_configs().items()
     }
-    embedding_dim = adapter.embedding_dim
     lora = trainable
     if with_lora:
         adapter.apply_lora(recipe)
         lora = sum(p.numel() for p in adapter.parameters() if p.requires_grad) + loss_parameters
-    return ModelSize(total, trainable, lora, encoders, embedding_dim, routes or default_routes(encoders))
+    if routes and PAIR_ROLE in routes:  # a reranker: pairs read jointly, no embeddings, no batch-wide loss
+        return ModelSize(total, trainable, lora, encoders, 1, routes, contrastive=False, gradient_cache=False,
+                         chunk_samples=getattr(adapter.settings, "pairs_per_chunk", None))
+    return ModelSize(total, trainable, lora, encoders, adapter.embedding_dim, routes or default_routes(encoders))
 
 
 def _counted_model(model, recipe: "Recipe", total: int, trainable: int) -> ModelSize:
@@ -417,8 +431,9 @@ class Workload:
 def workload_for(recipe: "Recipe", model: ModelSize, gpus: int, device: str = "cuda") -> Workload:
     """Each example is one query and 1 + hard negatives documents (or, for a model without sides, one sample),
     routed through the encoders by `model.routes`."""
-    negatives = (recipe.data.num_hard_negatives or 0) if model.contrastive else 0
-    roles = {role: 1 + negatives if role == "document" else 1 for role in model.routes}
+    listed = [role for role in model.routes if role in LISTED_ROLES]
+    negatives = (recipe.data.num_hard_negatives or 0) if listed else 0
+    roles = {role: 1 + negatives if role in listed else 1 for role in model.routes}
     sides = dict.fromkeys(model.encoders, 0)
     for role, count in roles.items():
         for name in model.routes[role]:
@@ -501,7 +516,8 @@ class Estimate:
 def _activations(model: ModelSize, work: Workload, examples: int, checkpointing: bool) -> float:
     return sum(
         dataclasses.replace(model.encoders[name], tokens=tokens).activation_bytes(
-            examples * count, work.element, work.kernels, work.eager_attention, checkpointing
+            min(examples * count, model.chunk_samples or examples * count), work.element, work.kernels,
+            work.eager_attention, checkpointing
         )
         for role, count in work.roles.items()
         for name, tokens in model.routes[role].items()

@@ -2,6 +2,10 @@
 or on a corpus folder (corpus.jsonl, queries.jsonl, qrels/): `vembed eval MODEL_DIR FOLDER --split test` searches every
 judged query against the whole corpus and reports nDCG@10, recall@1/10/100, MAP@100 and MRR@10 (`corpus/...`).
 
+A reranker is judged by what it adds to a first stage: `vembed eval RERANKER_DIR FOLDER --first-stage EMBEDDER_DIR
+--top-k 100` (or `--first-stage run.trec`, a TREC run file) reranks each judged query's top k and prints the
+before/after table of nDCG@10, MRR@10, recall@1/10/k and MAP@k (`first_stage/...`, `reranked/...`).
+
 `--accelerate_config NAME|FILE` (and `--num_processes N`) launch the evaluation on several processes as `vembed train`
 does (vembed/entrypoints/launch.py); under any launcher each process encodes its share of the corpus and rank 0
 prints and writes the metrics, once."""
@@ -37,6 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pool-factor", "--pool_factor", type=int, default=None,
                         help="corpus folder, multi_vector model: pool each document's token vectors about this many "
                              "to one (hierarchical clustering; default: the model's document_pool_factor, 1 = none)")
+    parser.add_argument("--first-stage", "--first_stage", metavar="EMBEDDER_DIR|RUN_FILE",
+                        help="with a reranker as MODEL_DIR: the first stage whose candidates it reorders, an "
+                             "embedding model folder (searched over the corpus) or a TREC run file")
+    parser.add_argument("--top-k", "--top_k", type=int, help="candidates per query the reranker reorders (default "
+                                                             "100); recall is also reported at this k")
     parser.add_argument("--output", help="write the metrics as JSON here")
     parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     parser.add_argument("--trust-remote-code", "--trust_remote_code", action="store_true",
@@ -54,12 +63,14 @@ def run(args: argparse.Namespace) -> int:
     def body() -> int:
         from vembed.errors import RecipeError
 
-        for flag, value in (("--batch-size", args.batch_size), ("--max-samples", args.max_samples)):
+        for flag, value in (("--batch-size", args.batch_size), ("--max-samples", args.max_samples),
+                            ("--top-k", args.top_k)):
             if value is not None and value < 1:
                 raise RecipeError(flag, f"must be at least 1, got {value}")
         if args.output:
             _check_output_file(Path(args.output), args.overwrite)
         corpus = _is_corpus(args)
+        _check_reranking(args, corpus)
         if not corpus and args.split is not None:
             raise RecipeError("--split", f"names a qrels split of a corpus folder; {' '.join(args.data)} is not "
                                          "one (a corpus folder holds corpus.jsonl, queries.jsonl and qrels/)")
@@ -110,9 +121,17 @@ def _evaluate(args: argparse.Namespace, corpus: bool) -> int:
     stop_with_launcher()  # a process `vembed eval` launched never outlives it
     use_threads()
     accelerator = command_accelerator()
-    metrics = _evaluate_corpus(args, accelerator) if corpus else _evaluate_pairs(args, accelerator)
+    if args.first_stage is not None:
+        metrics = _evaluate_reranker(args, accelerator)
+    else:
+        metrics = _evaluate_corpus(args, accelerator) if corpus else _evaluate_pairs(args, accelerator)
     if accelerator.is_main_process:
-        print(json.dumps(metrics, indent=2))
+        if args.first_stage is not None:
+            from vembed.reranking.evaluation import metrics_table
+
+            print(metrics_table(metrics))
+        else:
+            print(json.dumps(metrics, indent=2))
         if args.output:
             from vembed.files import write_json_atomic
 
@@ -142,6 +161,76 @@ def _evaluate_corpus(args: argparse.Namespace, accelerator: "Accelerator") -> di
     split = source.load()
     return evaluate_corpus(adapter.to(accelerator.device), split, batch_size=args.batch_size,
                            max_queries=args.max_samples, show_progress=True, accelerator=accelerator)
+
+
+def _check_reranking(args: argparse.Namespace, corpus: bool) -> None:
+    """A reranker needs a first stage and a corpus folder, and only a reranker takes one; each mix-up is one line
+    naming the flag, before any model or data is read."""
+    from vembed.errors import RecipeError
+    from vembed.reranking import saved_reranker_type
+
+    reranker = saved_reranker_type(args.model_dir)
+    if args.first_stage is None:
+        if reranker:
+            raise RecipeError("--first-stage", f"{args.model_dir} is a {reranker!r} reranker: it reorders a first "
+                                               "stage's candidates; name the embedder (--first-stage EMBEDDER_DIR) or "
+                                               "a TREC run file (--first-stage run.trec)")
+        if args.top_k is not None:
+            raise RecipeError("--top-k", "is the depth a reranker reorders; it applies with --first-stage")
+        return
+    if not reranker:
+        raise RecipeError("model_dir", f"{args.model_dir} is not a reranker saved by vembed, and --first-stage "
+                                       "names the candidates a reranker reorders; give the reranker first "
+                                       "(vembed eval RERANKER_DIR CORPUS --first-stage EMBEDDER_DIR), or drop "
+                                       "--first-stage to evaluate an embedder alone")
+    if not corpus:
+        raise RecipeError("data", f"{' '.join(args.data)} is not a corpus folder; a reranker is evaluated on one "
+                                  "(corpus.jsonl, queries.jsonl, qrels/), where its first stage retrieves")
+    for flag, value in (("--mrl-dims", args.mrl_dims), ("--column", args.column)):
+        if value:
+            raise RecipeError(flag, "applies to an embedder on pair files, not to a reranker")
+    first_stage = Path(args.first_stage)
+    if first_stage.is_dir():
+        other = saved_reranker_type(first_stage)
+        if other:
+            raise RecipeError("--first-stage", f"{args.first_stage} is a {other!r} reranker; name the embedder that "
+                                               "finds the candidates (or a TREC run file of them)")
+    elif not first_stage.is_file():
+        raise RecipeError("--first-stage", f"{args.first_stage} is neither an embedding model folder nor a TREC "
+                                           "run file")
+
+
+def _evaluate_reranker(args: argparse.Namespace, accelerator: "Accelerator") -> dict[str, float]:
+    """The first stage's top k on the corpus split (the embedder's search, or a run file), then reranked; both
+    judged with the corpus metrics."""
+    from vembed.data.corpus import CorpusSource
+    from vembed.entrypoints import quiet_libraries
+    from vembed.reranking import load_reranker
+    from vembed.reranking.evaluation import (
+        cutoffs_for,
+        embedder_run,
+        judged_split,
+        read_run_file,
+        rerank_run,
+    )
+
+    top_k = args.top_k or 100
+    source = CorpusSource(None, args.data[0], args.split or "test", args.image_root, "--split")
+    source.check()
+    run = read_run_file(args.first_stage) if Path(args.first_stage).is_file() else None
+    quiet_libraries()
+    reranker = load_reranker(args.model_dir, trust_remote_code=args.trust_remote_code)
+    split = judged_split(source.load(), args.max_samples)
+    if run is None:
+        from vembed.models.foreign import load_embedding_model
+
+        embedder = load_embedding_model(args.first_stage, trust_remote_code=args.trust_remote_code,
+                                        key="--first-stage")
+        run = embedder_run(embedder.to(accelerator.device), split, top_k, batch_size=args.batch_size,
+                           accelerator=accelerator, show_progress=True)
+    score = reranker.to(accelerator.device).score
+    return rerank_run(lambda queries, documents: score(queries, documents, batch_size=args.batch_size), split, run,
+                      depth=top_k, cutoffs=cutoffs_for(top_k))
 
 
 def _evaluate_pairs(args: argparse.Namespace, accelerator: "Accelerator") -> dict[str, float]:

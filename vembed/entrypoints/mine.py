@@ -64,6 +64,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debug", action="store_true")
 
 
+def _refuse_a_reranker(model_dir: Path) -> None:
+    """A reranker scores pairs and embeds nothing: one line before any data is read or anything written."""
+    from vembed.errors import RecipeError
+    from vembed.reranking import saved_reranker_type
+
+    reranker = saved_reranker_type(model_dir)
+    if reranker:
+        raise RecipeError("model_dir", f"{model_dir} is a {reranker!r} reranker: it scores (query, document) pairs "
+                                       "and embeds nothing, so it cannot search a corpus; mine with the embedder, "
+                                       "then train the reranker on what mine writes (data.hard_negatives)")
+
+
 def _ratio(text: str) -> float | None:
     """A number, or none/off: no threshold. Range checks are MiningSettings.check's (one line, exit 2)."""
     if text.strip().lower() in ("none", "off"):
@@ -108,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
             raise RecipeError("--out", f"{out} is a folder; name the JSONL file to write")
         check_replaceable(out, args.overwrite)
         model_dir = model_folder(args.model_dir)
+        _refuse_a_reranker(model_dir)
         if args.faiss == "yes" and not faiss_available():
             raise RecipeError("--faiss", "faiss is not installed: pip install faiss-cpu (or pass --faiss no)")
         if not args.no_cache:

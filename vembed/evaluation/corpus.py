@@ -165,6 +165,19 @@ def corpus_metric_names(cutoffs: Cutoffs = DEFAULT_CUTOFFS) -> list[str]:
     return [f"{CORPUS_PREFIX}/{name}" for name in cutoffs.names()]
 
 
+def judged_queries(split: "CorpusSplit", max_queries: int | None = None) -> list[str]:
+    """The ids of the queries of `split` with a relevant document (grade > 0), in file order; the first
+    `max_queries` only. A DataError naming the qrels file when there is none."""
+    query_ids = [q for q in split.queries.ids if any(g > 0 for g in split.qrels.get(q, {}).values())]
+    if max_queries is not None:
+        query_ids = query_ids[:max_queries]
+    if not query_ids:
+        from vembed.errors import DataError
+
+        raise DataError(f"no query of qrels/{split.split}.tsv has a relevant document (grade > 0)", split.folder)
+    return query_ids
+
+
 def evaluate_corpus(
     adapter: "EmbeddingAdapter",
     split: "CorpusSplit",
@@ -187,13 +200,7 @@ def evaluate_corpus(
     from vembed.retrieval.search import search_corpus
 
     queries = split.queries
-    query_ids = [q for q in queries.ids if any(g > 0 for g in split.qrels[q].values())]
-    if max_queries is not None:
-        query_ids = query_ids[:max_queries]
-    if not query_ids:
-        from vembed.errors import DataError
-
-        raise DataError(f"no query of qrels/{split.split}.tsv has a relevant document (grade > 0)", split.folder)
+    query_ids = judged_queries(split, max_queries)
     top = search_corpus(adapter, [queries.sides[queries.index[q]] for q in query_ids], split.corpus.sides,
                         cutoffs.depth, batch_size=batch_size, accelerator=accelerator, forward=forward,
                         documents_per_block=documents_per_block, show_progress=show_progress)

@@ -11,6 +11,7 @@ embedding evaluation (which look in MODELS) refuse it instead of treating its sc
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from vembed.registry import Registry
@@ -18,4 +19,34 @@ from vembed.registry import Registry
 RERANKERS: Registry[Any] = Registry("model_type", modules=("vembed.reranking.cross_encoder",))
 RANKING_LOSSES: Registry[Any] = Registry("loss_type", modules=("vembed.reranking.losses",))
 
-__all__ = ["RANKING_LOSSES", "RERANKERS"]
+
+
+def saved_reranker_type(path: str | os.PathLike) -> str | None:
+    """The reranker `model_type` a folder saved by vembed holds, or None (not a folder, not vembed's, an embedder)."""
+    import json
+    from pathlib import Path
+
+    from vembed.models.base import ADAPTER_FILE
+
+    file = Path(path, ADAPTER_FILE)
+    try:
+        model_type = json.loads(file.read_text()).get("model_type") if file.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return model_type if model_type in RERANKERS else None
+
+
+def load_reranker(path: str | os.PathLike, *, trust_remote_code: bool = False, key: str = "model_dir") -> Any:
+    """The reranker saved by vembed at `path`, on the CPU. A folder that holds anything else (an embedder, a
+    transformers or sentence-transformers folder) is a RecipeError naming `key`."""
+    from vembed.errors import RecipeError
+
+    model_type = saved_reranker_type(path)
+    if model_type is None:
+        raise RecipeError(key, f"{str(path)!r} is not a reranker saved by vembed (its vembed.json names no "
+                               f"reranker model_type: {', '.join(RERANKERS.names())}); name the reranker's folder, "
+                               "e.g. runs/reranker/final")
+    return RERANKERS.get(model_type).load(path, trust_remote_code=trust_remote_code)
+
+
+__all__ = ["RANKING_LOSSES", "RERANKERS", "load_reranker", "saved_reranker_type"]

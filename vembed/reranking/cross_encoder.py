@@ -120,6 +120,30 @@ class CrossEncoderAdapter(nn.Module):
         return cls(model, tokenizer, settings.model_copy(update={"max_length": max_length}))
 
     @classmethod
+    def on_meta(cls, recipe: "Recipe") -> "CrossEncoderAdapter":
+        """For `vembed plan`: the model built from its config on the meta device (real shapes, no storage, no
+        weights or tokenizer read; it cannot score)."""
+        from transformers import AutoModelForSequenceClassification
+
+        cls.check_recipe(recipe)
+        settings = cls.settings_of(recipe)
+        config = cls.hf_config(settings)
+        with torch.device("meta"):
+            model = AutoModelForSequenceClassification.from_config(
+                config, **hf_kwargs(settings.trust_remote_code, settings.attn_implementation))
+        max_length = resolve_max_length(settings.max_length, None, model.config)
+        return cls(model, None, settings.model_copy(update={"max_length": max_length}))
+
+    def encoder_configs(self) -> dict[str, Any]:
+        """For the planner: the one transformer, which reads every pair."""
+        return {"text": self.model.config}
+
+    def planning_tokens(self, recipe: "Recipe") -> dict[str, dict[str, int]]:
+        """For the planner: an example is a list of pairs ("pair": 1 + data.num_hard_negatives of them), each query
+        and document read jointly, at most max_length tokens."""
+        return {"pair": {"text": self.settings.max_length or 512}}
+
+    @classmethod
     def load(cls, path: str | Path, *, trust_remote_code: bool = False) -> "CrossEncoderAdapter":
         from transformers import AutoModelForSequenceClassification
 

@@ -4,10 +4,12 @@ Where the lists come from (no file to convert):
 - a corpus folder + `data.hard_negatives` (what `vembed mine` writes), or a pairs file with a negatives column: one
   list per (query, positive) record, the positive (label 1) then its K mined negatives (label 0), read by the
   contrastive task's own loader (`vembed.data.sources.load_rows`: the same checks, counts and report);
-- a file of lists `{"query": ..., "documents": [...], "labels": [...]}` (labels: 0/1, grades or scores);
+- a file of lists `{"query": ..., "documents": [...], "labels": [...]}` (labels: 0/1, grades or scores), or with
+  `"scores": [...]` instead of labels (a teacher's scores, which the distillation losses read; the positive first
+  for rerank_margin_mse);
 - a file of judged pairs `{"query": ..., "document": ..., "label": ...}`: the rows of one query form its list.
 
-A list whose labels do not match its documents is one line naming the file and row (DataError, exit 2).
+A list whose labels (or scores) do not match its documents is one line naming the file and row (DataError, exit 2).
 """
 
 from __future__ import annotations
@@ -115,12 +117,13 @@ def _table_lists(file: str, table: Any, shape: str) -> list[RankList]:
         if not isinstance(query, str) or not query.strip():
             raise DataError("has no query text", file=file, row=number)
         if shape == "lists":
-            documents, labels = row.get("documents"), row.get("labels")
+            documents, targets = row.get("documents"), _targets(row, file, number)
+            labels = row.get(targets)
             if not isinstance(documents, list) or not isinstance(labels, list):
-                raise DataError("needs a list 'documents' and a list 'labels'", file=file, row=number)
+                raise DataError(f"needs a list 'documents' and a list '{targets}'", file=file, row=number)
             if len(documents) != len(labels):
-                raise DataError(f"has {len(documents)} documents but {len(labels)} labels; give one label per "
-                                "document", file=file, row=number)
+                raise DataError(f"has {len(documents)} documents but {len(labels)} {targets}; give one "
+                                f"{targets[:-1]} per document", file=file, row=number)
             if not documents:
                 raise DataError("has an empty 'documents' list", file=file, row=number)
             lists.append(RankList(query, [str(d) for d in documents], [_label(x, file, number) for x in labels],
@@ -133,6 +136,15 @@ def _table_lists(file: str, table: Any, shape: str) -> list[RankList]:
             item.documents.append(str(row.get("document")))
             item.labels.append(_label(row.get("label"), file, number))
     return lists
+
+
+def _targets(row: dict[str, Any], file: str, number: int) -> str:
+    """Which key holds a list's targets: `labels` (relevance) or `scores` (a teacher's, for the distillation losses);
+    the loss reads either the same way, so a row gives one."""
+    if row.get("labels") is not None and row.get("scores") is not None:
+        raise DataError("has both 'labels' and 'scores'; give one (scores: a teacher's, for rerank_margin_mse or "
+                        "rerank_distill_kl)", file=file, row=number)
+    return "scores" if row.get("scores") is not None else "labels"
 
 
 def _label(value: Any, file: str, row: int) -> float:

@@ -15,9 +15,11 @@ from vembed.errors import DataError
 
 if TYPE_CHECKING:
     import torch
+    from accelerate import Accelerator
 
     from vembed.data.corpus import CorpusSplit
     from vembed.evaluation.corpus import Cutoffs
+    from vembed.models.base import EmbeddingAdapter
 
 FIRST_STAGE_DEPTH = 100  # candidates per query reranked in-run (the top 100, as BEIR's reranking setup)
 Scorer = Callable[[Sequence[str], Sequence[str]], "torch.Tensor"]  # (queries, documents) -> (n,) scores
@@ -43,14 +45,13 @@ def read_run_file(path: str | os.PathLike) -> dict[str, dict[str, float]]:
     return run
 
 
-def rerank_run(score: Scorer, split: "CorpusSplit", run: Mapping[str, Mapping[str, float]], depth: int = 100,
-               cutoffs: "Cutoffs | None" = None) -> dict[str, float]:
-    """`first_stage/<metric>` and `reranked/<metric>` (nDCG@10, recall@k, MAP@100, MRR@10 and the query counts) on
-    the judged queries of `split`: each query's top `depth` candidates of `run`, then the same candidates ordered by
-    `score(queries, documents)`. Candidates not in the corpus are a DataError naming the document."""
-    from vembed.evaluation.corpus import DEFAULT_CUTOFFS, corpus_metrics, rankings_from_run
+def rerank(score: Scorer, split: "CorpusSplit", run: Mapping[str, Mapping[str, float]], depth: int = 100
+           ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """(first stage, reranked) as runs over the judged queries of `split` that `run` holds: each query's top `depth`
+    candidates of `run` with their first-stage scores, and the same candidates with `score(queries, documents)`.
+    Candidates not in the corpus are a DataError naming the document."""
+    from vembed.evaluation.corpus import rankings_from_run
 
-    cutoffs = cutoffs or DEFAULT_CUTOFFS
     first_stage = {query: ranking[:depth] for query, ranking in rankings_from_run(
         {query: run[query] for query in split.qrels if query in run}).items()}
     queries, documents, owners = [], [], []
@@ -66,7 +67,69 @@ def rerank_run(score: Scorer, split: "CorpusSplit", run: Mapping[str, Mapping[st
     reranked: dict[str, dict[str, float]] = {query: {} for query in first_stage}
     for (query, document), value in zip(owners, scores):
         reranked[query][document] = float(value)
-    before = corpus_metrics({q: {d: float(-rank) for rank, d in enumerate(r)} for q, r in first_stage.items()},
-                            split.qrels, cutoffs)
-    after = corpus_metrics(reranked, split.qrels, cutoffs)
+    # The cut run keeps its scores: ranked again in trec_eval's order it gives the same top `depth`.
+    cut = {query: {document: float(run[query][document]) for document in ranking}
+           for query, ranking in first_stage.items()}
+    return cut, reranked
+
+
+def rerank_run(score: Scorer, split: "CorpusSplit", run: Mapping[str, Mapping[str, float]], depth: int = 100,
+               cutoffs: "Cutoffs | None" = None) -> dict[str, float]:
+    """`first_stage/<metric>` and `reranked/<metric>` (nDCG@10, recall@k, MAP@100, MRR@10 and the query counts) on
+    the judged queries of `split`: each query's top `depth` candidates of `run`, then the same candidates ordered by
+    `score(queries, documents)` (`rerank`)."""
+    from vembed.evaluation.corpus import DEFAULT_CUTOFFS, corpus_metrics
+
+    cutoffs = cutoffs or DEFAULT_CUTOFFS
+    before, after = (corpus_metrics(ranking, split.qrels, cutoffs) for ranking in rerank(score, split, run, depth))
     return {**{f"first_stage/{k}": v for k, v in before.items()}, **{f"reranked/{k}": v for k, v in after.items()}}
+
+
+def cutoffs_for(top_k: int) -> "Cutoffs":
+    """nDCG@10, MRR@10, recall@1/10/top_k and MAP@top_k: with top_k = 100, the corpus evaluation's defaults."""
+    from vembed.evaluation.corpus import Cutoffs
+
+    return Cutoffs(ndcg=(10,), recall=tuple(sorted({1, 10, top_k})), map=(top_k,), mrr=(10,))
+
+
+def embedder_run(adapter: "EmbeddingAdapter", split: "CorpusSplit", depth: int, *, batch_size: int = 64,
+                 accelerator: "Accelerator | None" = None, max_queries: int | None = None,
+                 show_progress: bool = False) -> dict[str, dict[str, float]]:
+    """The first stage as a run: each judged query's `depth` nearest documents by the embedder's cosine (the corpus
+    evaluation's exact search over the whole corpus; with an `accelerator`, each process encodes its share)."""
+    from vembed.evaluation.corpus import judged_queries
+    from vembed.retrieval.search import search_corpus
+
+    query_ids = judged_queries(split, max_queries)
+    queries = split.queries
+    top = search_corpus(adapter, [queries.sides[queries.index[q]] for q in query_ids], split.corpus.sides, depth,
+                        batch_size=batch_size, accelerator=accelerator, show_progress=show_progress)
+    doc_ids = split.corpus.ids
+    return {query: {doc_ids[i]: float(s) for i, s in zip(indices, scores) if i >= 0}
+            for query, indices, scores in zip(query_ids, top.indices.tolist(), top.scores.tolist())}
+
+
+def judged_split(split: "CorpusSplit", max_queries: int | None) -> "CorpusSplit":
+    """`split` judging only its first `max_queries` queries with a relevant document (all of them: None)."""
+    import dataclasses
+
+    from vembed.evaluation.corpus import judged_queries
+
+    if max_queries is None:
+        return split
+    return dataclasses.replace(split, qrels={q: split.qrels[q] for q in judged_queries(split, max_queries)})
+
+
+METRIC_ORDER = ("ndcg", "mrr", "recall", "map")  # the table's rows: the headline metrics first
+
+
+def metrics_table(metrics: Mapping[str, float]) -> str:
+    """The before/after table of `rerank_run`'s metrics: one row per metric, first stage, reranked and the change."""
+    names = [key[len("first_stage/"):] for key in metrics if key.startswith("first_stage/") and "@" in key]
+    names.sort(key=lambda name: (METRIC_ORDER.index(name.split("@")[0]), int(name.split("@")[1])))
+    lines = [f"{'metric':<12}{'first stage':>13}{'reranked':>11}{'change':>10}"]
+    for name in names:
+        before, after = metrics[f"first_stage/{name}"], metrics[f"reranked/{name}"]
+        lines.append(f"{name:<12}{before:>13.4f}{after:>11.4f}{after - before:>+10.4f}")
+    lines.append(f"{int(metrics['reranked/num_queries'])} judged queries with a relevant document")
+    return "\n".join(lines)

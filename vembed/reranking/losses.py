@@ -2,8 +2,10 @@
 
 `scores` (B, L): a reranker's raw logits for B queries' lists of L documents (the positive and its mined negatives,
 or a list from the data); `labels` (B, L): relevance (1/0, or graded / soft scores); `mask` (B, L) bool: which
-entries are real documents (lists shorter than L are padded). Each loss equals sentence-transformers' CrossEncoder
-loss of the same name on the same logits (tests/reranking/test_losses.py: value and gradient).
+entries are real documents (lists shorter than L are padded); for the distillation losses (rerank_margin_mse,
+rerank_distill_kl) `labels` are a teacher's scores. Each loss equals sentence-transformers' CrossEncoder loss of the
+same name on the same logits, or its formula where that library has none (tests/reranking/test_losses.py: value and
+gradient).
 
 Under torch.distributed every loss is a mean over the whole global batch: the count it divides by (pairs or lists)
 is summed over ranks, so that DDP's gradient average gives the gradient of one process on the concatenated batch even
@@ -143,3 +145,61 @@ class LambdaLoss(RankingLoss):
         differences = (ranked_logits[:, :, None] - ranked_logits[:, None, :]).clamp(min=-1e8, max=1e8)
         pair_losses = weights * F.logsigmoid(self.sigma * differences) / math.log(2)
         return global_mean(-pair_losses[counted].sum(), counted.sum())
+
+
+@RANKING_LOSSES.register("rerank_margin_mse")
+class MarginMSERankingLoss(RankingLoss):
+    """MarginMSE distillation (Hofstätter et al. 2020): each list's first document is the positive, its `labels` are
+    a teacher's scores of the list; for every other document j the student's margin s_0 - s_j matches the teacher's
+    t_0 - t_j, squared error averaged over the (list, j) margins (sentence-transformers' CrossEncoder MarginMSELoss
+    with teacher scores [positive, negative 1, ...])."""
+
+    def forward(self, scores: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        scores, labels = scores.float(), labels.float()
+        student = scores[:, :1] - scores[:, 1:]
+        teacher = labels[:, :1] - labels[:, 1:]
+        counted = mask[:, 1:] & mask[:, :1]
+        return global_mean(((student - teacher.detach()) ** 2)[counted].sum(), counted.sum())
+
+
+class ListDistillSettings(RankingLossSettings):
+    # The student's logits are divided by `temperature`, the teacher's scores by `teacher_temperature` (unset: the
+    # same); 1.0: the raw logits, a cross-encoder's natural scale.
+    temperature: float = Field(default=1.0, gt=0)
+    teacher_temperature: float | None = Field(default=None, gt=0)
+
+
+@RANKING_LOSSES.register("rerank_distill_kl")
+class ListDistillKLLoss(RankingLoss):
+    """KL distillation over a list: the softmax of a query's student logits follows the softmax of the teacher's
+    scores given as the list's `labels` (data: `{"query", "documents": [...], "scores": [...]}`)::
+
+        p_teacher = softmax(labels / teacher_temperature)
+        loss = temperature^2 * sum_lists KL(p_teacher || softmax(logits / temperature)) / lists
+
+    (the embedders' `distill_kl` on a reranker's list; temperature^2 keeps the gradient's size independent of the
+    temperature). sentence-transformers has no listwise KL for CrossEncoders; at temperature 1 the gradient is its
+    ListNetLoss's with the teacher scores as labels, and the value that loss's minus the teacher's entropy."""
+
+    Settings = ListDistillSettings
+
+    def __init__(self, temperature: float = 1.0, teacher_temperature: float | None = None):
+        super().__init__()
+        self.temperature = temperature
+        self.teacher_temperature = teacher_temperature if teacher_temperature is not None else temperature
+
+    @classmethod
+    def from_recipe(cls, recipe: "Recipe") -> "ListDistillKLLoss":
+        return cls(recipe.loss.temperature, recipe.loss.teacher_temperature)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return {"name": type(self).__name__, "temperature": self.temperature,
+                "teacher_temperature": self.teacher_temperature}
+
+    def forward(self, scores: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        log_student = (scores.float() / self.temperature).masked_fill(~mask, PADDING_SCORE).log_softmax(dim=1)
+        teacher = (labels.float().detach() / self.teacher_temperature).masked_fill(~mask, float("-inf"))
+        target = teacher.softmax(dim=1)
+        per_entry = (torch.xlogy(target, target) - target * log_student).masked_fill(~mask, 0.0)
+        return global_mean(per_entry.sum() * self.temperature ** 2, scores.shape[0])
