@@ -27,7 +27,8 @@ ELSEWHERE: dict[str, set[str]] = {
     # --- component-owned rules, reached from a stage of the home (listed in its docstring) ---
     "vembed/registry.py": {"Registry.get"},  # stage 1: an unknown name
     "vembed/components.py": {"RegistryCatalog.component"},  # stage 1: an unknown model_type / loss_type
-    "vembed/tasks/__init__.py": {"task_name_for"},  # stage 2: the model and the loss train the same task
+    "vembed/tasks/__init__.py": {"task_name_for",  # stage 2: the model and the loss train the same task
+                                 "Task.check_gradient_cache"},  # stage 3: GradCache asked of a per-sample task
     "vembed/tasks/contrastive.py": {"_check_not_streamed", "_check_source_and_stage_keys", "_check_token_vectors",
                                     "_resolve_best_metric", "_check_teacher_embeddings",  # stage 4
                                     "ContrastiveTask.load_train_data"},  # the teacher's rows, as the data is read
@@ -313,3 +314,27 @@ def test_layer_lr_decay_needs_parameter_names_that_say_their_block():
     blocks.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
     check_layer_lr_decay(recipe, blocks)  # `layers.0.weight`: a block index
     check_layer_lr_decay(recipe, None)  # no meta build: the optimizer's guard decides
+
+
+def test_gradient_cache_asked_of_a_per_sample_task_is_one_rule_for_the_run_and_the_plan():
+    """Every task without a batch-wide loss refuses use_gradient_cache with its own reason, through
+    Task.check_gradient_cache: the same line from the run's checks and from `vembed plan`'s rule."""
+    from types import SimpleNamespace
+
+    from vembed.components import recipe_from_dict
+    from vembed.planning import choose_gradient_cache
+    from vembed.tasks import TASKS
+
+    per_sample = [TASKS.get(name) for name in TASKS.names() if not TASKS.get(name).uses_gradient_cache]
+    assert {task.name for task in per_sample} >= {"classification", "metric_learning", "rerank", "flow_matching"}
+    for task in per_sample:
+        with pytest.raises(RecipeError) as info:
+            task.check_gradient_cache(SimpleNamespace(use_gradient_cache=True))
+        assert info.value.key == "use_gradient_cache" and task.no_gradient_cache in str(info.value)
+        task.check_gradient_cache(SimpleNamespace(use_gradient_cache=None))  # unset or false: nothing asked
+    vit = {"model_type": "vit", "hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "image_size": 32, "patch_size": 8}
+    recipe = recipe_from_dict({"model_type": "vision", "model_config": vit, "loss_type": "cross_entropy",
+                               "metric_for_best_model": "accuracy", "use_gradient_cache": True})
+    with pytest.raises(RecipeError, match="use_gradient_cache: is not supported for classification; remove it"):
+        choose_gradient_cache(recipe, "ddp")

@@ -107,9 +107,7 @@ def choose_gradient_cache(recipe: "Recipe", kind: LaunchKind,
 
     task = task_for(recipe)
     if not task.uses_gradient_cache:  # no batch-wide loss (rerank: no in-batch negatives; classification)
-        if recipe.use_gradient_cache:
-            raise RecipeError("use_gradient_cache", getattr(task, "no_gradient_cache", None) or (
-                f"the {task.name} task's loss is per sample, so GradCache has nothing to cache; remove the key"))
+        task.check_gradient_cache(recipe)
         return GradientCacheChoice(False, None, "off")
     unavailable = {
         "fsdp": "GradCache is not available under FSDP: its cached loss runs outside the sharded forward, where the "

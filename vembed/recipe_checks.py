@@ -12,7 +12,9 @@ tests/test_recipe_checks.py fails when a recipe error is raised anywhere else.
 2. Components (`check_components`): the model and the loss train the same task (`vembed.tasks.task_name_for`, the
    rule every caller of `task_for` needs).
 3. The recipe's own keys that need more than the schema (`check_keys`): data.train is set for training; every
-   tracker of report_to is installed.
+   tracker of report_to is installed; `augmentation:` only where the task reads it (`check_augmentation`);
+   use_gradient_cache only where the task has a batch-wide loss (`Task.check_gradient_cache`, the rule
+   `vembed plan` applies too).
 4. The task's rules (`Task.check_recipe` of the registered task), which call the data's and the adapter's:
    - contrastive (`vembed/tasks/contrastive.py`): data.format; what streamed data cannot do, and its shards
      (`vembed.data.streaming.check_stream_recipe`); the data files exist (`vembed.data.paths.check_data_paths`);
@@ -65,6 +67,7 @@ def check_recipe(recipe: "Recipe", *, for_training: bool = True) -> None:
     task = check_components(recipe)
     check_keys(recipe, for_training=for_training)
     check_augmentation(recipe, task)
+    task.check_gradient_cache(recipe)
     task.check_recipe(recipe, for_training=for_training)  # data files, model config, task-specific keys
 
 
@@ -91,8 +94,8 @@ def check_augmentation(recipe: "Recipe", task: type["Task"]) -> None:
 
     if recipe.augmentation.enabled and not task.augments_images:
         readers = [name for name in TASKS.names() if TASKS.get(name).augments_images]
-        raise RecipeError("augmentation", f"is read by the {' and '.join(readers)} task only, but this recipe "
-                                          f"trains {task.name}; remove it")
+        raise RecipeError("augmentation", f"is read by the {' and '.join(readers)} task{'s' * (len(readers) > 1)} "
+                                          f"only, but this recipe trains {task.name}; remove it")
 
 
 def check_launch(recipe: "Recipe", kind: "LaunchKind", *, on_cpu: bool,

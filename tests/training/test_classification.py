@@ -268,7 +268,7 @@ def test_augmentation_is_refused_where_no_task_reads_it(tmp_path):
     data.write_text('{"query": "a", "positive": "b"}\n')
     parsed = recipe_from_dict({"model_type": "clip", "data": {"train": str(data)},
                                "augmentation": {"horizontal_flip": 0.5}})
-    with pytest.raises(RecipeError, match="augmentation: is read by the classification task only"):
+    with pytest.raises(RecipeError, match="augmentation: is read by the classification and metric_learning tasks only"):
         check_recipe(parsed)
 
 

@@ -55,6 +55,7 @@ def _shard_key(split: str) -> str:
 @TASKS.register("flow_matching")
 class FlowMatchingTask(Task):
     name = "flow_matching"
+    no_gradient_cache = "is not supported for blip3o_dit; set it to false"
 
     @classmethod
     def check_recipe(cls, recipe: "Recipe", *, for_training: bool = True) -> None:
@@ -67,8 +68,7 @@ class FlowMatchingTask(Task):
         if recipe.data.streaming:
             raise RecipeError("data.streaming", "applies to contrastive models; blip3o_dit reads the embedding "
                                                 "shards of `vembed extract` whole; remove it")
-        for key, value in (("use_lora", recipe.use_lora), ("gradient_checkpointing", recipe.gradient_checkpointing),
-                           ("use_gradient_cache", recipe.use_gradient_cache)):
+        for key, value in (("use_lora", recipe.use_lora), ("gradient_checkpointing", recipe.gradient_checkpointing)):
             if value:
                 raise RecipeError(key, "is not supported for blip3o_dit; set it to false")
         for split in ("train", "validation", "test"):

@@ -77,8 +77,6 @@ class RerankTask(Task):
         from vembed.components import model_class
         from vembed.data.paths import check_data_paths
 
-        if recipe.use_gradient_cache:
-            raise RecipeError("use_gradient_cache", NO_GRADIENT_CACHE)
         if recipe.data.streaming:
             raise RecipeError("data.streaming", "is not available for rerankers yet; set data.streaming: false")
         check_data_paths(recipe.data, ("train",) if for_training else ())

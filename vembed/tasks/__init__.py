@@ -36,13 +36,21 @@ class Task:
     name: ClassVar[str]
     # The task's loss can be computed on detached embeddings of chunked forwards (vembed/training/grad_cache.py).
     uses_gradient_cache: ClassVar[bool] = False
-    # Why GradCache is refused when asked for under this task (None: the task's own check says it).
+    # Why GradCache is refused when asked for under this task (None: its loss is per sample).
     no_gradient_cache: ClassVar[str | None] = None
     # The task's training collation reads `augmentation:` (vembed/data/augment.py).
     augments_images: ClassVar[bool] = False
 
     def __init__(self, recipe: "Recipe"):
         self.recipe = recipe
+
+    @classmethod
+    def check_gradient_cache(cls, recipe: "Recipe") -> None:
+        """The one rule for asking GradCache of a task without a batch-wide loss (stage 3 of vembed/recipe_checks.py,
+        and `vembed plan` through `planning.choose_gradient_cache`): refused, saying why (`no_gradient_cache`)."""
+        if recipe.use_gradient_cache and not cls.uses_gradient_cache:
+            raise RecipeError("use_gradient_cache", cls.no_gradient_cache or (
+                f"the {cls.name} task's loss is per sample, so GradCache has nothing to cache; remove the key"))
 
     @classmethod
     def check_recipe(cls, recipe: "Recipe", *, for_training: bool = True) -> None:

@@ -114,6 +114,7 @@ def class_names(recipe: "Recipe") -> list[str]:
 class ClassificationTask(Task):
     name = "classification"
     augments_images = True
+    no_gradient_cache = "is not supported for classification; remove it"
 
     @classmethod
     def check_recipe(cls, recipe: "Recipe", *, for_training: bool = True) -> None:
@@ -125,8 +126,7 @@ class ClassificationTask(Task):
             if isinstance(getattr(data, split), (dict, list)):
                 raise RecipeError(f"data.{split}", "classification takes one CSV/JSONL file or ImageFolder "
                                                    "directory per split")
-        for key, value in (("use_gradient_cache", recipe.use_gradient_cache), ("stages", recipe.stages),
-                           ("data.no_duplicates", data.no_duplicates)):
+        for key, value in (("stages", recipe.stages), ("data.no_duplicates", data.no_duplicates)):
             if value:
                 raise RecipeError(key, "is not supported for classification; remove it")
         if recipe.metric_for_best_model not in METRICS:

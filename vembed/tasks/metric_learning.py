@@ -91,6 +91,8 @@ def check_positives(data: "LabelledImages", loss_type: str) -> None:
 class MetricLearningTask(Task):
     name = "metric_learning"
     augments_images = True  # crops and flips; mixup/cutmix mix labels, which these losses do not take
+    no_gradient_cache = ("is not used by metric learning (it trains embeddings, with no classification head); "
+                         "remove it")
 
     @classmethod
     def check_recipe(cls, recipe: "Recipe", *, for_training: bool = True) -> None:
@@ -109,8 +111,7 @@ class MetricLearningTask(Task):
             if isinstance(getattr(data, split), (dict, list)):
                 raise RecipeError(f"data.{split}", "metric learning takes one CSV/JSONL file or ImageFolder "
                                                    "directory per split")
-        for key, value in (("use_gradient_cache", recipe.use_gradient_cache), ("stages", recipe.stages),
-                           ("num_labels", recipe.model.num_labels)):
+        for key, value in (("stages", recipe.stages), ("num_labels", recipe.model.num_labels)):
             if value:
                 raise RecipeError(key, "is not used by metric learning (it trains embeddings, with no "
                                        "classification head); remove it")
