@@ -162,12 +162,7 @@ def extract(
     check_resumable(out, settings)  # every process, before any waits for another
     refs = list_images(images)
     groups = [refs[i : i + shard_size] for i in range(0, len(refs), shard_size)]
-    mine = [i for i in range(len(groups)) if i % state.num_processes == state.process_index]
-    if state.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        replace_atomically(out / SETTINGS_FILE, lambda tmp: tmp.write_text(json.dumps(settings, indent=1)))
-    state.wait_for_everyone()
-    todo = [i for i in mine if not (out / shard_name(i)).is_file()]  # complete shards exist under the final name
+    mine, todo = _claim_shards(out, settings, len(groups), state)
     result = {"written": [], "skipped_finished": [i for i in mine if i not in todo], "skipped_images": 0}
     if todo:
         a = Teacher(teacher_a, state.device, tokens, trust_remote_code)
@@ -184,6 +179,19 @@ def extract(
         result["index"] = index
     state.wait_for_everyone()
     return result
+
+
+def _claim_shards(out: Path, settings: dict, num_shards: int, state) -> tuple[list[int], list[int]]:
+    """This process's shards (round-robin) and those of them still to write: the main process records the settings
+    first (what a rerun is checked against); a complete shard exists under its final name, so a rerun skips it."""
+    from vembed.data.embedding_shards import shard_name
+
+    mine = [i for i in range(num_shards) if i % state.num_processes == state.process_index]
+    if state.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        replace_atomically(out / SETTINGS_FILE, lambda tmp: tmp.write_text(json.dumps(settings, indent=1)))
+    state.wait_for_everyone()
+    return mine, [i for i in mine if not (out / shard_name(i)).is_file()]
 
 
 def _process_state():
@@ -243,12 +251,7 @@ def extract_teacher_embeddings(
     settings = {"teacher": teacher, "files": files, "shard_size": shard_size, "dtype": dtype}
     check_resumable(out, settings)  # every process, before any waits for another
     groups = [range(i, min(i + shard_size, len(texts))) for i in range(0, len(texts), shard_size)]
-    mine = [i for i in range(len(groups)) if i % state.num_processes == state.process_index]
-    if state.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        replace_atomically(out / SETTINGS_FILE, lambda tmp: tmp.write_text(json.dumps(settings, indent=1)))
-    state.wait_for_everyone()
-    todo = [i for i in mine if not (out / shard_name(i)).is_file()]  # complete shards exist under the final name
+    mine, todo = _claim_shards(out, settings, len(groups), state)
     result: dict = {"written": [], "skipped_finished": [i for i in mine if i not in todo]}
     if todo:
         model = load_embedding_model(teacher, trust_remote_code=trust_remote_code, key="--teacher")
