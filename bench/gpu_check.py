@@ -177,6 +177,11 @@ def environment(ctx: Context, wheels: Path | None) -> dict[str, Any]:
     return found
 
 
+def _samples_for(batch: int) -> int:
+    """How many synthetic samples fill one training batch: make_dummy_dataset keeps ~70% for training."""
+    return int(batch / 0.68) + 16
+
+
 # --- step: tests/gpu -------------------------------------------------------------------------------------------------
 def gpu_tests(ctx: Context) -> dict[str, Any]:
     import xml.etree.ElementTree as ET
@@ -186,6 +191,7 @@ def gpu_tests(ctx: Context) -> dict[str, Any]:
                str(ROOT / "tests" / "gpu")]
     done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=max(ctx.budget_s - 10, 10))
+    print(done.stdout, done.stderr, sep="\n")  # the whole pytest report goes to this step's log
     cases = ET.parse(report).getroot().iter("testcase")
     passed, failed, skipped = [], [], {}
     for case in cases:
@@ -195,11 +201,11 @@ def gpu_tests(ctx: Context) -> dict[str, Any]:
             passed.append(name)
         elif outcome.tag == "skipped":
             skipped[name] = (outcome.get("message") or "").removeprefix("Skipped: ")
-        else:
-            failed.append(name)
+        else:  # the assertion's own line, so the table says what broke
+            failed.append(f"{name}: {(outcome.get('message') or outcome.tag).splitlines()[0][:200]}")
     if failed or done.returncode not in (0, 5):
         tail = done.stdout.strip().splitlines()[-1:] or done.stderr.strip().splitlines()[-1:]
-        raise RuntimeError(f"{len(failed)} failed ({', '.join(failed)}): {' '.join(tail)}")
+        raise RuntimeError(f"{len(failed)} failed ({'; '.join(failed)}): {' '.join(tail)}")
     reasons = sorted(set(skipped.values()))
     return {"passed": passed, "skipped": skipped,
             "summary": f"{len(passed)} passed, {len(skipped)} skipped" + (f" ({'; '.join(reasons)})" if reasons
@@ -248,7 +254,8 @@ def clip_speed(ctx: Context) -> dict[str, Any]:
     config = TINY_CLIP_SHAPE if ctx.dry_run else json.loads((BENCH / "configs/clip_vit_base_patch32.json").read_text())
     config = json.loads(json.dumps(config))
     tokens = config["text_config"]["max_position_embeddings"]  # open_clip's text tower takes exactly its context
-    make_dummy_dataset(ctx.work / "data", 32, seed=0, image_size=config["vision_config"]["image_size"])
+    make_dummy_dataset(ctx.work / "data", _samples_for(shape["batch"]), seed=0,
+                       image_size=config["vision_config"]["image_size"])
     config["text_config"].update(special_token_ids(AutoTokenizer.from_pretrained(ctx.work / "data" / "tokenizer")))
     trainer = _trainer({"model_type": "clip", "model_config": config,
                         "tokenizer_name": str(ctx.work / "data/tokenizer"),
@@ -330,14 +337,17 @@ def qwen_memory(ctx: Context) -> dict[str, Any]:
     from vembed.components import recipe_from_dict
     from vembed.data.synthetic import make_dummy_dataset
     from vembed.data.tokenizer import train_qwen_tokenizer
+    from vembed.models.qwen_vl import VISION_TOKEN_IDS
     from vembed.planning import estimate_line
 
     shape = QWEN_DRY if ctx.dry_run else QWEN
     recipe_file = yaml.safe_load((ROOT / "configs/qwen3_vl_embedding_2b.yaml").read_text())
     model_config = (yaml.safe_load((ROOT / "configs/qwen3_vl_tiny.yaml").read_text())["model_config"] if ctx.dry_run
                     else json.loads((BENCH / "configs/qwen3_vl_2b.json").read_text()))
+    for name in VISION_TOKEN_IDS:  # the released ids do not exist in the small trained tokenizer: take its ids
+        model_config.pop(name, None)
     data = ctx.work / "data"
-    make_dummy_dataset(data, int(shape["batch"] / 0.68) + 16, seed=0, image_size=shape["image_size"])
+    make_dummy_dataset(data, _samples_for(shape["batch"]), seed=0, image_size=shape["image_size"])
     rows = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
     train_qwen_tokenizer([r["query"] for r in rows] + [recipe_file["query_instruction"],
                                                        recipe_file["document_instruction"]], data / "tokenizer")

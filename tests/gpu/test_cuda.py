@@ -61,13 +61,10 @@ def test_ddp_launch_trains_the_same_weights_as_one_process(dummy_data_dir, tmp_p
 @pytest.mark.gpu
 @needs_cuda
 def test_grad_cache_bf16_on_one_gpu_matches_the_plain_step(tiny_clip_recipe):
-    """bf16 autocast in the no-grad pass, the cached loss and the replays: gradients close to the plain step."""
-    from ranks import run_on_ranks
+    """bf16 autocast in the no-grad pass, the cached loss and the replays: gradients close to the plain step.
 
-    run_on_ranks(_bf16_grad_cache_worker, tiny_clip_recipe, world=1)
-
-
-def _bf16_grad_cache_worker(raw: dict) -> None:
+    In this process, as the test above: tests/ranks.py's gloo ranks set ACCELERATE_USE_CPU, so the model would stay on
+    the CPU (the first GPU run failed that way)."""
     from accelerate.utils import send_to_device
 
     from vembed.components import recipe_from_dict
@@ -75,8 +72,9 @@ def _bf16_grad_cache_worker(raw: dict) -> None:
 
     grads = {}
     for name, overrides in (("cached", {"use_gradient_cache": True, "gradient_cache_chunk_size": 3}), ("plain", {})):
-        trainer = Trainer(recipe_from_dict(dict(raw, mixed_precision="bf16", **overrides)))
+        trainer = Trainer(recipe_from_dict(dict(tiny_clip_recipe, mixed_precision="bf16", **overrides)))
         trainer.build()
+        assert trainer.accelerator.device.type == "cuda"
         batch = send_to_device(trainer.loader.collate_fn([trainer.dataset[i] for i in range(8)]), "cuda")
         torch.manual_seed(0)
         trainer.train_step(batch)
