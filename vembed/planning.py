@@ -9,7 +9,7 @@ weights read), so parameter counts are exact, and LoRA counts are exact too beca
 training uses runs on the meta model. Bytes per device, for Ψ parameters of which Ψt are trainable, N devices:
 
 | strategy        | parameters                        | gradients              | optimizer (AdamW)                  |
-| single          | 4Ψ (+2Ψ autocast copies under mp) | 4Ψt                    | 8Ψt (two fp32 moments)             |
+| single          | 4Ψ (+2Ψt autocast cache under mp) | 4Ψt                    | 8Ψt (two fp32 moments)             |
 | DDP (+GradCache)| as single                         | 8Ψt (grads + buckets)  | 8Ψt                                |
 | FSDP FULL_SHARD | 4Ψ/N + 2 gathered layers          | 4Ψt/N                  | 8Ψt/N                              |
 | ... CPU offload | 2 gathered layers                 | 0 (on CPU)             | 0 (on CPU)                         |
@@ -538,18 +538,22 @@ def estimate(
     # The largest layer of any encoder, unsharded in the compute dtype: what FSDP/ZeRO-3 gather at a time.
     gathered = GATHERED_LAYERS * max(e.layer_parameters() for e in model.encoders.values()) * work.element
 
+    cast_cache = 0.0
     if strategy.sixteen_bit_module and work.mixed_precision:
         parameter_bytes, master = 2, FP32  # 16-bit module, fp32 master copy inside the optimizer
     else:
         parameter_bytes, master = FP32, 0
         if work.mixed_precision and not strategy.shard_parameters:
-            parameter_bytes += 2  # autocast's cached 16-bit copy of each weight, alive for the whole forward
+            # autocast's cached 16-bit copy of each weight, alive for the whole forward. torch caches only leaves that
+            # require grad: frozen weights (LoRA's base, a frozen tower) are cast per use and freed at once. Counting
+            # them over-planned Qwen3-VL-2B + LoRA by 4 GiB (measured on an H200, docs/benchmarks.md).
+            cast_cache = 2 * trainable
     buffers = 0.0
     if strategy.offload:
         parameters = gathered
         gradients = optimizer = 0.0
     else:
-        parameters = parameter_bytes * model.total * (1 / n if strategy.shard_parameters else 1.0)
+        parameters = parameter_bytes * model.total * (1 / n if strategy.shard_parameters else 1.0) + cast_cache
         if strategy.shard_parameters:
             parameters += gathered
         gradients = FP32 * trainable * state_share * (2 if strategy.ddp_buckets else 1)
