@@ -4,6 +4,7 @@ whole batch."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,9 +14,16 @@ import torch.nn.functional as F
 from ranks import run_on_ranks
 from torch import nn
 
-from vembed.losses.late_interaction import LateInteractionDistillKLLoss, LateInteractionLoss, LateInteractionPairwiseLoss
-from vembed.models.maxsim import maxsim, maxsim_candidates
-from vembed.models.token_vectors import cat_tokens, pad_tokens, token_mask
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from pylate_runner import pylate_available, run_pylate  # noqa: E402
+
+from vembed.losses.late_interaction import (  # noqa: E402
+    LateInteractionDistillKLLoss,
+    LateInteractionLoss,
+    LateInteractionPairwiseLoss,
+)
+from vembed.models.maxsim import maxsim, maxsim_candidates  # noqa: E402
+from vembed.models.token_vectors import cat_tokens, pad_tokens, token_mask  # noqa: E402
 
 WORLD, B, K, IN, D = 2, 3, 2, 12, 8
 
@@ -162,6 +170,34 @@ def test_distill_kl_equals_kl_over_each_querys_candidates_by_loops(temperature, 
                               min_max)
     assert loss.dtype == torch.float64 and loss.item() > 0
     assert abs(loss.item() - expected.item()) <= 1e-9 * max(1.0, abs(expected.item()))
+
+
+@pytest.mark.slow  # a child process on PyLate's stack
+@pytest.mark.skipif(not pylate_available(), reason="PyLate's stack is not installed (bash scripts/setup.sh dev)")
+def test_distill_kl_equals_pylates_distillation_loss(tmp_path):
+    """PyLate's `Distillation` (run in a child process on its own stack, bench/pylate_runner.py) on the same token
+    vectors and teacher scores: the same loss with and without its min-max normalisation, and the same gradients
+    up to PyLate's re-normalisation of the vectors (which removes each gradient's component along its vector)."""
+    g = torch.Generator().manual_seed(8)
+    query = _token_vectors([5] * 4, 5, g).float()
+    candidates = _token_vectors([6] * 12, 6, g).float().view(4, 3, 6, D)  # every token real: PyLate scores padding 0
+    teacher = torch.tensor([[9.0, 3.0, -1.0], [2.0, 4.5, 0.0], [1.0, 1.0, 7.0], [0.0, 0.5, 0.25]])
+    torch.save({"queries": query, "documents": candidates, "teacher": teacher}, tmp_path / "inputs.pt")
+    run_pylate({"distill": {"inputs": str(tmp_path / "inputs.pt"), "out": str(tmp_path / "out.pt")}}, tmp_path)
+    theirs = torch.load(tmp_path / "out.pt")
+
+    def tangent(grad: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
+        return grad - (grad * vectors).sum(-1, keepdim=True) * vectors
+
+    for normalization in ("none", "min_max"):
+        q, c = query.clone().requires_grad_(), candidates.clone().requires_grad_()
+        loss = LateInteractionDistillKLLoss(1.0, 1.0, normalization)(q, c[:, 0], c[:, 1:], scores=teacher)
+        loss.backward()
+        expected = theirs[normalization]
+        assert loss.item() > 0
+        torch.testing.assert_close(loss.detach(), expected["loss"], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(tangent(q.grad, query), expected["queries"], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(tangent(c.grad, candidates), expected["documents"], atol=1e-6, rtol=1e-5)
 
 
 def test_distill_kl_needs_negatives_and_a_teacher_score_per_candidate():

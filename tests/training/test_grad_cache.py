@@ -171,9 +171,9 @@ def _colbert(text_pairs: dict, mask_tokenizer_dir: str) -> dict:
 
 def _candidate_lists(text_pairs: dict) -> dict:
     """text_pairs' rows as one candidate list per query with a teacher's scores: {query, documents, scores}."""
-    rows = [{"query": f"question {i}", "documents": [f"answer {i}: " + "a shape, " * (i % 4), "wrong. " * (1 + i % 3),
-                                                     f"another {i}"], "scores": [3.0 - i % 4, 0.5 * (i % 3), -1.0 + i % 2]}
-            for i in range(16)]
+    rows = [{"query": f"question {i}",
+             "documents": [f"answer {i}: " + "a shape, " * (i % 4), "wrong. " * (1 + i % 3), f"another {i}"],
+             "scores": [3.0 - i % 4, 0.5 * (i % 3), -1.0 + i % 2]} for i in range(16)]
     path = Path(text_pairs["data"]["train"]).with_name("lists.jsonl")
     path.write_text("\n".join(json.dumps(r) for r in rows))
     return {"train": str(path)}
