@@ -37,14 +37,12 @@ def as_pairs(table: Any, file: str, builder: str, columns: dict[str, str]) -> An
                         file=file)
     score = columns["score"] if columns["score"] in present else SCORES if SCORES in present else None
     split = _Splitter(file, builder, documents, score, columns)
-    if hasattr(table, "records"):  # vembed.data.tables.JsonRows
-        from vembed.data.tables import JsonRows
-
+    if hasattr(table, "records"):  # vembed.data.tables.JsonRows (the records rebuilt as the same type)
         batch = {name: [record.get(name) for record in table.records] for name in present}
         pairs = split(batch, list(range(table.num_rows)))
         names = [name for name in present if name not in (documents, score)] + list(pairs)
         batch.update(pairs)
-        return JsonRows([dict(zip(names, values)) for values in zip(*(batch[name] for name in names))], names)
+        return type(table)([dict(zip(names, values)) for values in zip(*(batch[name] for name in names))], names)
     return table.map(split, batched=True, with_indices=True, remove_columns=[documents] + ([score] if score else []),
                      features=_features(table, documents, score, columns),
                      desc=f"reading the documents lists of {file}")

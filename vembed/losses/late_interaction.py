@@ -24,7 +24,7 @@ from vembed.losses.contrastive import (
     _upcast,
     _value,
 )
-from vembed.losses.scored import DistillKLSettings, _need_negatives, _need_scores, distill_kl
+from vembed.losses.scored import _need_negatives, _need_scores, distill_kl
 from vembed.models.maxsim import maxsim, maxsim_candidates
 from vembed.models.token_vectors import cat_tokens, gather_tokens, pad_tokens, token_mask
 from vembed.recipe import InvalidKey
@@ -119,20 +119,18 @@ class LateInteractionLoss(EmbeddingLoss):
         return config
 
 
-def _fixed_temperature(settings: EmbeddingLossSettings, loss_type: str) -> None:
-    if settings.learnable_temperature:
-        raise InvalidKey("learnable_temperature", f"{loss_type} keeps its temperature fixed; remove the key")
+class FixedTemperatureSettings(LateInteractionSettings):
+    @model_validator(mode="after")
+    def _fixed_temperature(self) -> "FixedTemperatureSettings":
+        if self.learnable_temperature:
+            raise InvalidKey("learnable_temperature", "this loss_type keeps its temperature fixed; remove the key")
+        return self
 
 
-class LateInteractionPairwiseSettings(LateInteractionSettings):
+class LateInteractionPairwiseSettings(FixedTemperatureSettings):
     # colpali-engine's normalize_scores (its default): each MaxSim divided by the query's token count, so scores are
     # mean cosines in [-1, 1]; "none": raw sums over query tokens.
     maxsim_normalization: Literal["query_length", "none"] = "query_length"
-
-    @model_validator(mode="after")
-    def _fixed(self) -> "LateInteractionPairwiseSettings":
-        _fixed_temperature(self, "late_interaction_pairwise")
-        return self
 
 
 @LOSSES.register("late_interaction_pairwise")
@@ -189,20 +187,13 @@ class LateInteractionPairwiseLoss(EmbeddingLoss):
                 "maxsim_normalization": self.maxsim_normalization}
 
 
-class LateInteractionDistillKLSettings(DistillKLSettings):
-    # MaxSim scores are sums over query tokens: PyLate's and ColBERTv2's scale is 1, as late_interaction's.
-    temperature: float = Field(default=1.0, gt=0)
+class LateInteractionDistillKLSettings(FixedTemperatureSettings):
+    # temperature: late_interaction's 1 (PyLate's and ColBERTv2's scale for MaxSim sums); the teacher's scores are
+    # divided by this (unset: `temperature` too), as distill_kl's.
+    teacher_temperature: float | None = Field(default=None, gt=0)
     # "min_max": each query's student scores scaled to [0, 1] before the softmax (PyLate's Distillation default,
     # normalize_scores=True); "none": raw MaxSim (ColBERTv2).
     maxsim_normalization: Literal["none", "min_max"] = "none"
-
-    @model_validator(mode="after")
-    def _fixed(self) -> "LateInteractionDistillKLSettings":
-        if self.mrl_dims is not None:
-            raise InvalidKey("mrl_dims", "Matryoshka dimensions apply to one vector per side, not to token vectors; "
-                                         "remove mrl_dims (set multi_vector_dim instead)")
-        _fixed_temperature(self, "late_interaction_distill_kl")
-        return self
 
 
 @LOSSES.register("late_interaction_distill_kl")
