@@ -127,11 +127,11 @@ def test_a_documents_list_without_scores_is_contrastive_pairs_and_data_columns_m
         ("p", ["n1", "n2"], None), ("s", ["m1", "m2"], None)]
 
 
-@pytest.mark.parametrize("write", [_jsonl, _parquet], ids=["jsonl", "parquet"])
+@pytest.mark.parametrize("write", [_jsonl, _parquet, _csv], ids=["jsonl", "parquet", "csv"])
 def test_scores_of_another_length_than_the_documents_stop_naming_the_file_and_row(tmp_path, write):
     rows = [dict(row) for row in LISTS]
     rows[2]["scores"] = [1.0, 2.0, 3.0, 4.0]
-    path = write(tmp_path / f"w.{'jsonl' if write is _jsonl else 'parquet'}", rows)
+    path = write(tmp_path / f"w.{write.__name__[1:]}", rows)
     with pytest.raises(DataError) as found:
         load_rows(DataConfig(train=str(path)), "train")
     message = str(found.value)
@@ -141,5 +141,24 @@ def test_scores_of_another_length_than_the_documents_stop_naming_the_file_and_ro
 
 def test_a_documents_list_beside_a_negatives_column_is_refused(tmp_path):
     path = _jsonl(tmp_path / "both.jsonl", [dict(LISTS[0], negatives=["x"])])
-    with pytest.raises(DataError, match="give one of them"):
+    with pytest.raises(DataError, match="give one of them") as found:
         load_rows(DataConfig(train=str(path)), "train")
+    assert str(path) in str(found.value)
+
+
+def test_a_file_with_a_positive_column_is_ordinary_pairs_whatever_else_it_holds(tmp_path):
+    path = _jsonl(tmp_path / "pairs.jsonl", [{"query": "q", "positive": "p", "documents": ["x", "y"]}])
+    rows, _ = load_rows(DataConfig(train=str(path)), "train")
+    assert (rows[0].positive.text, rows[0].negatives) == ("p", [])
+
+
+def test_the_score_column_the_recipe_names_wins_over_scores(tmp_path):
+    path = _jsonl(tmp_path / "t.jsonl", [dict(LISTS[0], teacher=[1.0, 2.0, 3.0])])
+    rows, _ = load_rows(DataConfig(train=str(path), columns={"score": "teacher"}), "train")
+    assert rows[0].score == [1.0, 2.0, 3.0]
+
+
+def test_an_empty_documents_list_is_a_row_without_a_positive(tmp_path):
+    path = _jsonl(tmp_path / "e.jsonl", [*LISTS, {"query": "q", "documents": [], "scores": []}])
+    rows, report = load_rows(DataConfig(train=str(path), max_bad_fraction=0.5), "train")
+    assert len(rows) == 4 and report.skipped == {"empty_positive": 1}
