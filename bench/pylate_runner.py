@@ -6,7 +6,10 @@ A job is a JSON object whose keys name the steps to run, in the order of `COMMAN
 
     encode:  load `pylate.models.ColBERT(model)`, encode queries and documents as PyLate does, and save (torch.save)
              their token vectors and MaxSim scores (`pylate.scores.colbert_scores`);
-    snippet: run Python code (a model card's PyLate example) and save the `scores` it leaves.
+    snippet: run Python code (a model card's PyLate example) and save the `scores` it leaves;
+    distill: `pylate.losses.Distillation` on given token vectors and teacher scores (no model: a stand-in encoder
+             hands the vectors over), with and without its min-max score normalisation; saves the losses and the
+             gradients with respect to the vectors.
 """
 
 from __future__ import annotations
@@ -65,7 +68,36 @@ def snippet(job: dict[str, Any]) -> None:
     torch.save(torch.as_tensor(namespace["scores"]), job["out"])
 
 
-COMMANDS = {"encode": encode, "snippet": snippet}
+def distill(job: dict[str, Any]) -> None:
+    """`job["inputs"]` (torch.save'd): queries (B, Tq, d), documents (B, c, Td, d) every token real, teacher (B, c)."""
+    import torch
+    from pylate import losses
+
+    data = torch.load(job["inputs"])
+    queries, documents, teacher = data["queries"], data["documents"], data["teacher"]
+
+    class StandIn(torch.nn.Module):  # what Distillation calls as its model: returns the given vectors
+        skiplist: list[int] = []
+        do_query_expansion = True  # every query token scored, as vembed's expanded queries
+
+        def forward(self, features: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {"token_embeddings": features["vectors"]}
+
+    results = {}
+    for normalize in (False, True):
+        q, d = queries.clone().requires_grad_(), documents.clone().requires_grad_()
+        flat = d.flatten(0, 1)
+        features = [{"input_ids": torch.ones(q.shape[:2], dtype=torch.long),
+                     "attention_mask": torch.ones(q.shape[:2], dtype=torch.long), "vectors": q},
+                    {"input_ids": torch.ones(flat.shape[:2], dtype=torch.long),
+                     "attention_mask": torch.ones(flat.shape[:2], dtype=torch.long), "vectors": flat}]
+        loss = losses.Distillation(StandIn(), normalize_scores=normalize)(features, teacher)
+        loss.backward()
+        results["min_max" if normalize else "none"] = {"loss": loss.detach(), "queries": q.grad, "documents": d.grad}
+    torch.save(results, job["out"])
+
+
+COMMANDS = {"encode": encode, "snippet": snippet, "distill": distill}
 
 if __name__ == "__main__":
     steps = json.loads(Path(sys.argv[1]).read_text())

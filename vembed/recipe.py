@@ -127,6 +127,9 @@ class ColumnMap(_Strict):
     positive_image: str = "positive_image"  # positive image path(s)
     negatives: str = "negatives"  # hard-negative texts: a list, or one string
     negative_images: str = "negative_images"  # hard-negative images: a list (one entry per negative), or one string
+    # A ranked candidate list per query (a file with it and no positive column): the first is the positive, the rest
+    # the hard negatives; its teacher scores are in data.columns.score, else `scores` (vembed/data/candidate_lists.py).
+    documents: str = "documents"
     label: str = "label"  # optional group id: items sharing it count as relevant in evaluation
     # Graded pairs and distillation: a number per pair (cosent, angle, cosine_mse; margin_mse: the teacher's margin
     # with one negative), or a list of teacher scores of [positive, negative 1, ...] (distill_kl, margin_mse), one

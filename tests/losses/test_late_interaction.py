@@ -1,8 +1,10 @@
-"""Late interaction (ColBERT): MaxSim scoring and the in-batch contrastive loss over it, against plain loops written
-here, and two gloo ranks against one process on the whole batch."""
+"""Late interaction (ColBERT): MaxSim scoring and the losses over it (in-batch contrastive, colpali-engine's pairwise,
+KL distillation of teacher scores), against plain loops written here, and two gloo ranks against one process on the
+whole batch."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,9 +14,16 @@ import torch.nn.functional as F
 from ranks import run_on_ranks
 from torch import nn
 
-from vembed.losses.late_interaction import LateInteractionLoss
-from vembed.models.token_vectors import cat_tokens, pad_tokens, token_mask
-from vembed.models.maxsim import maxsim
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from pylate_runner import pylate_available, run_pylate  # noqa: E402
+
+from vembed.losses.late_interaction import (  # noqa: E402
+    LateInteractionDistillKLLoss,
+    LateInteractionLoss,
+    LateInteractionPairwiseLoss,
+)
+from vembed.models.maxsim import maxsim, maxsim_candidates  # noqa: E402
+from vembed.models.token_vectors import cat_tokens, pad_tokens, token_mask  # noqa: E402
 
 WORLD, B, K, IN, D = 2, 3, 2, 12, 8
 
@@ -91,9 +100,114 @@ def test_loss_equals_cross_entropy_over_brute_force_maxsim(with_negatives, with_
     assert abs(loss.item() - expected.item()) <= 1e-6 * max(1.0, abs(expected.item()))
 
 
-def test_loss_refuses_one_vector_per_side():
-    with pytest.raises(ValueError, match="token vectors"):
-        LateInteractionLoss()(torch.randn(2, 4), torch.randn(2, 4))
+@pytest.mark.parametrize("loss", [LateInteractionLoss, LateInteractionPairwiseLoss, LateInteractionDistillKLLoss])
+def test_loss_refuses_one_vector_per_side(loss):
+    with pytest.raises(ValueError, match="takes token vectors"):
+        loss()(torch.randn(2, 4), torch.randn(2, 4), torch.randn(2, 1, 4), scores=torch.randn(2, 2))
+    assert loss.token_vectors
+
+
+def test_maxsim_candidates_scores_each_query_against_its_own_list():
+    g = torch.Generator().manual_seed(4)
+    queries = _token_vectors([3, 2, 4], 4, g)
+    candidates = _token_vectors([2, 5, 1, 3, 4, 2, 6, 1, 3], 6, g).view(3, 3, 6, D)
+    expected = torch.stack([torch.stack([_brute_maxsim(q, c) for c in row]) for q, row in zip(queries, candidates)])
+    assert torch.allclose(maxsim_candidates(queries, candidates), expected, atol=1e-12)
+    assert torch.allclose(maxsim_candidates(queries, candidates, max_block_elements=1), expected, atol=1e-12)
+
+
+def _brute_pairwise(query, positive, negatives, temperature, per_token, labels=None) -> torch.Tensor:
+    """colpali-engine's ColbertPairwiseCELoss, written out: MaxSim (divided by the query's token count, its default
+    normalize_scores), the positive against the best-scoring other candidate, softplus of the difference."""
+    documents = list(positive) + ([n for row in negatives for n in row] if negatives is not None else [])
+    losses = []
+    for i, q in enumerate(query):
+        tokens = sum(1 for t in q if t.abs().sum() > 0) if per_token else 1
+        others = [_brute_maxsim(q, d) / tokens for j, d in enumerate(documents)
+                  if j != i and not (labels is not None and j < len(positive) and labels[j] == labels[i])]
+        own = _brute_maxsim(q, positive[i]) / tokens
+        losses.append(torch.log1p(torch.exp((max(others, key=float) - own) / temperature)))
+    return torch.stack(losses).mean()
+
+
+@pytest.mark.parametrize("with_negatives,with_labels,per_token", [(False, False, True), (True, False, True),
+                                                                   (True, True, True), (True, False, False)])
+def test_pairwise_loss_equals_colpalis_definition_by_loops(with_negatives, with_labels, per_token):
+    g = torch.Generator().manual_seed(5)
+    query = _token_vectors([4, 2, 3, 4], 4, g)
+    positive = _token_vectors([3, 6, 1, 5], 6, g)
+    negatives = _token_vectors([2, 4, 3, 1, 6, 2, 5, 3], 6, g).view(4, 2, 6, D) if with_negatives else None
+    labels = torch.tensor([7, 8, 7, 9]) if with_labels else None
+    normalization = "query_length" if per_token else "none"
+    loss = LateInteractionPairwiseLoss(0.5, normalization)(query, positive, negatives, labels=labels)
+    expected = _brute_pairwise(query, positive, negatives, 0.5, per_token, labels)
+    assert abs(loss.item() - expected.item()) <= 1e-9 * max(1.0, abs(expected.item()))
+
+
+def _brute_distill(query, positive, negatives, teacher, temperature, teacher_temperature, min_max) -> torch.Tensor:
+    losses = []
+    for q, p, row, t in zip(query, positive, negatives, teacher):
+        student = torch.stack([_brute_maxsim(q, d) for d in [p, *row]])
+        if min_max:
+            student = (student - student.min()) / (student.max() - student.min() + 1e-8)
+        target = torch.exp(t / teacher_temperature) / torch.exp(t / teacher_temperature).sum()
+        log_student = student / temperature - torch.logsumexp(student / temperature, 0)
+        losses.append((target * (target.log() - log_student)).sum())
+    return torch.stack(losses).mean() * temperature**2
+
+
+@pytest.mark.parametrize("temperature,teacher_temperature,min_max", [(1.0, None, False), (0.5, 2.0, False),
+                                                                     (1.0, None, True)])
+def test_distill_kl_equals_kl_over_each_querys_candidates_by_loops(temperature, teacher_temperature, min_max):
+    g = torch.Generator().manual_seed(6)
+    query = _token_vectors([4, 2, 3], 4, g)
+    positive = _token_vectors([3, 6, 1], 6, g)
+    negatives = _token_vectors([2, 4, 3, 1, 5, 2], 5, g).view(3, 2, 5, D)  # narrower than the positives
+    teacher = torch.tensor([[9.0, 3.0, -1.0], [2.0, 4.5, 0.0], [1.0, 1.0, 7.0]], dtype=torch.float64)
+    loss = LateInteractionDistillKLLoss(temperature, teacher_temperature, "min_max" if min_max else "none")(
+        query, positive, negatives, scores=teacher)
+    expected = _brute_distill(query, positive, negatives, teacher, temperature, teacher_temperature or temperature,
+                              min_max)
+    assert loss.dtype == torch.float64 and loss.item() > 0
+    assert abs(loss.item() - expected.item()) <= 1e-9 * max(1.0, abs(expected.item()))
+
+
+@pytest.mark.slow  # a child process on PyLate's stack
+@pytest.mark.skipif(not pylate_available(), reason="PyLate's stack is not installed (bash scripts/setup.sh dev)")
+def test_distill_kl_equals_pylates_distillation_loss(tmp_path):
+    """PyLate's `Distillation` (run in a child process on its own stack, bench/pylate_runner.py) on the same token
+    vectors and teacher scores: the same loss with and without its min-max normalisation, and the same gradients
+    up to PyLate's re-normalisation of the vectors (which removes each gradient's component along its vector)."""
+    g = torch.Generator().manual_seed(8)
+    query = _token_vectors([5] * 4, 5, g).float()
+    candidates = _token_vectors([6] * 12, 6, g).float().view(4, 3, 6, D)  # every token real: PyLate scores padding 0
+    teacher = torch.tensor([[9.0, 3.0, -1.0], [2.0, 4.5, 0.0], [1.0, 1.0, 7.0], [0.0, 0.5, 0.25]])
+    torch.save({"queries": query, "documents": candidates, "teacher": teacher}, tmp_path / "inputs.pt")
+    run_pylate({"distill": {"inputs": str(tmp_path / "inputs.pt"), "out": str(tmp_path / "out.pt")}}, tmp_path)
+    theirs = torch.load(tmp_path / "out.pt")
+
+    def tangent(grad: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
+        return grad - (grad * vectors).sum(-1, keepdim=True) * vectors
+
+    for normalization in ("none", "min_max"):
+        q, c = query.clone().requires_grad_(), candidates.clone().requires_grad_()
+        loss = LateInteractionDistillKLLoss(1.0, 1.0, normalization)(q, c[:, 0], c[:, 1:], scores=teacher)
+        loss.backward()
+        expected = theirs[normalization]
+        assert loss.item() > 0
+        torch.testing.assert_close(loss.detach(), expected["loss"], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(tangent(q.grad, query), expected["queries"], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(tangent(c.grad, candidates), expected["documents"], atol=1e-6, rtol=1e-5)
+
+
+def test_distill_kl_needs_negatives_and_a_teacher_score_per_candidate():
+    g = torch.Generator().manual_seed(7)
+    query, positive = _token_vectors([2, 2], 3, g), _token_vectors([2, 3], 3, g)
+    negatives = _token_vectors([1, 2], 3, g).view(2, 1, 3, D)
+    with pytest.raises(ValueError, match="needs hard negatives"):
+        LateInteractionDistillKLLoss()(query, positive, None, scores=torch.zeros(2, 1))
+    with pytest.raises(ValueError, match=r"needs scores of shape \(2, 2\)"):
+        LateInteractionDistillKLLoss()(query, positive, negatives, scores=torch.zeros(2, 3))
 
 
 # --- two gloo ranks = one process on the whole batch ---------------------------------------------------------------
@@ -102,14 +216,21 @@ P_LENGTHS = [2, 4, 3, 7, 1, 6]  # rank 0's positives are at most 4 long, rank 1'
 N_LENGTHS = [[1, 3], [2, 2], [4, 1], [5, 2], [3, 3], [2, 6]]
 
 
+LOSSES = {
+    "late_interaction": lambda: LateInteractionLoss(temperature=0.2, learnable_temperature=True),
+    "late_interaction_pairwise": lambda: LateInteractionPairwiseLoss(temperature=0.5),
+    "late_interaction_distill_kl": lambda: LateInteractionDistillKLLoss(temperature=0.5, teacher_temperature=2.0),
+}
+
+
 class TokenEncoderWithLoss(nn.Module):
     """A linear token encoder (normalised, zero where there is no token) and the loss, as the loop wraps them."""
 
-    def __init__(self):
+    def __init__(self, loss: str = "late_interaction"):
         super().__init__()
         torch.manual_seed(0)
         self.encoder = nn.Linear(IN, D, bias=False)
-        self.loss = LateInteractionLoss(temperature=0.2, learnable_temperature=True)
+        self.loss = LOSSES[loss]()
 
     def encode(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         width = int(lengths.max())  # each rank pads only to its own longest row
@@ -117,7 +238,7 @@ class TokenEncoderWithLoss(nn.Module):
         return F.normalize(self.encoder(tokens[:, :width]), dim=-1) * keep[..., None]
 
     def forward(self, batch):
-        queries, q_len, positives, p_len, negatives, n_len = batch
+        queries, q_len, positives, p_len, negatives, n_len, _ = batch
         n = negatives.shape[0]
         encoded = self.encode(negatives.flatten(0, 1), n_len.flatten())
         return self.encode(queries, q_len), self.encode(positives, p_len), encoded.view(n, K, *encoded.shape[1:])
@@ -127,33 +248,37 @@ def _global_token_batch():
     g = torch.Generator().manual_seed(99)
     n = WORLD * B
     return (torch.randn(n, 5, IN, generator=g), torch.tensor(Q_LENGTHS), torch.randn(n, 7, IN, generator=g),
-            torch.tensor(P_LENGTHS), torch.randn(n, K, 6, IN, generator=g), torch.tensor(N_LENGTHS))
+            torch.tensor(P_LENGTHS), torch.randn(n, K, 6, IN, generator=g), torch.tensor(N_LENGTHS),
+            3 * torch.randn(n, 1 + K, generator=g))  # teacher scores of [positive, negatives]
 
 
 def _loss_and_grads(model, forward, batch):
     model.zero_grad()
-    loss = model.loss(*forward(batch))
+    loss = model.loss(*forward(batch), scores=batch[-1])
     loss.backward()
     return {"loss": loss.detach(), "grads": {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}}
 
 
 def _late_interaction_rank(out_dir: str) -> None:
     rank = dist.get_rank()
-    model = TokenEncoderWithLoss()
-    ddp = nn.parallel.DistributedDataParallel(model)
     local = tuple(t[rank * B : (rank + 1) * B] for t in _global_token_batch())
-    torch.save(_loss_and_grads(model, ddp, local), Path(out_dir) / f"rank{rank}.pt")
+    for loss in LOSSES:  # one start of the ranks for every loss (spawning them is the slow part)
+        model = TokenEncoderWithLoss(loss)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        torch.save(_loss_and_grads(model, ddp, local), Path(out_dir) / f"{loss}-rank{rank}.pt")
 
 
-def test_late_interaction_two_ranks_equal_one_process_on_the_whole_batch(tmp_path):
+def test_late_interaction_losses_two_ranks_equal_one_process_on_the_whole_batch(tmp_path):
     run_on_ranks(_late_interaction_rank, str(tmp_path), world=WORLD)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
-    model = TokenEncoderWithLoss()
-    expected = _loss_and_grads(model, model, _global_token_batch())
-    assert set(expected["grads"]) == {"encoder.weight", "loss._infonce.log_scale"}
-    mean = torch.stack([r["loss"] for r in ranks]).mean()
-    assert abs(mean - expected["loss"]) <= 1e-5 * expected["loss"].abs()
-    for result in ranks:
-        for name, grad in expected["grads"].items():
-            difference = ((result["grads"][name] - grad).abs().max() / grad.abs().max()).item()
-            assert difference <= 1e-5, f"{name}: relative difference {difference:.2e}"
+    for loss in LOSSES:
+        ranks = [torch.load(tmp_path / f"{loss}-rank{r}.pt") for r in range(WORLD)]
+        model = TokenEncoderWithLoss(loss)
+        expected = _loss_and_grads(model, model, _global_token_batch())
+        learned = {"loss._infonce.log_scale"} if loss == "late_interaction" else set()
+        assert set(expected["grads"]) == {"encoder.weight"} | learned
+        mean = torch.stack([r["loss"] for r in ranks]).mean()
+        assert abs(mean - expected["loss"]) <= 1e-5 * expected["loss"].abs(), loss
+        for result in ranks:
+            for name, grad in expected["grads"].items():
+                difference = ((result["grads"][name] - grad).abs().max() / grad.abs().max()).item()
+                assert difference <= 1e-5, f"{loss} {name}: relative difference {difference:.2e}"

@@ -155,3 +155,41 @@ def test_zero3_colbert_launch_trains_the_weights_of_one_process(colbert_recipe, 
         assert (got.pop(name) - expected.pop(name)).abs().max() <= 1e-6, name
     difference = max_relative_difference(got, expected)
     assert difference <= 1e-4, difference
+
+
+@pytest.mark.parametrize("loss", ["late_interaction_pairwise", "late_interaction_distill_kl"])
+def test_the_other_token_vector_losses_need_multi_vector_and_a_fixed_temperature(colbert_recipe, loss):
+    from vembed.errors import RecipeError
+    from vembed.tasks.contrastive import ContrastiveTask
+
+    ContrastiveTask.check_recipe(recipe_from_dict({**colbert_recipe, "loss_type": loss}))
+    single = {k: v for k, v in colbert_recipe.items() if k not in ("embedding", "multi_vector_dim", "query_length")}
+    with pytest.raises(RecipeError, match="scores token vectors; set embedding: multi_vector") as err:
+        ContrastiveTask.check_recipe(recipe_from_dict({**single, "loss_type": loss}))
+    assert err.value.key == "loss_type"
+    names = "late_interaction, late_interaction_distill_kl, late_interaction_pairwise"
+    with pytest.raises(RecipeError, match=f"use a loss_type that scores them \\({names}\\)"):
+        ContrastiveTask.check_recipe(recipe_from_dict({**colbert_recipe, "loss_type": "infonce"}))
+    with pytest.raises(RecipeError, match="keeps its temperature fixed") as err:
+        recipe_from_dict({**colbert_recipe, "loss_type": loss, "learnable_temperature": True})
+    assert err.value.key == "learnable_temperature"
+
+
+def test_shipped_colbert_distillation_recipe_trains_from_candidate_lists(colbert_recipe, tmp_path):
+    """configs/colbert_minilm_distill.yaml with the tiny BERT, on {query, documents, scores} lines, in-process."""
+    from vembed.training.loop import Trainer
+
+    shipped = yaml.safe_load((ROOT / "configs" / "colbert_minilm_distill.yaml").read_text())
+    shipped.pop("model_name")
+    rows = [{"query": f"question {i}", "documents": [f"answer {i}: a shape", "wrong.", f"another {i}"],
+             "scores": [5.0, 1.0 - i % 2, 0.5 * (i % 3)]} for i in range(8)]
+    path = tmp_path / "lists.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    tiny = {k: colbert_recipe[k] for k in ("tokenizer_name", "model_config", "output_dir", "seed")}
+    raw = {**shipped, **tiny, "data": {**shipped["data"], "train": str(path), "num_hard_negatives": 2},
+           "multi_vector_dim": 16, "query_length": 12, "max_length": 32, "batch_size": 4, "max_steps": 2,
+           "learning_rate": 1e-3}
+    Trainer(recipe_from_dict(raw)).run()
+    vectors = vembed.load(str(Path(raw["output_dir"]) / "final"), device="cpu").encode_token_vectors(
+        DOCUMENTS, role="document")
+    assert vectors.shape[0] == 3 and vectors.shape[2] == 16 and torch.isfinite(vectors).all()

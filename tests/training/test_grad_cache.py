@@ -169,14 +169,32 @@ def _colbert(text_pairs: dict, mask_tokenizer_dir: str) -> dict:
                 query_length=12, loss_type="late_interaction", temperature=0.5, data={"train": str(path)})
 
 
-def test_cached_gradients_equal_whole_batch_for_colbert_token_vectors(text_pairs, mask_tokenizer_dir):
-    raw = dict(_colbert(text_pairs, mask_tokenizer_dir), use_gradient_cache=True, gradient_cache_chunk_size=3)
+def _candidate_lists(text_pairs: dict) -> dict:
+    """text_pairs' rows as one candidate list per query with a teacher's scores: {query, documents, scores}."""
+    rows = [{"query": f"question {i}",
+             "documents": [f"answer {i}: " + "a shape, " * (i % 4), "wrong. " * (1 + i % 3), f"another {i}"],
+             "scores": [3.0 - i % 4, 0.5 * (i % 3), -1.0 + i % 2]} for i in range(16)]
+    path = Path(text_pairs["data"]["train"]).with_name("lists.jsonl")
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return {"train": str(path)}
+
+
+@pytest.mark.parametrize("loss", ["late_interaction", "late_interaction_pairwise", "late_interaction_distill_kl"])
+def test_cached_gradients_equal_whole_batch_for_colbert_token_vectors(text_pairs, mask_tokenizer_dir, loss):
+    raw = dict(_colbert(text_pairs, mask_tokenizer_dir), use_gradient_cache=True, gradient_cache_chunk_size=3,
+               loss_type=loss)
+    if loss != "late_interaction":
+        raw["learnable_temperature"] = False
+    if loss == "late_interaction_distill_kl":  # teacher scores of each query's candidates, the list shape
+        raw["data"] = _candidate_lists(text_pairs)
     rows = list(range(BATCH))
     cached, cached_loss = _cached_step(raw, rows)
     reference, reference_loss = _reference_step(raw, rows, chunk=3)
     assert cached_loss == pytest.approx(reference_loss, rel=1e-6)
+    assert reference_loss > 0
     print(f"relative gradient difference: {_assert_close(cached, reference):.2e}")
-    assert "adapter.projection.weight" in cached and "loss._infonce.log_scale" in cached
+    assert "adapter.projection.weight" in cached
+    assert ("loss._infonce.log_scale" in cached) == (loss == "late_interaction")
 
 
 @pytest.fixture
@@ -195,6 +213,7 @@ SCORED_LOSSES = {
     "cosent": ("gold", {}), "angle": ("gold", {}), "cosine_mse": ("gold", {}),
     "triplet": ("gold", {"triplet_margin": 0.5}), "batch_hard_triplet": ("gold", {"triplet_margin": 0.5}),
     "margin_mse": ("teacher", {}), "distill_kl": ("teacher", {"temperature": 0.5}),
+    "lists-distill_kl": ("scores", {"temperature": 0.5}),  # read from {query, documents, scores} lines
     "matryoshka-cosent": ("gold", {"mrl_dims": [32, 8]}),
     "gist": ("gold", {"gist_margin": 0.0}),  # the tiny guide scores every pair alike: no margin, or all is masked
     "embedding_mse": ("gold", {}),  # the teacher's vectors: extracted below with another tiny text model
@@ -208,6 +227,8 @@ def test_cached_gradients_equal_whole_batch_for_the_scored_and_triplet_losses(sc
     raw = dict(scored_text_pairs, loss_type=case.split("-")[-1], use_gradient_cache=True, gradient_cache_chunk_size=3,
                learnable_temperature=False, **keys)
     raw["data"] = {**raw["data"], "columns": {"score": column}}
+    if case.startswith("lists-"):
+        raw["data"] = _candidate_lists(scored_text_pairs)
     if case == "gist":  # the guide: another tiny text model, saved
         from vembed.models import MODELS
 

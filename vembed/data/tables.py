@@ -171,9 +171,15 @@ def _undecoded_images(table: "datasets.Dataset | JsonRows", columns: list[str]) 
 
 def open_table(file: str, builder: str, split: str, columns: dict[str, str]) -> Any:
     """A file's table with only the columns used, image features undecoded; None when it is empty."""
+    from vembed.data.candidate_lists import SCORES, as_pairs, is_candidate_lists
+
     table = read_table(file, builder, split)
     if table.num_rows == 0:
         return None
+    present = list(table.column_names)
+    if is_candidate_lists(present, columns):  # {query, documents, scores}: read as pairs (candidate_lists.py)
+        table = as_pairs(table.select_columns([name for name in present if name in {*columns.values(), SCORES}]),
+                         file, builder, columns)
     check_columns(file, list(table.column_names), columns)
     used = [name for name in dict.fromkeys(columns.values()) if name in table.column_names]
     return _undecoded_images(table.select_columns(used), used)
@@ -186,9 +192,12 @@ def check_columns(file: str, present: list[str], columns: dict[str, str]) -> Non
         text_col, image_col = columns[side], columns[f"{side}_image"]
         if text_col not in present and image_col not in present:
             hint = did_you_mean(text_col, present) or did_you_mean(image_col, present)
+            # the candidate-list shape (vembed/data/candidate_lists.py) gives the positive as the first document
+            alternative = f", or a list {columns['documents']!r} (data.columns.documents)" if side == "positive" \
+                and "documents" in columns else ""
             missing.append(
                 f"no {side} column: looked for {text_col!r} (data.columns.{side}) and {image_col!r} "
-                f"(data.columns.{side}_image){hint}"
+                f"(data.columns.{side}_image){alternative}{hint}"
             )
     if missing:
         raise DataError(

@@ -206,6 +206,15 @@ class MarginMSELoss(EmbeddingLoss):
         return {"name": type(self).__name__, "loss_type": "margin_mse"}
 
 
+def distill_kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float,
+               teacher_temperature: float) -> torch.Tensor:
+    """temperature^2 * mean over queries of KL(softmax(teacher / teacher_temperature) || softmax(student /
+    temperature)), for (B, 1 + k) scores of each query's candidates: the one formula of every distill_kl loss."""
+    log_student = torch.log_softmax(student / temperature, dim=1)
+    target = torch.softmax(teacher.detach().to(student.dtype) / teacher_temperature, dim=1)
+    return F.kl_div(log_student, target, reduction="batchmean") * temperature**2
+
+
 class DistillKLSettings(EmbeddingLossSettings):
     # The student's scores are divided by `temperature`; the teacher's by this (unset: `temperature` too).
     teacher_temperature: float | None = Field(default=None, gt=0)
@@ -246,10 +255,7 @@ class DistillKLDivLoss(EmbeddingLoss):
         gold = _need_scores(self, scores, (query.shape[0], 1 + negatives.shape[1]))
         with _full_precision(query.device):
             student = _candidate_scores(_upcast(query), _upcast(positive), _upcast(negatives))
-            log_student = torch.log_softmax(student / self.temperature, dim=1)
-            teacher = torch.softmax(gold.to(student.dtype) / self.teacher_temperature, dim=1)
-            loss = F.kl_div(log_student, teacher, reduction="batchmean")
-            return loss * self.temperature**2
+            return distill_kl(student, gold, self.temperature, self.teacher_temperature)
 
     @property
     def config(self) -> dict[str, Any]:
@@ -258,4 +264,4 @@ class DistillKLDivLoss(EmbeddingLoss):
 
 
 __all__ = ["AnglELoss", "CoSENTLoss", "CosineSimilarityLoss", "DistillKLDivLoss", "MarginMSELoss",
-           "angle_similarity"]
+           "angle_similarity", "distill_kl"]

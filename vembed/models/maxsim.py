@@ -40,4 +40,25 @@ def maxsim(queries: torch.Tensor, documents: torch.Tensor,
     return torch.cat(scores, dim=1) if scores else queries.new_zeros(queries.shape[0], 0)
 
 
-__all__ = ["MAX_BLOCK_ELEMENTS", "maxsim"]
+def maxsim_candidates(queries: torch.Tensor, candidates: torch.Tensor,
+                      max_block_elements: int = MAX_BLOCK_ELEMENTS) -> torch.Tensor:
+    """`(B, c)` scores of each query `(B, Tq, d)` against its own c candidates `(B, c, Td, d)` only (a candidate list
+    per query, as distillation scores it), by the rules of `maxsim`; queries are scored in blocks of rows."""
+    if queries.dim() != 3 or candidates.dim() != 4 or candidates.shape[0] != queries.shape[0] \
+            or candidates.shape[3] != queries.shape[2]:
+        raise ValueError(f"maxsim_candidates takes (B, Tq, d) queries and (B, c, Td, d) candidates; got "
+                         f"{tuple(queries.shape)} and {tuple(candidates.shape)}")
+    per_query = max(1, queries.shape[1] * candidates.shape[1] * candidates.shape[2])
+    block = max(1, max_block_elements // per_query)
+    scores = []
+    for start in range(0, queries.shape[0], block):
+        query, candidate = queries[start : start + block], candidates[start : start + block]
+        kept = token_mask(candidate.flatten(0, 1)).view(candidate.shape[:3])  # (b, c, Td)
+        similarity = torch.einsum("bid,bcjd->bcij", query, candidate)
+        best = similarity.masked_fill(~kept[:, :, None, :], float("-inf")).amax(dim=-1)  # (b, c, Tq)
+        scored = token_mask(query)[:, None, :] & kept.any(dim=-1)[:, :, None]
+        scores.append(best.masked_fill(~scored, 0.0).sum(dim=-1))
+    return torch.cat(scores, dim=0) if scores else queries.new_zeros(0, candidates.shape[1])
+
+
+__all__ = ["MAX_BLOCK_ELEMENTS", "maxsim", "maxsim_candidates"]

@@ -506,17 +506,19 @@ def _check_teacher_embeddings(recipe: "Recipe", dim: int, streamed: bool) -> Non
 
 
 def _check_token_vectors(recipe: "Recipe") -> None:
-    """Token vectors (`embedding: multi_vector`) go with a loss that scores them (late_interaction), one vector per
+    """Token vectors (`embedding: multi_vector`) go with a loss that scores them (late_interaction...), one vector per
     side with the others; they are evaluated on corpus folders (MaxSim search, vembed/retrieval/maxsim_search.py),
     not on pair files, whose metrics score one vector per side."""
     from vembed.components import loss_class
     from vembed.data.corpus import corpus_sources
+    from vembed.losses import LOSSES
 
     multi = getattr(recipe.model, "embedding", "single") == "multi_vector"
     if multi != loss_class(recipe).token_vectors:
         if multi:
+            scoring = ", ".join(name for name in LOSSES.names() if LOSSES.get(name).token_vectors)
             raise RecipeError("loss_type", f"{recipe.loss_type} scores one vector per side; embedding: multi_vector "
-                                           "gives token vectors: use loss_type: late_interaction")
+                                           f"gives token vectors: use a loss_type that scores them ({scoring})")
         raise RecipeError("loss_type", f"{recipe.loss_type} scores token vectors; set embedding: multi_vector "
                                        "(model_type text) or choose another loss_type")
     if multi:
