@@ -115,3 +115,14 @@ def test_a_template_without_one_name_slot_is_refused(recipe_for, template):
 
     with pytest.raises((RecipeError, InvalidKey, ValueError), match="class_name_template"):
         recipe_for("vision", class_name_template=template)
+
+
+def test_a_head_built_partitioned_is_refused_rather_than_left_random(recipe_for, dual_folder):
+    from vembed.models import MODELS
+
+    model_type, folder = dual_folder
+    adapter = _vision(recipe_for, folder)
+    adapter.classifier.weight.ds_id = 7  # what DeepSpeed's partitioned construction (zero3_init_flag) marks
+    dual = MODELS.get(model_type).load(folder)
+    with pytest.raises(RecipeError, match="head_init: class_names embeds the class names on each rank"):
+        adapter.head_from_class_names(dual)

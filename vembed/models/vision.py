@@ -250,6 +250,10 @@ class VisionAdapter(TransformersAdapter):
         if self.classifier is None or names is None:
             raise RecipeError("label_names", "head_init: class_names needs the class names (label_names, or the "
                                              "training data's classes as the classification task reads them)")
+        if any(hasattr(p, "ds_id") for p in (*dual.parameters(), self.classifier.weight)):
+            # Built partitioned (DeepSpeed zero3_init_flag: true): no rank holds a whole text tower or head to write.
+            raise RecipeError("head_init", "class_names embeds the class names on each rank, which a model built "
+                                           "partitioned cannot; use an accelerate config with zero3_init_flag: false")
         prompts = [self.settings.class_name_template.format(name) for name in names]
         was_training = dual.training
         dual.eval()  # no dropout in the embeddings the head starts from
