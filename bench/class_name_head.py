@@ -55,15 +55,15 @@ def run(recipe_dict: dict) -> dict:
     return {"before": before, "after": after}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--clip-steps", type=int, default=400)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--samples", type=int, default=1200)
-    parser.add_argument("--work", default="runs/class_name_head")
+    parser.add_argument("--work", default=None, help="data and runs (default: runs/class_name_head; smoke: temporary)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--smoke", action="store_true", help="a few steps, to check the script runs")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.smoke:
         args.clip_steps, args.steps, args.samples = 4, 2, 120
     import sys
@@ -72,7 +72,8 @@ def main() -> None:
     from bench.outputs import output_dir
     from vembed.data.synthetic import make_dummy_dataset
 
-    out = Path(args.work)
+    results_dir = output_dir(args.out, args.smoke)
+    out = Path(args.work or (results_dir / "work" if args.smoke else "runs/class_name_head"))
     data = out / "data"
     make_dummy_dataset(data, args.samples, seed=0, image_size=32)
     common = {"output_dir": None, "overwrite_output_dir": True, "batch_size": 32, "seed": 0, "save_steps": 10**6,
@@ -95,9 +96,10 @@ def main() -> None:
         results["classification"][head_init] = {when: {k: measured[when][k] for k in METRICS}
                                                 for when in ("before", "after")}
         print(head_init, json.dumps(results["classification"][head_init]))
-    (output_dir(args.out, args.smoke) / "class_name_head.json").write_text(json.dumps(results, indent=2))
+    (results_dir / "class_name_head.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
