@@ -23,11 +23,13 @@ tests/test_recipe_checks.py fails when a recipe error is raised anywhere else.
      honour; token vectors and the loss agree; the GISTEmbed guide folder holds a model (`vembed/losses/guide.py`);
      metric_for_best_model is a validation metric; mrl_dims fit the embedding size the model's config declares.
    - classification (`vembed/tasks/classification.py`): one file or ImageFolder per split, no streaming, GradCache
-     or stages; a classification metric; the classes of the data (`vembed/data/labelled.py`, which reads the
-     labelled files here) fit num_labels.
+     or stages; a classification metric; the adapter's own rules (`check_recipe` in `vembed/models/vision.py`: a
+     backbone it drives, a CLIP/SigLIP text tower for head_init: class_names, no pooling or projection_dim over a
+     dual encoder); the classes of the data (`vembed/data/labelled.py`, which reads the labelled files here) fit
+     num_labels.
    - metric_learning (`vembed/tasks/metric_learning.py`): the labelled files of classification, no head
-     (num_labels), no streaming, GradCache or stages; a retrieval metric (MAP@R, recall@k); every class has a second
-     image where the loss needs positives; ArcFace's num_classes fits the data.
+     (num_labels, head_init), no streaming, GradCache or stages; a retrieval metric (MAP@R, recall@k); every class
+     has a second image where the loss needs positives; ArcFace's num_classes fits the data.
    - rerank (`vembed/reranking/task.py`): no GradCache or streaming; the data files exist; held-out data is a
      corpus folder with a first-stage run; a reranking metric; the cross-encoder's own rules
      (`vembed/reranking/cross_encoder.py`).

@@ -114,3 +114,12 @@ def test_colbert_vs_pylate_smoke_trains_the_same_losses_in_both_tools(smoke_dir)
     # the same start, batches, loss and optimizer: the same curve, with or without length chunks
     assert max(summary["max_loss_difference"].values()) < 1e-5
     assert _written(smoke_dir, "colbert_vs_pylate.png").stat().st_size > 0
+
+
+@pytest.mark.slow  # trains a tiny CLIP, then two classification runs
+def test_class_name_head_bench_smoke_measures_both_heads(smoke_dir):
+    assert _load("class_name_head").main(["--smoke"]) == 0
+    results = json.loads(_written(smoke_dir, "class_name_head.json").read_text())
+    for head_init in ("class_names", "random"):
+        assert set(results["classification"][head_init]) == {"before", "after"}
+        assert 0 <= results["classification"][head_init]["before"]["accuracy"] <= 1

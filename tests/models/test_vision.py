@@ -72,6 +72,6 @@ def test_text_sides_and_non_vision_configs_are_refused(recipe_for, tiny_tokenize
     with pytest.raises(ValueError, match="embeds images only"):
         adapter.preprocess([Side(text="a cat")])
     with pytest.raises(RecipeError, match="not a vision backbone"):
-        _adapter(recipe_for, {"model_type": "clip"})
+        _adapter(recipe_for, {"model_type": "blip"})  # image and text towers, but not a dual encoder vembed drives
     with pytest.raises(RecipeError, match="label_names: names 2 classes but num_labels is 3"):
         _adapter(recipe_for, {"model_type": "vit", **SMALL_VISION}, label_names=["a", "b"])

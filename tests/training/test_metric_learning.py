@@ -111,6 +111,7 @@ def test_arcface_centres_are_trained_checkpointed_and_resumed(digits, tmp_path):
     ("single_image_class", r"train.csv: 1 class\(es\) have a single image \('two'\); loss_type supcon needs two or "
                            "more images of every class"),
     ("num_labels", "num_labels: is not used by metric learning"),
+    ("head_init", "head_init: is not used by metric learning"),
     ("metric", "metric_for_best_model: 'accuracy' is not a retrieval metric"),
 ])
 def test_bad_input_stops_with_one_line_and_writes_nothing(digits, tmp_path, capsys, case, message):
@@ -123,8 +124,8 @@ def test_bad_input_stops_with_one_line_and_writes_nothing(digits, tmp_path, caps
         if case == "no_label_column":
             rows = rows.replace("image,label", "image,class")
         (tmp_path / "train.csv").write_text(rows)
-    elif case == "num_labels":
-        raw["num_labels"] = 3
+    elif case in ("num_labels", "head_init"):
+        raw.update({"num_labels": 3} if case == "num_labels" else {"head_init": "class_names"})
     else:
         raw["metric_for_best_model"] = "accuracy"
     assert train(raw, tmp_path / "recipe.yaml") == 2

@@ -4,6 +4,9 @@ the recipe names classes, a linear classification head on top (the `classificati
 classification.py). Without a head, its embeddings are what a metric-learning loss trains (the `metric_learning`
 task, vembed/tasks/metric_learning.py).
 
+Given a whole CLIP/SigLIP model, the backbone is its image side (vision tower, pooled and projected as that model
+embeds images), and `head_init: class_names` starts the head from its text tower's embeddings of the class names.
+
 Saved as the backbone's HF folder (loadable by `AutoModel` on its own) plus `heads.safetensors` (projection and
 classifier, when present); the class names are in vembed.json.
 """
@@ -16,37 +19,73 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, field_validator
 from torch import nn
 
 from vembed.errors import RecipeError
 from vembed.models import MODELS
-from vembed.models.base import PretrainedSettings, TransformersAdapter
+from vembed.models.base import PretrainedSettings, TransformersAdapter, require_tokenizer_name
 from vembed.models.batch import IMAGE_INDEX, PIXEL_VALUES, TEXT_INDEX, process_images, split_sides
-from vembed.models.hf import clip_image_processor, load_image_processor, load_model, save_hf_model
+from vembed.models.hf import clip_image_processor, load_image_processor, load_model, load_tokenizer, save_hf_model
+from vembed.recipe import InvalidKey
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
     from vembed.data.records import Side
+    from vembed.models.clip import ClipAdapter
     from vembed.recipe import Recipe
 
 HEADS_FILE = "heads.safetensors"
 # Vision towers without a CLS token: their own pooling head gives the image vector for `pooling: cls`.
 NO_CLS_TOKEN = frozenset({"siglip_vision_model", "siglip2_vision_model"})
+PROMPTS_PER_FORWARD = 256  # class-name prompts embedded per text-tower forward (head_init: class_names)
+
+
+def dual_encoder_of(config: "PretrainedConfig") -> "type[ClipAdapter] | None":
+    """The adapter of a CLIP-style dual encoder with this HF config (clip, siglip: the registered ClipAdapter
+    subclasses), whose image side is then the backbone; None for a vision tower."""
+    from vembed.models.clip import ClipAdapter
+
+    adapter = MODELS.get(config.model_type) if config.model_type in MODELS else None
+    if isinstance(adapter, type) and issubclass(adapter, ClipAdapter) and adapter.hf_model_type == config.model_type:
+        return adapter
+    return None
 
 
 class VisionSettings(PretrainedSettings):
     """`model_type: vision`: a vision backbone from `model_name` or `model_config` (e.g. `model_type: vit` or
     `dinov2` inside it), pooled and optionally projected and classified."""
 
-    pooling: Literal["cls", "mean", "gem"] = "cls"  # CLS token / mean of patch tokens / generalised mean of patches
+    # CLS token / mean of patch tokens / generalised mean of patches / the backbone's own pooled output
+    # (pooler_output: CLIP's layer-normed CLS, SigLIP's attention-pooling head, DINOv2's normed CLS, ViT's dense+tanh)
+    pooling: Literal["cls", "mean", "gem", "pooler"] = "cls"
     gem_p: float = Field(default=3.0, gt=0)  # GeM's exponent (1: mean; large: towards max)
     projection_dim: int | None = Field(default=None, gt=0)  # a linear projection after pooling (unset: none)
     # The classification head: classes it predicts (the classification task checks them against its data) and their
     # names, in label-id order (filled from the data when unset).
     num_labels: int | None = Field(default=None, gt=0)
     label_names: list[str] | None = None
+    # How the head starts: `random` (nn.Linear's init), or `class_names`: row c is the normalised text embedding of
+    # class_name_template filled with class c's name, by the text tower of the CLIP/SigLIP model that model_name (or
+    # model_config) names, times its logit scale (bias 0; SigLIP: its logit bias), so step 0 classifies as that
+    # model's zero-shot does. Such a head reads the L2-normalised image embedding, in training and once saved.
+    head_init: Literal["random", "class_names"] = "random"
+    class_name_template: str = "a photo of a {}."  # each class's prompt ({} is its name) for head_init: class_names
+
+    @field_validator("class_name_template")
+    @classmethod
+    def _one_name_slot(cls, template: str) -> str:
+        from string import Formatter
+
+        try:
+            fields = [field for _, field, _, _ in Formatter().parse(template) if field is not None]
+        except ValueError:  # an unmatched brace
+            fields = []
+        if fields != [""]:
+            raise InvalidKey("class_name_template", f"{template!r} needs one {{}} where the class name goes and no "
+                                                    "other braces, e.g. 'a photo of a {}.'")
+        return template
 
 
 @MODELS.register("vision")
@@ -83,7 +122,11 @@ class VisionAdapter(TransformersAdapter):
     @classmethod
     def embedding_dim_for(cls, recipe: "Recipe") -> int:
         settings = cls.settings_of(recipe)
-        return settings.projection_dim or cls.hidden_size(cls.hf_config(settings))
+        config = cls.hf_config(settings)
+        dual = dual_encoder_of(config)
+        if dual is not None:
+            return dual.embedding_dim_of(config)
+        return settings.projection_dim or cls.hidden_size(config)
 
     @property
     def embedding_dim(self) -> int:
@@ -98,16 +141,20 @@ class VisionAdapter(TransformersAdapter):
 
     @classmethod
     def unreached_modules(cls, model: nn.Module, pooling: str) -> list[str]:
-        names = [n for n in ("pooler",) if isinstance(getattr(model, n, None), nn.Module)]  # ViT's dense+tanh pooler
-        if model.config.model_type in NO_CLS_TOKEN and pooling != "cls":
+        names = [n for n in ("pooler",) if isinstance(getattr(model, n, None), nn.Module)  # ViT's dense+tanh pooler
+                 and pooling != "pooler"]
+        if model.config.model_type in NO_CLS_TOKEN and pooling not in ("cls", "pooler"):
             names += [n for n, _ in model.named_modules() if n.endswith(".head") or n == "head"]
         return names
 
     @classmethod
     def check_config(cls, config: "PretrainedConfig", key: str) -> None:
+        if dual_encoder_of(config) is not None:
+            return
         if getattr(config, "vision_config", None) is not None or not hasattr(config, "hidden_size"):
             raise RecipeError(key, f"{config.model_type!r} is not a vision backbone; name one (vit, dinov2, "
-                                   "dinov2_with_registers, clip_vision_model, siglip_vision_model)")
+                                   "dinov2_with_registers, clip_vision_model, siglip_vision_model) or a whole clip "
+                                   "or siglip model (its image side)")
 
     @classmethod
     def new_image_processor(cls, config: "PretrainedConfig") -> Any:
@@ -127,6 +174,21 @@ class VisionAdapter(TransformersAdapter):
         if settings.label_names is not None and settings.num_labels not in (None, len(settings.label_names)):
             raise RecipeError("label_names", f"names {len(settings.label_names)} classes but num_labels is "
                                              f"{settings.num_labels}; give one name per class")
+        key = "model_name" if settings.model_name is not None else "model_config"
+        config = cls.hf_config(settings)
+        if dual_encoder_of(config) is None:
+            if settings.head_init == "class_names":
+                raise RecipeError("head_init", f"class_names embeds the class names with a CLIP/SigLIP text tower, "
+                                               f"but {key} builds a {config.model_type!r} model, which has none; point "
+                                               f"{key} at a whole clip or siglip model, or use head_init: random")
+            return
+        # The image side of a dual encoder is its image embedding: pooled and projected as that model does.
+        if settings.pooling not in ("cls", "pooler") or settings.projection_dim is not None:
+            wrong = "projection_dim" if settings.projection_dim is not None else "pooling"
+            raise RecipeError(wrong, f"is decided by the {config.model_type} model that {key} names (its image "
+                                     "embedding is this backbone's output); remove it")
+        if settings.head_init == "class_names" and settings.model_config_dict is not None:
+            require_tokenizer_name(settings, "model_config")
 
     @classmethod
     def from_recipe(cls, recipe: "Recipe") -> "VisionAdapter":
@@ -137,6 +199,9 @@ class VisionAdapter(TransformersAdapter):
         cls.check_recipe(recipe)
         settings = cls.settings_of(recipe)
         config = cls.hf_config(settings)
+        dual = dual_encoder_of(config)
+        if dual is not None:
+            return cls.from_dual_encoder(dual, settings)
         if settings.model_name is not None:
             model = load_model(settings.model_name, None, key="model_name",
                                trust_remote_code=settings.trust_remote_code,
@@ -147,9 +212,75 @@ class VisionAdapter(TransformersAdapter):
         return cls(model, None, processor, settings)
 
     @classmethod
+    def from_dual_encoder(cls, dual: "type[ClipAdapter]", settings: VisionSettings) -> "VisionAdapter":
+        """The image side of the CLIP/SigLIP model the settings name; its head from the text tower when asked."""
+        key = "model_name" if settings.model_name is not None else "model_config"
+        model = load_model(settings.model_name, settings.model_config_dict, key=key,
+                           trust_remote_code=settings.trust_remote_code,
+                           attn_implementation=settings.attn_implementation, model_type=dual.hf_model_type)
+        processor = dual.image_processor_for(settings.model_name, model.config, settings)
+        adapter = cls.image_side(model, processor, settings)
+        if settings.head_init == "class_names":
+            tokenizer = load_tokenizer(settings.tokenizer_name or settings.model_name, settings.trust_remote_code)
+            text_settings = dual.Settings(max_length=settings.max_length, normalize=True)
+            adapter.head_from_class_names(dual(model, tokenizer, None, dual.resolve(text_settings, tokenizer,
+                                                                                   model.config)))
+        return adapter
+
+    @classmethod
+    def image_side(cls, model: "PreTrainedModel", processor: Any, settings: VisionSettings) -> "VisionAdapter":
+        """This adapter over a dual encoder's vision tower (itself a complete HF vision model, so the saved folder
+        loads with AutoModel), pooled by its own pooling and projected by its projection (CLIP's visual_projection;
+        SigLIP's image embedding is the tower's pooled output): its image embedding, as get_image_features gives."""
+        projection = getattr(model, "visual_projection", None)
+        settings = settings.model_copy(update={
+            "pooling": "pooler", "projection_dim": projection.out_features if projection is not None else None})
+        adapter = cls(model.vision_model, None, processor, settings)
+        if projection is not None:
+            adapter.projection = projection
+        return adapter
+
+    def head_from_class_names(self, dual: "ClipAdapter") -> None:
+        """Row c of the head: the normalised text embedding of class c's prompt times the model's logit scale; the
+        bias: SigLIP's logit bias (0 for CLIP). `classify` on the normalised image embedding then gives the dual
+        encoder's own zero-shot logits (logits_per_image)."""
+        from vembed.data.records import Side
+
+        names = self.settings.label_names
+        if self.classifier is None or names is None:
+            raise RecipeError("label_names", "head_init: class_names needs the class names (label_names, or the "
+                                             "training data's classes as the classification task reads them)")
+        if any(hasattr(p, "ds_id") for p in (*dual.parameters(), self.classifier.weight)):
+            # Built partitioned (DeepSpeed zero3_init_flag: true): no rank holds a whole text tower or head to write.
+            raise RecipeError("head_init", "class_names embeds the class names on each rank, which a model built "
+                                           "partitioned cannot; use an accelerate config with zero3_init_flag: false")
+        prompts = [self.settings.class_name_template.format(name) for name in names]
+        was_training = dual.training
+        dual.eval()  # no dropout in the embeddings the head starts from
+        with torch.no_grad():
+            text = torch.cat([dual.encode(dual.preprocess([Side(text=p) for p in prompts[i:i + PROMPTS_PER_FORWARD]]))
+                              for i in range(0, len(prompts), PROMPTS_PER_FORWARD)])
+            self.classifier.weight.copy_(text * dual.model.logit_scale.exp())
+            bias = getattr(dual.model, "logit_bias", None)
+            self.classifier.bias.zero_()
+            if bias is not None:
+                self.classifier.bias.add_(bias)
+        dual.train(was_training)
+
+    @classmethod
     def on_meta(cls, recipe: "Recipe") -> "VisionAdapter":
-        adapter = super().on_meta(recipe)
-        return adapter.to("meta")
+        from transformers import AutoModel
+
+        from vembed.models.hf import hf_kwargs
+
+        cls.check_recipe(recipe)
+        settings = cls.settings_of(recipe)
+        config = cls.hf_config(settings)
+        if dual_encoder_of(config) is None:
+            return super().on_meta(recipe).to("meta")
+        with torch.device("meta"):
+            model = AutoModel.from_config(config, **hf_kwargs(settings.trust_remote_code, settings.attn_implementation))
+        return cls.image_side(model, None, settings).to("meta")
 
     @classmethod
     def resolve(cls, settings, tokenizer, config):  # no texts, so no max_length to decide
@@ -213,6 +344,8 @@ class VisionAdapter(TransformersAdapter):
         return self.projection(pooled) if self.projection is not None else pooled
 
     def pool(self, output: Any, pooling: str) -> torch.Tensor:
+        if pooling == "pooler":
+            return output.pooler_output
         hidden = output.last_hidden_state
         prefix = self.prefix_tokens(self.model.config)
         if pooling == "cls":
@@ -231,7 +364,10 @@ class VisionAdapter(TransformersAdapter):
         """Class logits `(n, num_labels)` in float32."""
         if self.classifier is None:
             raise RecipeError("num_labels", "this vision model has no classification head; set num_labels")
-        return self.classifier(self.features(inputs)).float()
+        features = self.features(inputs)
+        if self.settings.head_init == "class_names":  # rows of text embeddings score cosines, as zero-shot CLIP does
+            features = F.normalize(features.float(), dim=-1)
+        return self.classifier(features).float()
 
     def forward_flops(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor | int:
         from vembed.models.flops import vision_flops

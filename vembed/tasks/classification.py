@@ -133,6 +133,9 @@ class ClassificationTask(Task):
             raise RecipeError("metric_for_best_model",
                               f"{recipe.metric_for_best_model!r} is not a classification metric; use one of: "
                               f"{', '.join(METRICS)} (e.g. metric_for_best_model: accuracy)")
+        from vembed.components import model_class
+
+        model_class(recipe).check_recipe(recipe)  # the backbone's config; a text tower for head_init: class_names
         if data.train is not None:
             names = class_names(recipe)
             for split in ("validation", "test"):

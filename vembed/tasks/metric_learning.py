@@ -111,7 +111,8 @@ class MetricLearningTask(Task):
             if isinstance(getattr(data, split), (dict, list)):
                 raise RecipeError(f"data.{split}", "metric learning takes one CSV/JSONL file or ImageFolder "
                                                    "directory per split")
-        for key, value in (("stages", recipe.stages), ("num_labels", recipe.model.num_labels)):
+        for key, value in (("stages", recipe.stages), ("num_labels", recipe.model.num_labels),
+                           ("head_init", recipe.model.head_init != "random")):
             if value:
                 raise RecipeError(key, "is not used by metric learning (it trains embeddings, with no "
                                        "classification head); remove it")
