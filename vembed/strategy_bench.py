@@ -66,7 +66,8 @@ def result_row(launch: Launch, wall_seconds: float, returncode: int, stderr: str
     row = {**asdict(launch), "wall_s": round(wall_seconds, 1), "ok": returncode == 0}
     if returncode != 0:
         lines = [line for line in stderr.splitlines() if "error" in line.lower()]
-        row["error"] = (lines[-1] if lines else stderr.strip().splitlines()[-1:] or ["failed"])[0][:300]
+        last = lines[-1:] or stderr.strip().splitlines()[-1:] or ["failed"]
+        row["error"] = last[0].strip()[:300]
         return row
     metrics = json.loads((run_dir / "metrics.json").read_text())
     history = metrics.get("loss_history", [])

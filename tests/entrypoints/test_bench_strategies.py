@@ -44,6 +44,15 @@ def test_gradient_cache_is_offered_only_where_the_recipe_can_run_under_it(tiny_c
     assert not gradient_cache_runs(recipe_from_dict(vit_recipe(tmp_path, tmp_path / "run")))
 
 
+def test_a_failed_launch_keeps_its_last_error_line(tmp_path):
+    from vembed.strategy_bench import Launch, result_row
+
+    stderr = "loading\n  RuntimeError: first\nwarming up\n  ValueError: FSDP cannot wrap this\nexiting\n"
+    row = result_row(Launch("fsdp", "fsdp.yaml", 2), 3.0, 1, stderr, tmp_path)
+    assert not row["ok"] and row["error"] == "ValueError: FSDP cannot wrap this"
+    assert result_row(Launch("fsdp", "fsdp.yaml", 2), 3.0, 1, "killed\n", tmp_path)["error"] == "killed"
+
+
 def test_table_reports_failures_in_place():
     rows = [{"name": "single", "processes": 1, "ok": True, "samples_per_second": 512.4, "peak_memory_mb": 300.0,
              "final_loss": 1.23456, "wall_s": 10.0},
