@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -65,7 +66,10 @@ def result_row(launch: Launch, wall_seconds: float, returncode: int, stderr: str
     error line of its stderr."""
     row = {**asdict(launch), "wall_s": round(wall_seconds, 1), "ok": returncode == 0}
     if returncode != 0:
-        lines = [line for line in stderr.splitlines() if "error" in line.lower()]
+        # The exception's own line ("[rank0]: RuntimeError: ..."), not the launcher's ChildFailedError summary.
+        raised = [line for line in stderr.splitlines() if re.search(r"\w(Error|Exception): \S", line)]
+        ranks = [line for line in raised if line.startswith("[rank")]
+        lines = ranks or raised or [line for line in stderr.splitlines() if "error" in line.lower()]
         last = lines[-1:] or stderr.strip().splitlines()[-1:] or ["failed"]
         row["error"] = last[0].strip()[:300]
         return row

@@ -47,9 +47,12 @@ def test_gradient_cache_is_offered_only_where_the_recipe_can_run_under_it(tiny_c
 def test_a_failed_launch_keeps_its_last_error_line(tmp_path):
     from vembed.strategy_bench import Launch, result_row
 
-    stderr = "loading\n  RuntimeError: first\nwarming up\n  ValueError: FSDP cannot wrap this\nexiting\n"
+    stderr = ("loading\n  RuntimeError: first\nwarming up\n[rank0]: ValueError: FSDP cannot wrap this\n"
+              "  error_file: <N/A>\n  traceback : To enable traceback see: .../elastic/errors.html\n"
+              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n")
     row = result_row(Launch("fsdp", "fsdp.yaml", 2), 3.0, 1, stderr, tmp_path)
-    assert not row["ok"] and row["error"] == "ValueError: FSDP cannot wrap this"
+    assert not row["ok"] and row["error"] == "[rank0]: ValueError: FSDP cannot wrap this"
+    assert result_row(Launch("x", "x.yaml", 1), 1.0, 1, "a\nerror: bad key\nb\n", tmp_path)["error"] == "error: bad key"
     assert result_row(Launch("fsdp", "fsdp.yaml", 2), 3.0, 1, "killed\n", tmp_path)["error"] == "killed"
 
 
