@@ -91,3 +91,23 @@ def max_relative_difference(actual: dict[str, torch.Tensor], reference: dict[str
         scale = max(ref.float().abs().max().item(), 1e-6)
         worst = max(worst, (got - ref.float()).abs().max().item() / scale)
     return worst
+
+
+def one_process_and_launched(raw: dict, out: Path, config: str, processes: int = 2, steps: int = 3) -> tuple[Path, Path]:
+    """`raw` (a vision recipe; its batch_size the global batch) trained for `steps` steps in one process and under
+    `config` on `processes` ranks of batch_size / processes each, into `out/single` and `out/launched`: the two
+    output folders, to compare as one run. No checkpoints or mid-run evaluations unless `raw` asks."""
+    # No key bias: softmax ignores it, so its gradient is rounding noise (~1e-10) that Adam turns into full-size
+    # steps of random sign; from its zero init, two launches' key biases differ by ~50% (measured) while the model
+    # computes the same function.
+    common = {"save_steps": None, "eval_steps": None, "logging_steps": 1, **raw, "max_steps": steps,
+              "model_config": {**raw["model_config"], "qkv_bias": False}}
+    runs = []
+    for name, batch, launcher in (("single", raw["batch_size"], None),
+                                  ("launched", raw["batch_size"] // processes, config)):
+        recipe = out / f"{name}.yaml"
+        recipe.parent.mkdir(parents=True, exist_ok=True)
+        recipe.write_text(yaml.safe_dump({**common, "output_dir": str(out / name), "batch_size": batch}))
+        launch(launcher, recipe, processes=processes)
+        runs.append(out / name)
+    return runs[0], runs[1]

@@ -277,20 +277,10 @@ def test_zero3_on_two_ranks_trains_and_evaluates_as_one_process(digits, tmp_path
     """`accelerate launch` with the shipped ZeRO-3 config (2 gloo ranks, 6 images each) against one process on the
     12 images of each global batch: the same weights after 3 steps, the same validation report before and after
     (evaluated through the sharded model), and the saved final/ classifies as the run measured."""
-    from launching import final_weights, launch, max_relative_difference
+    from launching import final_weights, max_relative_difference, one_process_and_launched
 
-    def run(name: str, batch_size: int, config: str | None) -> Path:
-        raw = recipe(digits, tmp_path / name, batch_size=batch_size, max_steps=3, save_steps=None, eval_steps=None,
-                     logging_steps=1)
-        # No key bias: softmax ignores it, so its gradient is rounding noise (~1e-10) that Adam turns into full-size
-        # steps of random sign; from its zero init, two launches' key biases differ by ~50% (measured) while the
-        # model computes the same function.
-        raw["model_config"] = {**raw["model_config"], "qkv_bias": False}
-        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(raw))
-        launch(config, tmp_path / f"{name}.yaml")
-        return tmp_path / name
-
-    single, zero3 = run("single", 12, None), run("zero3", 6, "deepspeed_zero3.yaml")
+    raw = recipe(digits, tmp_path / "unused", batch_size=12)
+    single, zero3 = one_process_and_launched(raw, tmp_path, "deepspeed_zero3.yaml")
     difference = max_relative_difference(final_weights(zero3), final_weights(single))
     assert difference <= 1e-4, f"max relative parameter difference {difference:.2e}"
     launched, reference = (json.loads((out / "metrics.json").read_text()) for out in (zero3, single))

@@ -49,10 +49,7 @@ def train(raw: dict, path: Path) -> int:
 
 
 def test_trains_saves_and_the_saved_model_retrieves_as_the_run_measured(digits, tmp_path):
-    from vembed.data.labelled import read_labelled_images
-    from vembed.evaluation.metric_learning import retrieval_metrics
     from vembed.models import load_adapter
-    from vembed.tasks.classification import ClassificationCollator, LabelledImageDataset
 
     raw = recipe(digits, tmp_path / "run", eval_steps=3, save_steps=3, eval_before_training=True)
     assert train(raw, tmp_path / "recipe.yaml") == 0
@@ -68,13 +65,24 @@ def test_trains_saves_and_the_saved_model_retrieves_as_the_run_measured(digits, 
 
     model = load_adapter(tmp_path / "run" / "final").eval()
     assert model.classifier is None and model.embedding_dim == 16
+    again = saved_model_metrics(tmp_path / "run", digits)
+    for key in ("precision_at_1", "recall_at_4", "r_precision", "mean_average_precision_at_r"):
+        assert again[key] == pytest.approx(validation[key], abs=1e-9), key
+
+
+def saved_model_metrics(run: Path, digits: Path) -> dict:
+    """The run's final/ retrieving within the validation split on one process, as `vembed eval` does."""
+    from vembed.data.labelled import read_labelled_images
+    from vembed.evaluation.metric_learning import retrieval_metrics
+    from vembed.models import load_adapter
+    from vembed.tasks.classification import ClassificationCollator, LabelledImageDataset
+
+    model = load_adapter(run / "final").eval()
     data = read_labelled_images(str(digits / "validation" / "labels.csv"), "data.validation")
     batch = ClassificationCollator(model)([LabelledImageDataset(data)[i] for i in range(len(data))])
     with torch.no_grad():
         embeddings = model.encode(batch["inputs"]).numpy()
-    again = retrieval_metrics(embeddings, data.labels)
-    for key in ("precision_at_1", "recall_at_4", "r_precision", "mean_average_precision_at_r"):
-        assert again[key] == pytest.approx(validation[key], abs=1e-9), key
+    return retrieval_metrics(embeddings, data.labels)
 
 
 def test_arcface_centres_are_trained_checkpointed_and_resumed(digits, tmp_path):
@@ -180,6 +188,60 @@ def test_two_gloo_ranks_take_the_step_one_process_takes_on_both_halves(digits, t
         print(f"{loss}: relative gradient difference {relative:.2e}")
         assert relative <= 1e-5, f"{loss}: relative gradient difference {relative:.2e}"
     assert "loss.loss.W" in ddp["subcenter_arcface"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", LOSSES)
+def test_zero3_on_two_ranks_trains_and_evaluates_as_one_process(digits, tmp_path, loss):
+    """`accelerate launch` with the shipped ZeRO-3 config (2 gloo ranks, 6 images each; SupCon gathers the ranks'
+    embeddings) against one process on the 12 images of each global batch: the same weights after 3 steps, the same
+    retrieval report before and after (evaluated through the sharded model), and the saved final/ retrieves as the
+    run measured. Sub-center ArcFace's class centres are parameters of the loss, partitioned by ZeRO-3 with the
+    model: they train as in one process, and the checkpoint holds them whole once consolidated."""
+    from launching import final_weights, max_relative_difference, one_process_and_launched
+
+    arcface = {"scale": 16.0, "sub_centers": 2, "save_steps": 2} if loss == "subcenter_arcface" else {}
+    raw = recipe(digits, tmp_path / "unused", loss_type=loss, batch_size=12, eval_before_training=True, **arcface)
+    single, zero3 = one_process_and_launched(raw, tmp_path, "deepspeed_zero3.yaml")
+    difference = max_relative_difference(final_weights(zero3), final_weights(single))
+    # SupCon at temperature 0.1 sharpens the rounding of the gathered batch: the whole parameter vector agrees to
+    # 1e-5, but one zero-init bias (the last block's layernorm_after.bias, entries ~4e-3 after 3 Adam steps) was
+    # 1.5e-4 off its largest entry (6e-7 absolute, measured); ArcFace stays within 1e-4.
+    tolerance = 2e-4 if loss == "supcon" else 1e-4
+    assert difference <= tolerance, f"max relative parameter difference {difference:.2e}"
+    launched, reference = (json.loads((out / "metrics.json").read_text()) for out in (zero3, single))
+    assert launched["train"]["world_size"] == 2 and launched["train"]["loss"] == reference["train"]["loss"]
+    keys = ("precision_at_1", "recall_at_1", "r_precision", "mean_average_precision_at_r")
+    for when in ("before", "validation"):
+        for key in keys:
+            assert launched[when][key] == pytest.approx(reference[when][key], abs=1e-9), (when, key)
+    saved = saved_model_metrics(zero3, digits)
+    for key in keys:
+        assert saved[key] == pytest.approx(launched["validation"][key], abs=1e-9), key
+    if arcface:  # final/ holds the encoder only; the centres are in the checkpoints (step 2's: the last one)
+        from vembed.components import recipe_from_dict
+        from vembed.training.loop import Trainer
+
+        centres = {out: checkpoint_parameters(out / "checkpoint-2")["loss.loss.W"] for out in (single, zero3)}
+        untrained = Trainer(recipe_from_dict(dict(raw, output_dir=str(tmp_path / "untrained"))))
+        untrained.build()  # the centres as built: seeded as in every run
+        initial = untrained.objective.loss.loss.W.detach()
+        assert centres[zero3].shape == initial.shape == (16, 3 * 2)
+        moved = (centres[single] - initial).abs().max().item()
+        difference = (centres[zero3] - centres[single]).abs().max().item()
+        assert moved > 1e-3 and difference <= 1e-4 * centres[single].abs().max().item(), (moved, difference)
+
+
+def checkpoint_parameters(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The objective's whole parameters in a checkpoint: accelerate's model.safetensors, or the partitions of a
+    DeepSpeed ZeRO-3 checkpoint consolidated on one process (DeepSpeed's zero_to_fp32)."""
+    from safetensors.torch import load_file
+
+    if (checkpoint / "model.safetensors").is_file():
+        return load_file(checkpoint / "model.safetensors")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="pytorch_model")
 
 
 def test_ntxent_over_two_views_pairs_each_image_with_its_other_view(digits, tmp_path):

@@ -1,13 +1,15 @@
 """`vembed bench strategies RECIPE --steps N`: the same recipe for N steps under every launch this machine offers.
 
-Single device, DDP, DDP + GradCache, FSDP2, ZeRO-2 and ZeRO-3, each started the way a user starts it (`accelerate
-launch` with the shipped config), each in its own output folder. Where there are several processes, one more single
-launch runs the same contrastive batch in one process (per-device batch x processes): every row of that group computes
-the same thing, so their final losses agree, which the table makes visible. Reported per launch: steady-state
-samples/s (the median of the logged windows after the first, which holds start-up), peak memory per process as logged
-by rank 0, the final loss, and wall time. Writes strategies.json, strategies.md and strategies.png under `--out`. On
-CPU the multi-process launches use 2 processes over gloo; on GPUs one process per GPU over NCCL. The launches offered,
-the result rows, table and plot are vembed.strategy_bench; this module starts the launches.
+Single device, DDP, DDP + GradCache, FSDP2, ZeRO-2, ZeRO-3 and ZeRO-3 with CPU offload, each started the way a user
+starts it (`accelerate launch` with the shipped config), each in its own output folder. Where there are several
+processes, one more single launch runs the same global batch in one process (per-device batch x processes): every
+row of that group computes the same thing, so their final losses agree, which the table makes visible. Reported per
+launch: steady-state samples/s (the median of the logged windows after the first, which holds start-up) and seconds
+per optimizer step, peak memory per process as logged by rank 0, the final loss, wall time and, when the recipe has a
+validation split (evaluated once, after the last step), its metric_for_best_model: accuracy for classification, MAP@R
+for metric learning. Writes strategies.json, strategies.md and strategies.png under `--out`. On CPU the
+multi-process launches use 2 processes over gloo; on GPUs one process per GPU over NCCL. The launches offered, the
+result rows, table and plot are vembed.strategy_bench; this module starts the launches.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 
 from vembed.entrypoints import run_cli
 from vembed.resources import accelerate_configs
-from vembed.strategy_bench import Launch, available_launches, format_table, plot, result_row
+from vembed.strategy_bench import Launch, available_launches, format_table, gradient_cache_runs, plot, result_row
 
 CONFIGS = accelerate_configs()
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "train.py"
@@ -34,7 +36,7 @@ def run_launch(launch: Launch, recipe: str, steps: int, out: Path, extra: list[s
 
     run_dir = out / launch.name
     overrides = [f"max_steps={steps}", f"output_dir={run_dir}", "save_steps=null", "eval_before_training=false",
-                 f"logging_steps={max(steps // 5, 1)}", "data.validation=null", "data.test=null", "report_to=none",
+                 f"logging_steps={max(steps // 5, 1)}", "eval_steps=null", "data.test=null", "report_to=none",
                  "resume_from=null", *extra, *launch.overrides]
     if cpu:
         overrides.append("mixed_precision=no")
@@ -55,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per launch")
     parser.add_argument("--out", default="runs/bench_strategies", help="folder for the runs, table and plot")
     parser.add_argument("--only",
-                        help="comma-separated subset: single,single-batch-x2,ddp,ddp+gradcache,fsdp,zero2,zero3")
+                        help="comma-separated subset: single,single-batch-x2,ddp,ddp+gradcache,fsdp,zero2,zero3,zero3-offload")
     parser.add_argument("--config_override", "--config-override", nargs="*", default=[], metavar="KEY=VALUE",
                         help="recipe overrides applied to every launch")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -75,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
         recipe = load_recipe(args.recipe, args.config_override)
         check_recipe(recipe)
         gpus = torch.cuda.device_count()
-        launches = available_launches(gpus, recipe.batch_size, recipe.gradient_cache_chunk_size)
+        launches = available_launches(gpus, recipe.batch_size, recipe.gradient_cache_chunk_size,
+                                      gradient_cache_runs(recipe))
         if args.only:
             wanted = [name.strip() for name in args.only.split(",")]
             unknown = sorted(set(wanted) - {launch.name for launch in launches})
