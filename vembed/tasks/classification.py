@@ -29,6 +29,8 @@ class ClassificationObjective(nn.Module):
     `{"inputs": preprocessed images, "labels": (B,)}`; `forward(classify=inputs)`: the logits (evaluation goes
     through the prepared wrapper, so ZeRO-3 gathers the weights as in training)."""
 
+    adapter_methods = ("classify",)  # what forward calls on the adapter besides its forward (FSDP2 hooks them)
+
     def __init__(self, adapter: nn.Module, loss: nn.Module):
         super().__init__()
         self.adapter = adapter

@@ -31,6 +31,8 @@ class MetricLearningObjective(nn.Module):
     `{"inputs": preprocessed images, "labels": (B,)}`; `forward(embed=inputs)`: the embeddings (evaluation goes
     through the prepared wrapper, so ZeRO-3 gathers the weights as in training)."""
 
+    adapter_methods = ("encode",)  # what forward calls on the adapter besides its forward (FSDP2 hooks them)
+
     def __init__(self, adapter: nn.Module, loss: nn.Module):
         super().__init__()
         self.adapter = adapter

@@ -69,7 +69,13 @@ def shard_objective(objective: "ContrastiveObjective", recipe: "Recipe", acceler
                     settings: FsdpSettings) -> "ContrastiveObjective":
     """Shard in place (blocks, adapter, objective) over all processes; returns the same module."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+        register_fsdp_forward_method,
+    )
 
     from vembed.recipe_checks import check_fsdp_blocks
 
@@ -97,6 +103,10 @@ def shard_objective(objective: "ContrastiveObjective", recipe: "Recipe", acceler
         if type(module) in blocks:
             fully_shard(module, **options)
     fully_shard(objective.adapter, **options)
+    # FSDP2 gathers a unit's parameters in the hooks of its `forward`; an objective that calls another adapter method
+    # (classify, encode) names it, or the adapter's own weights (a ViT's last norm, the head) stay sharded.
+    for method in getattr(type(objective), "adapter_methods", ()):
+        register_fsdp_forward_method(objective.adapter, method)
     fully_shard(objective, **options)
     _initialise_from_the_root(objective)
     return objective
