@@ -119,3 +119,23 @@ def test_bad_token_vector_keys_name_the_key(recipe_for, changes, key):
     with pytest.raises(RecipeError) as err:
         recipe_for("qwen_vl", **changes)
     assert err.value.key == key
+
+
+def test_card_states_what_the_vectors_depend_on_and_loads_pages_as_images(colqwen, tmp_path):
+    import re
+
+    import yaml
+
+    from vembed.model_card import code_blocks, folder_card, render_card
+
+    colqwen.save(tmp_path)
+    card = render_card(folder_card(tmp_path), load_path="m")
+    assert {"ColPali", "ColQwen", "image-feature-extraction"} <= set(yaml.safe_load(card.split("---\n")[1])["tags"])
+    assert "ColBERT" not in card and "PyLate" not in card and "SentenceTransformer(" not in card
+    assert f"Token vectors (ColQwen late interaction) of {DIM} dimensions, L2-normalised" in card
+    table = card.split("## Late interaction", 1)[1].split("\n## ", 1)[0]
+    rows = dict(re.findall(r"^\| ([^|]+?) \| (.+?) \|$", table, flags=re.M))
+    assert rows["query instruction"] == "`Find the page.`" and rows["prompt ending"] == "`endoftext`"
+    assert rows["document instruction"] == "`Represent the user's input.`" and rows["score"].startswith("MaxSim")
+    (block,) = code_blocks(card)
+    assert "encode_token_vectors(images=['page.png'], role='document')" in block

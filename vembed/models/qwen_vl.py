@@ -135,6 +135,8 @@ class QwenVLAdapter(TokenVectors, TransformersAdapter):
     # The released Qwen3-VL-Embedding LoRA's targets (its README's table): the attention projections but o_proj, and
     # the MLP's. LoRA goes into the language model only (Qwen2.5-VL's vision MLP reuses these names).
     default_lora_target_modules = ("q_proj", "v_proj", "k_proj", "up_proj", "down_proj", "gate_proj")
+    late_interaction_name = "ColQwen"
+    card_tags = ("ColPali", "ColQwen")  # what the Hub lists page-retrieval late-interaction models under
 
     def __init__(self, model: "PreTrainedModel", tokenizer: Any, image_processor: Any, settings: QwenVLSettings):
         super().__init__(model, tokenizer, image_processor, settings)
@@ -243,6 +245,19 @@ class QwenVLAdapter(TokenVectors, TransformersAdapter):
         else:
             query, document = PLANNED_TEXT_TOKENS, PLANNED_TEXT_TOKENS + image_tokens
         return {"query": {"text": query}, "document": {"text": document, "image": image_tokens * merge}}
+
+    @classmethod
+    def card_rows(cls, settings: dict[str, Any]) -> list[list[Any]]:
+        """Token vectors are every attended token of the side's chat-formatted sequence: they depend on its frame."""
+        query = settings.get("query_instruction") or settings.get("document_instruction")
+        return [
+            ["tokens", "every token of a side's chat-formatted sequence: instruction, text and image tokens (one per "
+                       "merged patch; the pixel bounds are in the saved image processor)"],
+            ["query instruction", f"`{query}`"],
+            ["document instruction", f"`{settings.get('document_instruction')}`"],
+            ["prompt ending", f"`{settings.get('prompt_ending')}`"],
+            ["sequence length", f"at most {settings.get('max_length')} tokens"],
+        ]
 
     # --- the input format ------------------------------------------------------------------------------------------
     def instruction_for(self, side: "Side") -> str:

@@ -67,6 +67,9 @@ class TextAdapter(TokenVectors, TransformersAdapter):
     default_lora_target_modules = ATTENTION_PROJECTIONS
     length_chunking: ClassVar[bool] = True  # every pooling reads the attention mask
     modalities_per_record = frozenset({"text"})  # its one tower: a streamed record without text cannot be embedded
+    late_interaction_name = "ColBERT"
+    card_tags = ("ColBERT", "PyLate")  # what the Hub lists late-interaction models under; final/ loads in PyLate
+    pylate_folder = True
 
     def __init__(self, model: "PreTrainedModel", tokenizer: Any, image_processor: None, settings: TextSettings):
         super().__init__(model, tokenizer, None, settings)
@@ -122,6 +125,19 @@ class TextAdapter(TokenVectors, TransformersAdapter):
         rows = self.model.get_input_embeddings().num_embeddings
         if self.tokenizer.add_tokens(prefixes) and len(self.tokenizer) > rows:
             self.model.resize_token_embeddings(len(self.tokenizer))
+
+    @classmethod
+    def card_rows(cls, settings: dict[str, Any]) -> list[list[Any]]:
+        skip = settings.get("skip_punctuation")
+        return [
+            *([f"{role} prefix", f"`{prefix!r}` (one token)" if prefix else "none"]
+              for role, prefix in (("query", settings.get("query_prefix")),
+                                   ("document", settings.get("document_prefix")))),
+            ["query length", f"{settings.get('query_length')} tokens: longer queries truncated, shorter ones expanded "
+                             "with the mask token (attended, scored)"],
+            ["document length", f"at most {settings.get('max_length')} tokens"],
+            ["punctuation skip-list", "documents' punctuation tokens give no vector" if skip else "off"],
+        ]
 
     @classmethod
     def sentence_transformers_modules(cls, path: Path, info: dict[str, Any], trust_remote_code: bool) -> list[Any]:

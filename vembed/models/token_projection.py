@@ -60,6 +60,17 @@ class TokenVectors:
 
     settings: Any
     projection: nn.Linear
+    # What a model card says of this adapter's token vectors (vembed/model_card.py): the family's name (its title),
+    # its Hub tags, and whether the saved folder loads in PyLate too.
+    late_interaction_name: ClassVar[str] = "multi-vector"
+    card_tags: ClassVar[tuple[str, ...]] = ()
+    pylate_folder: ClassVar[bool] = False
+
+    @classmethod
+    def card_rows(cls, settings: dict[str, Any]) -> list[list[Any]]:
+        """The card's late-interaction rows besides size and score: what else the vectors depend on (saved
+        `settings`, as in vembed.json)."""
+        return []
 
     @classmethod
     def embedding_dim_for(cls, recipe: "Recipe") -> int:
