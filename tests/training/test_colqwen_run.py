@@ -95,3 +95,31 @@ def test_two_ranks_equal_one_process_on_the_whole_batch(colqwen_raw, tmp_path):
         assert np.mean([result[name]["loss"] for result in ranks]) == pytest.approx(single_loss, rel=1e-5), name
         for result in ranks:
             print(f"{name}: relative gradient difference {_assert_close(result[name]['grads'], single):.2e}")
+
+
+def test_a_run_saves_a_final_that_gives_the_trained_adapters_token_vectors(colqwen_raw, tmp_path):
+    """Two steps with a corpus folder of page images as the validation split (searched by MaxSim in the run), then
+    `vembed.load(final)` encodes queries and pages as the adapter that trained did."""
+    import vembed
+    from vembed.data.corpus import write_corpus_folder
+    from vembed.data.records import Side
+    from vembed.models.encoding import encode_sides
+    from vembed.training.loop import Trainer
+
+    pages = Path(colqwen_raw["data"]["train"]).parent / "pages"
+    corpus = write_corpus_folder(tmp_path / "corpus", {f"p{i}": {"image": str(pages / f"{i}.png")} for i in range(8)},
+                                 {f"q{i}": {"text": CAPTIONS[i]} for i in range(8)},
+                                 {"dev": {f"q{i}": {f"p{i}": 1} for i in range(8)}})
+    raw = dict(colqwen_raw, output_dir=str(tmp_path / "run"), max_steps=2, learning_rate=1e-3, batch_size=4,
+               data={**colqwen_raw["data"], "validation": str(corpus)})
+    trainer = Trainer(recipe_from_dict(raw))
+    result = trainer.run()
+    assert 0 < result.metrics["validation"]["corpus/ndcg@10"] <= 1
+    model = vembed.load(str(result.final_model_dir), device="cpu")
+    images = [str(pages / f"{i}.png") for i in range(3)]
+    trained = trainer.adapter.cpu().eval()
+    for role, kwargs, sides in (
+            ("query", {"texts": CAPTIONS[:3]}, [Side(text=text, role="query") for text in CAPTIONS[:3]]),
+            ("document", {"images": images}, [Side(image=image, role="document") for image in images])):
+        loaded = model.encode_token_vectors(role=role, **kwargs)
+        torch.testing.assert_close(loaded, encode_sides(trained, sides).cpu(), atol=1e-6, rtol=0)
