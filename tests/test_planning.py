@@ -398,6 +398,9 @@ ARCHITECTURES = {
     "facebook/dinov2-small": "dinov2_small.json",
     "Qwen/Qwen3-VL-Embedding-2B": "qwen3_vl_2b.json",
     "Qwen/Qwen3-VL-Embedding-8B": "qwen3_vl_8b.json",
+    # The Embedding models are fine-tunes of these (the ColQwen recipes' bases): the same architectures.
+    "Qwen/Qwen3-VL-2B-Instruct": "qwen3_vl_2b.json",
+    "Qwen/Qwen3-VL-8B-Instruct": "qwen3_vl_8b.json",
 }
 NAME_KEYS = {"model_name": "model_config", "text_model_name": "text_model_config",
              "vision_model_name": "vision_model_config"}

@@ -127,3 +127,17 @@ def test_the_readmes_colbert_example_runs_offline(tmp_path, monkeypatch):
     exec(example, namespace)
     assert namespace["queries"].shape == (1, 32, 128) and namespace["scores"].shape == (1, 2)
     assert (tmp_path / "runs" / "colbert_tiny" / "final" / "config_sentence_transformers.json").is_file()  # PyLate's
+
+
+def test_the_readmes_colqwen_example_runs_offline(tmp_path, monkeypatch):
+    """The ColQwen example builds a tiny Qwen3-VL ColQwen, loads it and scores a text query against a page image."""
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+    example = next(block for block in blocks if "encode_token_vectors(images=" in block)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(example, namespace)
+    model, pages = namespace["model"], namespace["pages"]
+    assert model.model_type == "qwen_vl" and model.multi_vector and pages.shape[2] == 128
+    assert int(pages[0].ne(0).any(-1).sum()) > 16  # 16 image tokens (64x64 pixels) and the chat frame
+    assert namespace["scores"].shape == (1, 1)
+    assert (tmp_path / "runs" / "colqwen_tiny" / "final" / "1_Dense" / "model.safetensors").is_file()

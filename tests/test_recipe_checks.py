@@ -60,8 +60,8 @@ ELSEWHERE: dict[str, set[str]] = {
     # --- guards while building or resuming, behind the stages' refusals (a direct Python caller meets them) ---
     "vembed/models/qwen_vl.py": {"QwenVLAdapter.__init__", "QwenVLAdapter._check_token_ids",
                                  "QwenVLAdapter.planning_tokens", "set_pixel_budget"},
-    "vembed/models/text.py": {"TextAdapter.__init__", "TextAdapter.load_projection",
-                              "TextAdapter.sentence_transformers_modules"},
+    "vembed/models/text.py": {"TextAdapter.__init__", "TextAdapter.sentence_transformers_modules"},
+    "vembed/models/token_projection.py": {"TokenVectors.load_projection"},  # a saved multi_vector folder
     "vembed/models/vision.py": {"VisionAdapter.load", "VisionAdapter.classify",
                                 "VisionAdapter.head_from_class_names"},  # no class names: the task fills them
     "vembed/models/lora.py": {"inject_lora", "load_lora_weights"},

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 import torch.nn.functional as F
@@ -84,20 +84,7 @@ class Embedder:
         if self.multi_vector:
             raise ValueError("this is a multi_vector (ColBERT) model: it gives token vectors, not one vector per "
                              "text; use encode_token_vectors(texts, role=...) and score(queries, documents)")
-        texts = [texts] if isinstance(texts, str) else texts
-        images = [images] if isinstance(images, (str, os.PathLike)) or _is_pil(images) else images
-        if texts is None and images is None:
-            raise ValueError("encode needs texts, images, or both")
-        if texts is not None and images is not None and len(texts) != len(images):
-            raise ValueError(
-                f"got {len(texts)} texts and {len(images)} images; pairs need equal lengths "
-                "(to embed them separately, call encode(texts=...) and encode(images=...))"
-            )
-        if images is not None:
-            images = [os.fspath(img) if isinstance(img, os.PathLike) else img for img in images]
-        n = len(texts if texts is not None else images)
-        sides = [Side(text=texts[i] if texts is not None else None, image=images[i] if images is not None else None,
-                      role=role) for i in range(n)]
+        sides = _sides(texts, images, role, "encode")
         embeddings = encode_sides(self.adapter, sides, batch_size=batch_size, show_progress=show_progress)
         if normalize:
             embeddings = F.normalize(embeddings, dim=-1)
@@ -108,19 +95,21 @@ class Embedder:
         """Whether the model gives token vectors (`embedding: multi_vector`, ColBERT) rather than one per side."""
         return getattr(self.adapter.settings, "embedding", "single") == "multi_vector"
 
-    def encode_token_vectors(self, texts: str | Sequence[str], role: str, batch_size: int = 32,
-                             show_progress: bool = False) -> torch.Tensor:
-        """Token vectors of a multi_vector (ColBERT) model: a CPU float32 tensor `(n, T, dim)`, row i holding text
-        i's L2-normalised token vectors and zero vectors after them (`vembed.models.token_vectors`).
+    def encode_token_vectors(self, texts: str | Sequence[str] | None = None, role: str | None = None,
+                             batch_size: int = 32, show_progress: bool = False,
+                             images: ImageInput | Sequence[ImageInput | Sequence[ImageInput]] | None = None,
+                             ) -> torch.Tensor:
+        """Token vectors of a multi_vector (ColBERT, ColQwen) model: a CPU float32 tensor `(n, T, dim)`, row i
+        holding item i's L2-normalised token vectors and zero vectors where it has no token
+        (`vembed.models.token_vectors`). Items are texts, images (ColQwen: page screenshots), or both, as in `encode`.
 
-        `role`: "query" (query prefix, expanded to the model's query_length) or "document" (document prefix,
-        punctuation skipped), as in training."""
+        `role` (required): "query" or "document", prepared as in training (ColBERT: the query prefix and expansion
+        to query_length, or the document prefix and skip-list; ColQwen: the query or the document instruction)."""
         if not self.multi_vector:
             raise ValueError(f"this {self.model_type} model gives one vector per text; use encode")
         if role not in ("query", "document"):
             raise ValueError(f"role must be 'query' or 'document', got {role!r}")
-        texts = [texts] if isinstance(texts, str) else list(texts)
-        sides = [Side(text=text, role=role) for text in texts]
+        sides = _sides(texts, images, role, "encode_token_vectors")
         return encode_sides(self.adapter, sides, batch_size=batch_size, show_progress=show_progress).cpu()
 
     @staticmethod
@@ -132,6 +121,24 @@ class Embedder:
 
     def __repr__(self) -> str:
         return f"Embedder(model_type={self.model_type!r}, embedding_dim={self.embedding_dim}, device={self.device})"
+
+
+def _sides(texts: Any, images: Any, role: str | None, method: str) -> list[Side]:
+    """`encode`'s items as sides: texts, images, or (equal numbers of) both, one side per item."""
+    texts = [texts] if isinstance(texts, str) else texts
+    images = [images] if isinstance(images, (str, os.PathLike)) or _is_pil(images) else images
+    if texts is None and images is None:
+        raise ValueError(f"{method} needs texts, images, or both")
+    if texts is not None and images is not None and len(texts) != len(images):
+        raise ValueError(
+            f"got {len(texts)} texts and {len(images)} images; pairs need equal lengths "
+            f"(to embed them separately, call {method}(texts=...) and {method}(images=...))"
+        )
+    if images is not None:
+        images = [os.fspath(img) if isinstance(img, os.PathLike) else img for img in images]
+    n = len(texts if texts is not None else images)
+    return [Side(text=texts[i] if texts is not None else None, image=images[i] if images is not None else None,
+                 role=role) for i in range(n)]
 
 
 def _is_pil(obj: object) -> bool:

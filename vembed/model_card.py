@@ -167,8 +167,17 @@ def _modalities(model_type: str | None) -> frozenset[str]:
 
 
 def _multi_vector(model: Mapping[str, Any]) -> bool:
-    """Whether the model gives token vectors (ColBERT), which no sentence-transformers model or pooling reproduces."""
+    """Whether the model gives token vectors (ColBERT, ColQwen), which no sentence-transformers model or pooling
+    reproduces."""
     return (model.get("settings") or {}).get("embedding") == "multi_vector"
+
+
+def _token_vectors_of(model: Mapping[str, Any]) -> Any:
+    """The adapter class of a multi_vector model (its card facts: `vembed.models.token_projection.TokenVectors`)."""
+    from vembed.models.token_projection import TokenVectors
+
+    adapter = _adapter_class(model.get("model_type"))
+    return adapter if adapter is not None and issubclass(adapter, TokenVectors) else TokenVectors
 
 
 def _exportable(model: Mapping[str, Any]) -> bool:
@@ -182,7 +191,7 @@ def _front_matter(card: Mapping[str, Any], flavour: Flavour) -> str:
     modalities = _modalities(model_type)
     tags = ["vembed", str(model_type), "feature-extraction"]
     if _multi_vector(model):
-        tags += ["ColBERT", "PyLate"]  # what the Hub lists late-interaction models under; final/ loads in PyLate
+        tags += list(_token_vectors_of(model).card_tags)  # what the Hub lists late-interaction models under
     if flavour == "sentence-transformers" or _exportable(model):
         tags.insert(1, "sentence-transformers")
     if modalities == {"text"}:
@@ -217,7 +226,8 @@ def _title(card: Mapping[str, Any], flavour: Flavour, source_path: str | None) -
         (model.get("settings") or {}).get("normalize"), "")
     what = f"Embeddings of {dim} dimensions{normalized}" if dim else "A model"
     if _multi_vector(model):
-        what = f"Token vectors (ColBERT late interaction) of {dim} dimensions{normalized}"
+        what = (f"Token vectors ({_token_vectors_of(model).late_interaction_name} late interaction) of {dim} "
+                f"dimensions{normalized}")
     modalities = " and ".join(sorted(_modalities(model.get("model_type")))) or "its inputs"
     training = card.get("training") or {}
     if training.get("steps") is not None:
@@ -254,20 +264,13 @@ def _base_section(model: Mapping[str, Any], recorded: bool) -> str:
 
 
 def _late_interaction_section(model: Mapping[str, Any]) -> str:
-    """What a multi-vector model's scores depend on besides its weights (`vembed/models/text.py`'s ColBERT)."""
+    """What a multi-vector model's scores depend on besides its weights (the adapter's `card_rows`)."""
     if not _multi_vector(model):
         return ""
-    settings = model.get("settings") or {}
-    skip = settings.get("skip_punctuation")
     rows = [
         ["token vector size", model.get("embedding_dim")],
         ["score", "MaxSim: the sum over query tokens of the best dot product with any document token"],
-        *([f"{role} prefix", f"`{prefix!r}` (one token)" if prefix else "none"]
-          for role, prefix in (("query", settings.get("query_prefix")), ("document", settings.get("document_prefix")))),
-        ["query length", f"{settings.get('query_length')} tokens: longer queries truncated, shorter ones expanded "
-                         "with the mask token (attended, scored)"],
-        ["document length", f"at most {settings.get('max_length')} tokens"],
-        ["punctuation skip-list", "documents' punctuation tokens give no vector" if skip else "off"],
+        *_token_vectors_of(model).card_rows(model.get("settings") or {}),
     ]
     return "## Late interaction\n\n" + _table(["setting", "value"], rows)
 
@@ -470,16 +473,17 @@ def _load_section(model: Mapping[str, Any], flavour: Flavour, path: str, source_
         return "\n".join(lines)
     shape = f"({len(EXAMPLE_TEXTS)}, {model.get('embedding_dim')})"
     if _multi_vector(model):  # token vectors: encoded per role, scored by MaxSim
+        documents = "images=['page.png']" if images else repr(EXAMPLE_TEXTS)  # ColQwen: page screenshots
         usage = [f"queries = model.encode_token_vectors({EXAMPLE_TEXTS[:1]!r}, role='query')  # (1, tokens, "
                  f"{model.get('embedding_dim')})",
-                 f"documents = model.encode_token_vectors({EXAMPLE_TEXTS!r}, role='document')",
+                 f"documents = model.encode_token_vectors({documents}, role='document')",
                  "scores = model.score(queries, documents)  # late interaction (MaxSim)"]
     else:
         usage = [f"embeddings = model.encode(texts={EXAMPLE_TEXTS!r})  # {shape}"
                  if "text" in adapter.modalities else "embeddings = model.encode(images=['photo.jpg'])"]
     lines += ["With vembed (`pip install vembed`):", "", "```python", "import vembed",
               f"model = vembed.load({path!r})", *usage]
-    if images and "text" in adapter.modalities:
+    if images and "text" in adapter.modalities and not _multi_vector(model):
         lines.append("# images: model.encode(images=['photo.jpg']) (paths or PIL images)")
     lines.append("```")
     example = _transformers_example(model, path)
@@ -496,9 +500,12 @@ def _load_section(model: Mapping[str, Any], flavour: Flavour, path: str, source_
         lines += ["With sentence-transformers: export it first (the export embeds as vembed does, checked on "
                   "probe inputs), then load the export:", "", "```bash", f"vembed export {path} --out {export}",
                   "```", "", *_sentence_transformers_lines(export, images), "", *_mteb_lines(export, images)]
-    elif _multi_vector(model):
+    elif _multi_vector(model) and _token_vectors_of(model).pylate_folder:
         lines += [*_pylate_lines(path), "", "sentence-transformers >= 6 reads the same folder: "
                   f"`MultiVectorEncoder({path!r})`."]
+    elif _multi_vector(model):
+        lines.append(f"sentence-transformers: a `{model_type}` model's token vectors have no sentence-transformers "
+                     "equivalent; evaluate it on a corpus folder with `vembed eval`.")
     else:
         lines.append(f"sentence-transformers: a `{model_type}` model has no sentence-transformers equivalent "
                      "(`vembed export` refuses it); evaluate it with `vembed eval`.")

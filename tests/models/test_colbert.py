@@ -99,7 +99,7 @@ def test_projection_is_trained(colbert):
     assert any(p is colbert.projection.weight for p in colbert.parameters())
 
 
-@pytest.mark.parametrize("model_type", ["clip", "qwen_vl"])
+@pytest.mark.parametrize("model_type", ["clip", "siglip", "composed"])  # text and qwen_vl (ColQwen) give them
 def test_adapters_without_token_vectors_refuse_the_key(recipe_for, model_type):
     with pytest.raises(RecipeError, match="embedding"):
         recipe_for(model_type, embedding="multi_vector")

@@ -94,6 +94,32 @@ def test_released_model_recipes_parse_and_pass_the_checks_on_a_local_checkpoint(
         assert any("lora_" in n for n, p in adapter.named_parameters() if p.requires_grad)
 
 
+@pytest.mark.parametrize("name", ["colqwen3_vl.yaml", "colqwen3_vl_8b_fsdp.yaml"])
+def test_colqwen_recipes_parse_and_pass_the_checks_on_a_local_checkpoint(name, digits, tmp_path):
+    """The ColQwen recipes (late interaction on page screenshots) with a tiny Qwen3-VL standing in for the hub
+    checkpoint: colpali-engine's shape (LoRA r32/alpha32/dropout 0.1, 128-d token vectors), the projection trained
+    fully beside the LoRA'd language model. (`vembed plan` on the real shapes: tests/test_planning.py.)"""
+    from vembed.models import MODELS
+
+    recipe = load_recipe(CONFIGS / name)
+    assert (recipe.model.embedding, recipe.model.multi_vector_dim, recipe.loss_type) == (
+        "multi_vector", 128, "late_interaction")
+    assert (recipe.use_lora, recipe.lora_r, recipe.lora_alpha, recipe.lora_dropout) == (True, 32, 32, 0.1)
+    assert recipe.gradient_checkpointing and recipe.mixed_precision == "bf16" and recipe.learning_rate == 5e-5
+    assert recipe.use_fsdp == ("fsdp" in name)
+    tiny = load_recipe(CONFIGS / "qwen3_vl_tiny.yaml", _tiny_overrides(digits, tmp_path / "unused"))
+    torch.manual_seed(0)
+    local = tmp_path / "checkpoint"
+    MODELS.get("qwen_vl").from_recipe(tiny).save(local)
+    recipe = load_recipe(CONFIGS / name, [f"model_name={local}", f"data.train={digits / 'train.jsonl'}",
+                                          "data.image_root=null"])
+    check_recipe(recipe)
+    adapter = MODELS.get("qwen_vl").from_recipe(recipe)
+    adapter.apply_lora(recipe)
+    assert adapter.embedding_dim == 128 and adapter.projection.weight.requires_grad
+    assert any("lora_" in n for n, p in adapter.named_parameters() if p.requires_grad)
+
+
 GLOBAL_BATCH = 8  # 4 per rank
 
 

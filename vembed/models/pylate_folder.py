@@ -59,16 +59,8 @@ def write_pylate_files(path: str | Path, settings: "TextSettings", projection: t
                        skiplist_words: list[str]) -> None:
     """Write the projection (`(dim, hidden)` weight) and PyLate's configuration files into the saved folder `path`
     (the HF model and tokenizer are already there)."""
-    from safetensors.torch import save_file
-
-    folder = Path(path, PROJECTION_FOLDER)
-    folder.mkdir(parents=True, exist_ok=True)
-    weight = projection.detach().float().cpu().contiguous()
-    save_file({PROJECTION_KEY: weight}, str(folder / PROJECTION_FILE))
-    dense = {"in_features": weight.shape[1], "out_features": weight.shape[0], "bias": False,
-             "activation_function": "torch.nn.modules.linear.Identity", "use_residual": False}
+    write_projection(path, projection)
     files = {
-        folder / "config.json": dense,
         Path(path, "modules.json"): MODULES,
         # The transformer's own truncation; PyLate sets it per call (query_length or document_length, minus the
         # prefix token), so this only matters to readers that use the module alone.
@@ -77,6 +69,20 @@ def write_pylate_files(path: str | Path, settings: "TextSettings", projection: t
     }
     for file, content in files.items():
         file.write_text(json.dumps(content, indent=2))
+
+
+def write_projection(path: str | Path, projection: torch.Tensor) -> None:
+    """The `(dim, hidden)` projection weight into `path/1_Dense`, as sentence-transformers' and PyLate's Dense layer
+    save it (every multi_vector model's projection file, PyLate folder or not)."""
+    from safetensors.torch import save_file
+
+    folder = Path(path, PROJECTION_FOLDER)
+    folder.mkdir(parents=True, exist_ok=True)
+    weight = projection.detach().float().cpu().contiguous()
+    save_file({PROJECTION_KEY: weight}, str(folder / PROJECTION_FILE))
+    dense = {"in_features": weight.shape[1], "out_features": weight.shape[0], "bias": False,
+             "activation_function": "torch.nn.modules.linear.Identity", "use_residual": False}
+    (folder / "config.json").write_text(json.dumps(dense, indent=2))
 
 
 def read_projection(path: str | Path) -> torch.Tensor:
@@ -89,4 +95,5 @@ def read_projection(path: str | Path) -> torch.Tensor:
     return load_file(str(file))[PROJECTION_KEY]
 
 
-__all__ = ["MODULES", "PROJECTION_FOLDER", "pylate_config", "read_projection", "write_pylate_files"]
+__all__ = ["MODULES", "PROJECTION_FOLDER", "pylate_config", "read_projection", "write_projection",
+           "write_pylate_files"]

@@ -11,6 +11,12 @@ code ends with `<|im_start|>assistant` and a newline instead (`prompt_ending: ge
 so does this adapter for Qwen3-VL-Embedding checkpoints unless the recipe says otherwise (see `default_ending`).
 The embedding size is the language model's hidden size (2048 for 2B, 4096 for 8B).
 
+With `embedding: multi_vector` (ColQwen, as colpali-engine's ColQwen2) a side gives token vectors instead: every
+attended position of the same sequence -- template, instruction, text and image tokens alike -- projected to
+`multi_vector_dim` by a bias-free Linear outside the LoRA'd language model and L2-normalised, padding the zero vector
+(`vembed/models/token_projection.py`), for loss_type late_interaction and MaxSim search. Queries and documents keep
+their instructions and chat format; a page screenshot's document is its image tokens plus that frame.
+
 Images go through the PIL image processor (no torchvision needed), and the image tokens are expanded here, the
 same way the transformers processor does (tests compare the two when torchvision is installed).
 """
@@ -36,6 +42,8 @@ from vembed.models.base import ADAPTER_FILE, PretrainedSettings, TransformersAda
 from vembed.models.hf import load_model, save_hf_model
 from vembed.models.lora import LORA_WEIGHTS, load_lora_weights, save_lora_weights
 from vembed.models.pooling import pool
+from vembed.models.pylate_folder import PROJECTION_FOLDER, write_projection
+from vembed.models.token_projection import TokenVectors, TokenVectorSettings
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -80,7 +88,8 @@ def normalize_instruction(instruction: str) -> str:
     return instruction
 
 
-class QwenVLSettings(PretrainedSettings):
+class QwenVLSettings(PretrainedSettings, TokenVectorSettings):
+    # embedding, multi_vector_dim: token vectors (ColQwen), vembed/models/token_projection.py
     # The system-turn instruction of query sides; unset: document_instruction.
     query_instruction: str | None = None
     # The system-turn instruction of documents (positives, hard negatives) and of sides of unknown role.
@@ -118,7 +127,7 @@ def default_ending(model_name: str | None) -> str:
 
 
 @MODELS.register("qwen_vl")
-class QwenVLAdapter(TransformersAdapter):
+class QwenVLAdapter(TokenVectors, TransformersAdapter):
     model_type = "qwen_vl"
     Settings: ClassVar[type[QwenVLSettings]] = QwenVLSettings
     modalities = frozenset({"text", "image"})
@@ -126,12 +135,16 @@ class QwenVLAdapter(TransformersAdapter):
     # The released Qwen3-VL-Embedding LoRA's targets (its README's table): the attention projections but o_proj, and
     # the MLP's. LoRA goes into the language model only (Qwen2.5-VL's vision MLP reuses these names).
     default_lora_target_modules = ("q_proj", "v_proj", "k_proj", "up_proj", "down_proj", "gate_proj")
+    late_interaction_name = "ColQwen"
+    card_tags = ("ColPali", "ColQwen")  # what the Hub lists page-retrieval late-interaction models under
 
     def __init__(self, model: "PreTrainedModel", tokenizer: Any, image_processor: Any, settings: QwenVLSettings):
         super().__init__(model, tokenizer, image_processor, settings)
         if model.config.model_type not in BACKBONES:
             raise RecipeError("model_name", f"is a {model.config.model_type!r} model; qwen_vl drives {BACKBONES}")
         self.model.visual.requires_grad_(settings.train_vision_tower)
+        if settings.multi_vector:
+            self.add_projection(model.config.text_config.hidden_size, next(model.parameters()).device)
         if tokenizer is None:  # on_meta: nothing to tokenise, so nothing to check
             self._token_ids = {name: getattr(model.config, name) for name in VISION_TOKEN_IDS}
             return
@@ -158,6 +171,14 @@ class QwenVLAdapter(TransformersAdapter):
         if settings.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
             raise RecipeError("attn_implementation", "flash_attention_2 needs the flash-attn package; install it or "
                               "use sdpa")
+
+    @classmethod
+    def from_recipe(cls, recipe: "Recipe") -> "QwenVLAdapter":
+        adapter = super().from_recipe(recipe)
+        name = adapter.settings.model_name
+        if adapter.settings.multi_vector and name is not None and Path(name, PROJECTION_FOLDER).is_dir():
+            adapter.load_projection(name)  # continuing from a saved ColQwen: keep its projection
+        return adapter
 
     @classmethod
     def config_dict(cls, settings: QwenVLSettings, tokenizer: Any) -> dict[str, Any] | None:
@@ -224,6 +245,19 @@ class QwenVLAdapter(TransformersAdapter):
         else:
             query, document = PLANNED_TEXT_TOKENS, PLANNED_TEXT_TOKENS + image_tokens
         return {"query": {"text": query}, "document": {"text": document, "image": image_tokens * merge}}
+
+    @classmethod
+    def card_rows(cls, settings: dict[str, Any]) -> list[list[Any]]:
+        """Token vectors are every attended token of the side's chat-formatted sequence: they depend on its frame."""
+        query = settings.get("query_instruction") or settings.get("document_instruction")
+        return [
+            ["tokens", "every token of a side's chat-formatted sequence: instruction, text and image tokens (one per "
+                       "merged patch; the pixel bounds are in the saved image processor)"],
+            ["query instruction", f"`{query}`"],
+            ["document instruction", f"`{settings.get('document_instruction')}`"],
+            ["prompt ending", f"`{settings.get('prompt_ending')}`"],
+            ["sequence length", f"at most {settings.get('max_length')} tokens"],
+        ]
 
     # --- the input format ------------------------------------------------------------------------------------------
     def instruction_for(self, side: "Side") -> str:
@@ -309,6 +343,8 @@ class QwenVLAdapter(TransformersAdapter):
         if PIXEL_VALUES in inputs:
             model_inputs[PIXEL_VALUES] = inputs[PIXEL_VALUES].to(self.model.visual.dtype)
         hidden = self.model(**model_inputs, use_cache=False).last_hidden_state
+        if self.settings.multi_vector:
+            return self.token_vectors(hidden, inputs["attention_mask"].bool())  # every attended token, images' too
         embeddings = pool(hidden, inputs["attention_mask"], "last").float()
         return F.normalize(embeddings, dim=-1) if self.settings.normalize else embeddings
 
@@ -363,7 +399,16 @@ class QwenVLAdapter(TransformersAdapter):
             save_hf_model(self.model, path)
         self.tokenizer.save_pretrained(path)
         self.image_processor.save_pretrained(path)
+        if self.settings.multi_vector:
+            write_projection(path, self.projection.weight)
         self.write_adapter_file(path)
+
+    @classmethod
+    def load(cls, path: str | Path, *, trust_remote_code: bool = False) -> "QwenVLAdapter":
+        adapter = super().load(path, trust_remote_code=trust_remote_code)
+        if adapter.settings.multi_vector:
+            adapter.load_projection(path)
+        return adapter
 
     @classmethod
     def saved_settings(cls, path: str | Path, trust_remote_code: bool) -> tuple[dict[str, Any], QwenVLSettings]:

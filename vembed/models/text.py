@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field, model_validator
-from torch import nn
+from pydantic import Field
 
 from vembed.errors import RecipeError
 
@@ -29,8 +28,8 @@ from vembed.models.batch import forward_argument_names, make_batch
 from vembed.models.hf import freeze_unused_pooler, resolve_max_length
 from vembed.models.lora import ATTENTION_PROJECTIONS
 from vembed.models.pooling import pool
-from vembed.models.pylate_folder import PROJECTION_FOLDER, read_projection, write_pylate_files
-from vembed.recipe import InvalidKey
+from vembed.models.pylate_folder import PROJECTION_FOLDER, write_pylate_files
+from vembed.models.token_projection import TokenVectors, TokenVectorSettings
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -44,12 +43,10 @@ if TYPE_CHECKING:
 VECTOR_MASK = "token_vector_mask"
 
 
-class TextSettings(PretrainedSettings):
+class TextSettings(PretrainedSettings, TokenVectorSettings):
     pooling: Literal["cls", "mean", "last"] = "mean"  # cls: first token; mean: attended tokens; last: last attended
-    # single: one vector per side (pooling); multi_vector: one per token (ColBERT late interaction, loss_type
-    # late_interaction), as described at the top of this file. The keys below apply to multi_vector only.
-    embedding: Literal["single", "multi_vector"] = "single"
-    multi_vector_dim: int = Field(default=128, gt=0)  # size of each token vector (the bias-free projection's output)
+    # embedding, multi_vector_dim: vembed/models/token_projection.py; with multi_vector (ColBERT, as described at the
+    # top of this file) these keys apply too:
     query_prefix: str = "[Q] "  # put before every query's text
     document_prefix: str = "[D] "  # put before every document's text
     query_length: int = Field(default=32, gt=0)  # every query is this many tokens: truncated, or expanded with [MASK]
@@ -58,41 +55,28 @@ class TextSettings(PretrainedSettings):
     # clustering, vembed/retrieval/maxsim_search.py); 1: none. Training and `encode_token_vectors` never pool.
     document_pool_factor: int = Field(default=1, ge=1)
 
-    @model_validator(mode="after")
-    def _multi_vector_keys(self) -> "TextSettings":
-        if self.embedding == "multi_vector":
-            if not self.normalize:
-                raise InvalidKey("normalize", "token vectors are always L2-normalised (their padding is the zero "
-                                              "vector); remove normalize: false or use embedding: single")
-            return self
-        # By value, not by presence: a saved recipe (every key written out) must read back.
-        for key in ("multi_vector_dim", "query_prefix", "document_prefix", "query_length", "skip_punctuation",
-                    "document_pool_factor"):
-            if getattr(self, key) != type(self).model_fields[key].default:
-                raise InvalidKey(key, "applies to token vectors only; set embedding: multi_vector or remove it")
-        return self
-
-    @property
-    def multi_vector(self) -> bool:
-        return self.embedding == "multi_vector"
+    token_vector_keys: ClassVar[tuple[str, ...]] = (
+        "multi_vector_dim", "query_prefix", "document_prefix", "query_length", "skip_punctuation",
+        "document_pool_factor")
 
 
 @MODELS.register("text")
-class TextAdapter(TransformersAdapter):
+class TextAdapter(TokenVectors, TransformersAdapter):
     model_type = "text"
     Settings: ClassVar[type[TextSettings]] = TextSettings
     default_lora_target_modules = ATTENTION_PROJECTIONS
     length_chunking: ClassVar[bool] = True  # every pooling reads the attention mask
     modalities_per_record = frozenset({"text"})  # its one tower: a streamed record without text cannot be embedded
+    late_interaction_name = "ColBERT"
+    card_tags = ("ColBERT", "PyLate")  # what the Hub lists late-interaction models under; final/ loads in PyLate
+    pylate_folder = True
 
     def __init__(self, model: "PreTrainedModel", tokenizer: Any, image_processor: None, settings: TextSettings):
         super().__init__(model, tokenizer, None, settings)
         freeze_unused_pooler(model)
         self._text_keys = forward_argument_names(model.forward)
         if settings.multi_vector:
-            # New weights on the model's device (meta when planned); a saved or PyLate folder's are read by the caller.
-            self.projection = nn.Linear(model.config.hidden_size, settings.multi_vector_dim, bias=False,
-                                        device=next(model.parameters()).device)
+            self.add_projection(model.config.hidden_size, next(model.parameters()).device)
             self._skipped = ([tokenizer.convert_tokens_to_ids(t) for t in punctuation_tokens(tokenizer)]
                              if tokenizer is not None and settings.skip_punctuation else [])
             if tokenizer is not None and tokenizer.mask_token_id is None:
@@ -102,16 +86,6 @@ class TextAdapter(TransformersAdapter):
     @classmethod
     def embedding_dim_of(cls, config: "PretrainedConfig") -> int:
         return config.hidden_size
-
-    @classmethod
-    def embedding_dim_for(cls, recipe: "Recipe") -> int:
-        settings = cls.settings_of(recipe)
-        return settings.multi_vector_dim if settings.multi_vector else super().embedding_dim_for(recipe)
-
-    @property
-    def embedding_dim(self) -> int:
-        """The size of one vector: a side's (single) or a token's (multi_vector)."""
-        return self.settings.multi_vector_dim if self.settings.multi_vector else self.model.config.hidden_size
 
     @classmethod
     def resolve(cls, settings: PretrainedSettings, tokenizer: Any, config: "PretrainedConfig") -> PretrainedSettings:
@@ -152,21 +126,18 @@ class TextAdapter(TransformersAdapter):
         if self.tokenizer.add_tokens(prefixes) and len(self.tokenizer) > rows:
             self.model.resize_token_embeddings(len(self.tokenizer))
 
-    def load_projection(self, path: str | Path) -> None:
-        """The token projection saved in `path/1_Dense` (sentence-transformers' Dense layout)."""
-        try:
-            weight = read_projection(path)
-        except FileNotFoundError as missing:
-            raise RecipeError("model", f"{str(path)!r} holds a multi_vector model without its projection "
-                                       f"({missing})") from None
-        if tuple(weight.shape) != tuple(self.projection.weight.shape):
-            file = Path(path, PROJECTION_FOLDER)
-            raise RecipeError("multi_vector_dim", f"{file} projects {weight.shape[1]} -> {weight.shape[0]}, but this "
-                                                  f"model needs {self.projection.in_features} -> "
-                                                  f"{self.projection.out_features}; set multi_vector_dim: "
-                                                  f"{weight.shape[0]}")
-        with torch.no_grad():
-            self.projection.weight.copy_(weight)
+    @classmethod
+    def card_rows(cls, settings: dict[str, Any]) -> list[list[Any]]:
+        skip = settings.get("skip_punctuation")
+        return [
+            *([f"{role} prefix", f"`{prefix!r}` (one token)" if prefix else "none"]
+              for role, prefix in (("query", settings.get("query_prefix")),
+                                   ("document", settings.get("document_prefix")))),
+            ["query length", f"{settings.get('query_length')} tokens: longer queries truncated, shorter ones expanded "
+                             "with the mask token (attended, scored)"],
+            ["document length", f"at most {settings.get('max_length')} tokens"],
+            ["punctuation skip-list", "documents' punctuation tokens give no vector" if skip else "off"],
+        ]
 
     @classmethod
     def sentence_transformers_modules(cls, path: Path, info: dict[str, Any], trust_remote_code: bool) -> list[Any]:
@@ -241,8 +212,7 @@ class TextAdapter(TransformersAdapter):
         tokens = {key: value for key, value in inputs.items() if key in self._text_keys}
         hidden = self.model(**tokens).last_hidden_state
         if self.settings.multi_vector:
-            vectors = F.normalize(self.projection(hidden).float(), dim=-1)
-            return vectors * inputs[VECTOR_MASK].unsqueeze(-1)  # zero where there is no token
+            return self.token_vectors(hidden, inputs[VECTOR_MASK])
         # Every side has text, so TEXT_INDEX is 0..n-1 and rows are already in side order.
         embeddings = pool(hidden, tokens.get("attention_mask"), self.settings.pooling).float()
         return F.normalize(embeddings, dim=-1) if self.settings.normalize else embeddings

@@ -520,7 +520,7 @@ def _check_token_vectors(recipe: "Recipe") -> None:
             raise RecipeError("loss_type", f"{recipe.loss_type} scores one vector per side; embedding: multi_vector "
                                            f"gives token vectors: use a loss_type that scores them ({scoring})")
         raise RecipeError("loss_type", f"{recipe.loss_type} scores token vectors; set embedding: multi_vector "
-                                       "(model_type text) or choose another loss_type")
+                                       "(model_type text or qwen_vl) or choose another loss_type")
     if multi:
         for split in ("validation", "test"):
             sources = recipe.data.sources(split)
