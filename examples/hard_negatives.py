@@ -26,9 +26,14 @@ Results go to OUT/results.json and OUT/hard_negatives.png.
 The whole two-stage pipeline instead: train the embedder (in-batch) -> `vembed mine` its training queries -> train a
 cross-encoder (configs/reranker_functions.yaml) on lists of the positive and the mined negatives -> `vembed eval
 RERANKER CORPUS --first-stage EMBEDDER --top-k K` on the held-out queries: the embedder's nDCG@10 alone and reranked,
-per seed, and mean ± sd over the seeds, in OUT/pipeline.json. The reranker's encoder starts from the embedder's
-weights (a new one-logit head): from random weights, lists of near-duplicate siblings alone gave it nothing to start
-from (seed 0, 2 epochs: the listwise loss stayed at ln 4, chance over 4 documents; --reranker-from-scratch).
+per seed, and mean ± sd over the seeds (and of the per-seed change) in OUT/pipeline.json and OUT/pipeline.png.
+The reranker's encoder starts from the embedder's weights (a new one-logit head; --reranker-from-scratch: random).
+Measured (docs/benchmarks.md): the tiny cross-encoder does NOT learn here; it stays at chance. Not a label, sign or
+evaluation bug (it memorises a fixed batch: listwise loss 1.386 -> 1.281, floor 1.269): its score is read at the
+first token (BERT's pooler), and in a 64-wide model at std-0.02 init, or after mean-pooled embedder training, that
+token's state hardly depends on the pair (logit sd over pairs 5e-5 random, 3e-4 from the embedder), so the gradient
+that would teach query-document matching starts at ~1e-4: in 98 steps the loss stays at chance, also with 4 random
+easy negatives added to each list (ln 8) or a 5x larger init; 300 steps (random init) reach 1.372 and nDCG@10 0.26.
 """
 
 from __future__ import annotations
