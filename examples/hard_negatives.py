@@ -237,7 +237,7 @@ def plot_pipeline(summary: dict[str, dict[str, float]], top_k: int, out: Path) -
         ax.bar([i + (offset - 0.5) * width for i in range(len(PIPELINE_METRICS))], means, width, yerr=sds,
                capsize=4, label=label)
     ax.set_xticks(range(len(PIPELINE_METRICS)), PIPELINE_METRICS)
-    ax.set_ylim(0, 1)
+    ax.set_ylim(0, 1.15)  # room for the legend above the bars
     ax.set_ylabel(f"held-out queries, mean ± sd over {summary['reranked/ndcg@10']['seeds']} seed(s)")
     ax.set_title("embedder -> mine -> cross-encoder")
     ax.legend(loc="upper right")
