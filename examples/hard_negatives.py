@@ -26,9 +26,14 @@ Results go to OUT/results.json and OUT/hard_negatives.png.
 The whole two-stage pipeline instead: train the embedder (in-batch) -> `vembed mine` its training queries -> train a
 cross-encoder (configs/reranker_functions.yaml) on lists of the positive and the mined negatives -> `vembed eval
 RERANKER CORPUS --first-stage EMBEDDER --top-k K` on the held-out queries: the embedder's nDCG@10 alone and reranked,
-per seed, and mean ± sd over the seeds, in OUT/pipeline.json. The reranker's encoder starts from the embedder's
-weights (a new one-logit head): from random weights, lists of near-duplicate siblings alone gave it nothing to start
-from (seed 0, 2 epochs: the listwise loss stayed at ln 4, chance over 4 documents; --reranker-from-scratch).
+per seed, and mean ± sd over the seeds (and of the per-seed change) in OUT/pipeline.json and OUT/pipeline.png.
+The reranker's encoder starts from the embedder's weights (a new one-logit head; --reranker-from-scratch: random).
+Measured (docs/benchmarks.md): the tiny cross-encoder does NOT learn here; it stays at chance. Not a label, sign or
+evaluation bug (it memorises a fixed batch: listwise loss 1.386 -> 1.281, floor 1.269): its score is read at the
+first token (BERT's pooler), and in a 64-wide model at std-0.02 init, or after mean-pooled embedder training, that
+token's state hardly depends on the pair (logit sd over pairs 5e-5 random, 3e-4 from the embedder), so the gradient
+that would teach query-document matching starts at ~1e-4: in 98 steps the loss stays at chance, also with 4 random
+easy negatives added to each list (ln 8) or a 5x larger init; 300 steps (random init) reach 1.372 and nDCG@10 0.26.
 """
 
 from __future__ import annotations
@@ -155,8 +160,6 @@ def train_reranker(corpus: Path, mined: Path, tokenizer: Path, output_dir: Path,
 
 def pipeline(args: argparse.Namespace, out: Path, data: Path) -> int:
     """Embedder -> mine -> reranker -> first stage vs reranked on the held-out queries, per seed; mean ± sd."""
-    import statistics
-
     from vembed.cli import main as vembed
 
     saved = out / "pipeline.json"
@@ -188,17 +191,59 @@ def pipeline(args: argparse.Namespace, out: Path, data: Path) -> int:
                       "seconds": round(time.time() - started)}
         print(json.dumps(runs[seed]))
         rows = sorted(runs.values(), key=lambda r: r["seed"])
-        summary = {}
-        for key in ("first_stage/ndcg@10", "reranked/ndcg@10", "first_stage/mrr@10", "reranked/mrr@10"):
-            values = [r[key] for r in rows]
-            summary[key] = {"mean": statistics.mean(values),
-                            "sd": statistics.stdev(values) if len(values) > 1 else 0.0}
+        summary = summarize(rows)
         # after every seed, so a stopped run keeps what it measured
         saved.write_text(json.dumps({"top_k": args.top_k, "seeds": rows, "summary": summary}, indent=1))
     for key, value in summary.items():
-        print(f"{key:<22} {value['mean']:.4f} ± {value['sd']:.4f} over {len(rows)} seed(s)")
-    print(f"wrote {saved}")
+        print(f"{key:<22} {value['mean']:+.4f} ± {value['sd']:.4f} over {value['seeds']} seed(s)")
+    plot_pipeline(summary, args.top_k, out / "pipeline.png")
+    print(f"wrote {saved} and {out / 'pipeline.png'}")
     return 0
+
+
+PIPELINE_METRICS = ("ndcg@10", "mrr@10")
+
+
+def summarize(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Mean and sample sd over the seeds' rows of first stage, reranked and their change (reranked - first stage,
+    per seed) for each of PIPELINE_METRICS: {"reranked/ndcg@10": {"mean", "sd", "seeds"}, ...}; sd 0 for one seed."""
+    import statistics
+
+    summary = {}
+    for name in PIPELINE_METRICS:
+        per_stage = {stage: [r[f"{stage}/{name}"] for r in rows] for stage in ("first_stage", "reranked")}
+        per_stage["change"] = [after - before for before, after in zip(per_stage["first_stage"],
+                                                                        per_stage["reranked"])]
+        for stage, values in per_stage.items():
+            summary[f"{stage}/{name}"] = {"mean": statistics.mean(values),
+                                          "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
+                                          "seeds": len(values)}
+    return summary
+
+
+def plot_pipeline(summary: dict[str, dict[str, float]], top_k: int, out: Path) -> None:
+    """Bars of first stage and reranked per metric, mean over the seeds with ± sd error bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    width = 0.38
+    for offset, (stage, label) in enumerate((("first_stage", "embedder alone"),
+                                             ("reranked", f"reranked (top {top_k})"))):
+        means = [summary[f"{stage}/{name}"]["mean"] for name in PIPELINE_METRICS]
+        sds = [summary[f"{stage}/{name}"]["sd"] for name in PIPELINE_METRICS]
+        ax.bar([i + (offset - 0.5) * width for i in range(len(PIPELINE_METRICS))], means, width, yerr=sds,
+               capsize=4, label=label)
+    ax.set_xticks(range(len(PIPELINE_METRICS)), PIPELINE_METRICS)
+    ax.set_ylim(0, 1.15)  # room for the legend above the bars
+    ax.set_ylabel(f"held-out queries, mean ± sd over {summary['reranked/ndcg@10']['seeds']} seed(s)")
+    ax.set_title("embedder -> mine -> cross-encoder")
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
 
 
 def ndcg_at_10(model_dir: Path, folder: Path, split: str = "test") -> dict[str, float]:

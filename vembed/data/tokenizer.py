@@ -34,8 +34,10 @@ def train_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: int =
     )
     tok.train_from_iterator(list(texts), trainer=trainer)
     bos, eos = tok.token_to_id(BOS), tok.token_to_id(EOS)
+    # A pair (a cross-encoder's query and document) comes marked, BOS query EOS document EOS, and its second text
+    # gets type id 1: without the pair template the two texts ran together with nothing between them.
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A {EOS}", special_tokens=[(BOS, bos), (EOS, eos)]
+        single=f"{BOS} $A {EOS}", pair=f"{BOS} $A {EOS} $B:1 {EOS}:1", special_tokens=[(BOS, bos), (EOS, eos)]
     )
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tok,
