@@ -385,6 +385,7 @@ ARCHITECTURES = {
     "facebook/dinov2-small": "dinov2_small.json",
     "Qwen/Qwen3-VL-Embedding-2B": "qwen3_vl_2b.json",
     "Qwen/Qwen3-VL-Embedding-8B": "qwen3_vl_8b.json",
+    "Qwen/Qwen3-VL-Reranker-2B": "qwen3_vl_2b.json",  # the same architecture, with its LM head
 }
 NAME_KEYS = {"model_name": "model_config", "text_model_name": "text_model_config",
              "vision_model_name": "vision_model_config"}

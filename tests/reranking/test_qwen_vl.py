@@ -216,7 +216,8 @@ def test_a_checkpoint_without_lm_head_is_refused_in_one_line(qwen_rerank_recipe,
     from vembed.reranking import RERANKERS
 
     with pytest.raises(RecipeError, match="Qwen3VLModel checkpoint, saved without an LM head"):
-        RERANKERS.get("qwen_vl_reranker").check_recipe(recipe_from_dict({**raw, "model_name": str(tmp_path / "embedder")}))
+        RERANKERS.get("qwen_vl_reranker").check_recipe(
+            recipe_from_dict({**raw, "model_name": str(tmp_path / "embedder")}))
     recipe = tmp_path / "recipe.json"
     recipe.write_text(json.dumps({**raw, "model_name": str(tmp_path / "embedder")}))
     capsys.readouterr()

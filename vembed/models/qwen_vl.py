@@ -293,7 +293,7 @@ class QwenVLAdapter(TransformersAdapter):
         return expanded
 
     def _image_batch(self, images: list[Any]) -> tuple[dict[str, torch.Tensor], list[int]]:
-        """The pixel values and grids of `images` (paths or PIL images, in sequence order) and each one's token count."""
+        """The pixel values and grids of `images` (paths or PIL images, in sequence order), each one's token count."""
         if not images:
             return {}, []
         processed = self.image_processor(images=[load_image(image) for image in images], return_tensors="pt")
