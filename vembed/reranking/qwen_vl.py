@@ -177,7 +177,7 @@ class QwenVLReranker(PairScorer, QwenVLAdapter):
         """(n,) float32 logits of "yes" against "no" at each pair's last token: h · (W_yes - W_no)."""
         last = pool(self.last_hidden_state(inputs), inputs["attention_mask"], "last")
         if self._answer_ids is None:
-            raise RecipeError("model", "this reranker was built on the meta device (vembed plan) and cannot score")
+            raise RuntimeError("this reranker was built on the meta device (vembed plan) and cannot score")
         yes, no = self._answer_ids
         weight = self.model.get_output_embeddings().weight
         return (last @ (weight[yes] - weight[no]).to(last.dtype)).float()
