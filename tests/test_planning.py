@@ -401,6 +401,7 @@ ARCHITECTURES = {
     # The Embedding models are fine-tunes of these (the ColQwen recipes' bases): the same architectures.
     "Qwen/Qwen3-VL-2B-Instruct": "qwen3_vl_2b.json",
     "Qwen/Qwen3-VL-8B-Instruct": "qwen3_vl_8b.json",
+    "Qwen/Qwen3-VL-Reranker-2B": "qwen3_vl_2b.json",  # the same architecture, with its LM head
 }
 NAME_KEYS = {"model_name": "model_config", "text_model_name": "text_model_config",
              "vision_model_name": "vision_model_config"}

@@ -43,11 +43,11 @@ def _gradients(raw: dict, rows: list[int]) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in trainer.objective.named_parameters() if p.grad is not None}
 
 
-def _ddp_worker(raw_path: str, out_dir: str) -> None:
+def _ddp_worker(raw_path: str, out_dir: str, losses: tuple[str, ...] = LOSSES) -> None:
     import torch.distributed as dist
 
     rank, half = dist.get_rank(), GLOBAL_BATCH // 2
-    for loss in LOSSES:
+    for loss in losses:
         raw = dict(json.loads(Path(raw_path).read_text()), loss_type=loss)
         grads = _gradients(raw, list(range(rank * half, (rank + 1) * half)))
         if rank == 0:
@@ -61,10 +61,26 @@ def test_two_ranks_give_the_gradients_of_one_process(rerank_recipe, tmp_path):
     model_config = dict(rerank_recipe["model_config"], initializer_range=0.5)
     raw = dict(rerank_recipe, batch_size=GLOBAL_BATCH // 2, data={"train": str(train)}, pairs_per_chunk=4,
                model_config=model_config)
+    _check_ranks_against_one_process(raw, tmp_path, LOSSES)
+
+
+def test_two_ranks_give_the_gradients_of_one_process_for_the_qwen_vl_reranker(qwen_rerank_recipe, tmp_path):
+    """The same with the Qwen-VL reranker on lists of text and image documents (one loss: the exactness is the
+    task's, the model only has to be deterministic under DDP)."""
+    from rerank_lists import write_image_lists
+
+    train = write_image_lists(tmp_path / "data" / "lists.jsonl", count=GLOBAL_BATCH)
+    model_config = dict(qwen_rerank_recipe["model_config"], initializer_range=0.2)
+    raw = dict(qwen_rerank_recipe, batch_size=GLOBAL_BATCH // 2, data={"train": str(train)}, pairs_per_chunk=4,
+               model_config=model_config)
+    _check_ranks_against_one_process(raw, tmp_path, ("lambdaloss",))
+
+
+def _check_ranks_against_one_process(raw: dict, tmp_path: Path, losses: tuple[str, ...]) -> None:
     raw_path = tmp_path / "raw.json"
     raw_path.write_text(json.dumps(raw))
-    run_on_ranks(_ddp_worker, str(raw_path), str(tmp_path), world=2)
-    for loss in LOSSES:
+    run_on_ranks(_ddp_worker, str(raw_path), str(tmp_path), losses, world=2)
+    for loss in losses:
         ddp = torch.load(tmp_path / f"{loss}.pt", weights_only=True)
         single = _gradients(dict(raw, loss_type=loss, batch_size=GLOBAL_BATCH), list(range(GLOBAL_BATCH)))
         assert ddp.keys() == single.keys() and len(single) > 10

@@ -68,3 +68,41 @@ def test_the_shipped_minilm_reranker_plans_at_its_published_size(tiny_tokenizer_
     assert plan.work.roles == {"pair": 8} and plan.model.chunk_samples == 64
     assert plan.recommendation == "single device"
     print(format_plan(plan))
+
+
+def _qwen_reranker(tmp_path, size: str, *overrides: str):
+    """configs/qwen3_vl_reranker.yaml with the released architecture of `size` (bench/configs/), offline."""
+    from pathlib import Path
+
+    from vembed.components import load_recipe
+
+    repo = Path(__file__).resolve().parents[2]
+    config = (repo / "bench" / "configs" / f"qwen3_vl_{size}.json").read_text()
+    return load_recipe(repo / "configs" / "qwen3_vl_reranker.yaml",
+                       ["model_name=null", f"model_config={config}", "tokenizer_name=never-read", *overrides])
+
+
+def test_the_shipped_qwen_vl_reranker_plans_at_2b_and_8b_with_fsdp_lora(tmp_path):
+    """The Qwen-VL reranker on the meta device: Qwen3-VL-2B's parameters (the LM head tied to the embeddings adds
+    none), LoRA on the language model only, one `pair` route through the language model and the vision tower; the 8B
+    (untied head) plans FSDP2 with LoRA where a GPU cannot hold its replica."""
+    from vembed.planning import format_plan, make_plan
+
+    recipe = _qwen_reranker(tmp_path, "2b")
+    assert recipe.model_type == "qwen_vl_reranker" and recipe.use_lora and recipe.gradient_checkpointing
+    assert (recipe.lora_r, recipe.lora_alpha, recipe.mixed_precision) == (32, 32, "bf16")
+    plan = make_plan(recipe, gpus=1, gpu_memory_gib=80)
+    assert 2.0e9 < plan.model.total < 2.3e9 and 0 < plan.model.trainable_lora < 0.02 * plan.model.total
+    assert plan.model.routes == {"pair": {"text": 2048, "image": 602112 // 16**2}}  # max_length; patches at the cap
+    assert plan.work.roles == {"pair": 8} and plan.model.chunk_samples == 16  # lists of 1 + 7 documents
+    assert not any(e.strategy.gradient_cache for e in plan.estimates)
+    assert plan.recommendation == "single device"
+    print(format_plan(plan))
+
+    big = make_plan(_qwen_reranker(tmp_path, "8b", "use_fsdp=true"), gpus=8, gpu_memory_gib=48)
+    assert 8.5e9 < big.model.total < 9.0e9  # 8B: its own LM head (untied), 151936 x 4096 more
+    fsdp = next(e for e in big.estimates if e.strategy.name == "fsdp+lora")
+    ddp = next(e for e in big.estimates if e.strategy.name == "ddp")
+    assert fsdp.total(True) < 48 * 2**30 < ddp.total(True)  # 8B fp32 master weights: no replica fits
+    assert big.recommendation == "FSDP + LoRA"
+    print(format_plan(big))

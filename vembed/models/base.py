@@ -328,6 +328,9 @@ class TransformersAdapter(EmbeddingAdapter):
     Settings: ClassVar[type[PretrainedSettings]] = PretrainedSettings
     # The transformers architecture (config model_type) this adapter drives; None: any (a config dict names it).
     hf_model_type: ClassVar[str | None] = None
+    # The transformers Auto class that builds `self.model`: the bare model (embedders read hidden states), or one
+    # with a head (the Qwen-VL reranker reads its LM head's "yes"/"no" rows).
+    auto_class: ClassVar[str] = "AutoModel"
 
     def __init__(self, model: "PreTrainedModel", tokenizer: Any, image_processor: Any, settings: PretrainedSettings):
         super().__init__(settings)
@@ -394,8 +397,9 @@ class TransformersAdapter(EmbeddingAdapter):
 
     @classmethod
     def from_recipe(cls, recipe: "Recipe") -> "TransformersAdapter":
-        from transformers import AutoModel
+        import transformers
 
+        AutoModel = getattr(transformers, cls.auto_class)
         cls.check_recipe(recipe)
         settings = cls.settings_of(recipe)
         tokenizer = load_tokenizer(settings.tokenizer_name or settings.model_name, settings.trust_remote_code)
@@ -403,7 +407,8 @@ class TransformersAdapter(EmbeddingAdapter):
         if settings.model_name is not None:
             model = load_model(settings.model_name, None, key="model_name",
                                trust_remote_code=settings.trust_remote_code,
-                               attn_implementation=settings.attn_implementation, model_type=cls.hf_model_type)
+                               attn_implementation=settings.attn_implementation, model_type=cls.hf_model_type,
+                               auto_class=cls.auto_class)
         else:
             model = AutoModel.from_config(config, **hf_kwargs(settings.trust_remote_code, settings.attn_implementation))
         processor = cls.image_processor_for(settings.model_name, model.config, settings) if cls._images() else None
@@ -411,8 +416,9 @@ class TransformersAdapter(EmbeddingAdapter):
 
     @classmethod
     def on_meta(cls, recipe: "Recipe") -> "TransformersAdapter":
-        from transformers import AutoModel
+        import transformers
 
+        AutoModel = getattr(transformers, cls.auto_class)
         cls.check_recipe(recipe)
         settings = cls.settings_of(recipe)
         config = cls.hf_config(settings)
@@ -430,7 +436,8 @@ class TransformersAdapter(EmbeddingAdapter):
     @classmethod
     def load_weights(cls, path: str | Path, info: dict[str, Any], settings: PretrainedSettings) -> "PreTrainedModel":
         return load_model(str(path), None, key="model", trust_remote_code=settings.trust_remote_code,
-                          attn_implementation=settings.attn_implementation, model_type=cls.hf_model_type)
+                          attn_implementation=settings.attn_implementation, model_type=cls.hf_model_type,
+                          auto_class=cls.auto_class)
 
     def save(self, path: str | Path) -> None:
         save_hf_model(self.model, path)

@@ -82,10 +82,13 @@ def load_model(
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
     model_type: str | None = None,
+    auto_class: str = "AutoModel",
 ) -> "PreTrainedModel":
-    """`AutoModel` from pretrained weights, or randomly initialised from a config dict."""
-    from transformers import AutoModel
+    """`auto_class` (a transformers Auto class name: AutoModel, or AutoModelForImageTextToText for a model with its
+    LM head) from pretrained weights, or randomly initialised from a config dict."""
+    import transformers
 
+    AutoModel = getattr(transformers, auto_class)
     kwargs = hf_kwargs(trust_remote_code, attn_implementation)
     if name is not None:
         auto_config(name, None, key=key, trust_remote_code=trust_remote_code, model_type=model_type)

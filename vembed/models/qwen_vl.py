@@ -88,28 +88,33 @@ def normalize_instruction(instruction: str) -> str:
     return instruction
 
 
-class QwenVLSettings(PretrainedSettings, TokenVectorSettings):
-    # embedding, multi_vector_dim: token vectors (ColQwen), vembed/models/token_projection.py
-    # The system-turn instruction of query sides; unset: document_instruction.
-    query_instruction: str | None = None
-    # The system-turn instruction of documents (positives, hard negatives) and of sides of unknown role.
-    document_instruction: str = "Represent the user's input."
+class QwenVLModelSettings(PretrainedSettings):
+    """The keys of every model on a Qwen-VL backbone (the embedder here, the reranker in vembed/reranking)."""
+
     min_pixels: int | None = Field(default=None, gt=0)  # images are resized to hold at least this many pixels ...
     max_pixels: int | None = Field(default=None, gt=0)  # ... and at most this many (unset: the checkpoint's values)
     train_vision_tower: bool = False  # false: the vision tower is frozen (with or without LoRA)
     # With use_lora, what the saved model holds: "merged" (LoRA folded in; a plain transformers folder) or "adapter"
     # (only the LoRA weights, PEFT file names; loading reads model_name again).
     lora_save: Literal["merged", "adapter"] = "merged"
-    # How each sequence ends (the embedding is the state at its last token): "endoftext", the technical report's
-    # "<|im_end|>, newline, <|endoftext|>"; or "generation_prompt", "<|im_end|>, newline, <|im_start|>assistant,
-    # newline", what the released Qwen3-VL-Embedding inference code (and vLLM) feeds. Unset: decided per checkpoint
-    # (`default_ending`): generation_prompt for Qwen3-VL-Embedding checkpoints, endoftext for any other.
-    prompt_ending: Literal["endoftext", "generation_prompt"] | None = None
 
     # The released Qwen3-VL-Embedding LoRA is r=32, alpha=32.
     recipe_defaults: ClassVar[dict[str, Any]] = {"lora_r": 32, "lora_alpha": 32}
     # The pixel bounds live in the saved image processor; vision tower training is a training matter.
     unsaved: ClassVar[frozenset[str]] = PretrainedSettings.unsaved | {"min_pixels", "max_pixels", "train_vision_tower"}
+
+
+class QwenVLSettings(QwenVLModelSettings, TokenVectorSettings):
+    # embedding, multi_vector_dim: token vectors (ColQwen), vembed/models/token_projection.py
+    # The system-turn instruction of query sides; unset: document_instruction.
+    query_instruction: str | None = None
+    # The system-turn instruction of documents (positives, hard negatives) and of sides of unknown role.
+    document_instruction: str = "Represent the user's input."
+    # How each sequence ends (the embedding is the state at its last token): "endoftext", the technical report's
+    # "<|im_end|>, newline, <|endoftext|>"; or "generation_prompt", "<|im_end|>, newline, <|im_start|>assistant,
+    # newline", what the released Qwen3-VL-Embedding inference code (and vLLM) feeds. Unset: decided per checkpoint
+    # (`default_ending`): generation_prompt for Qwen3-VL-Embedding checkpoints, endoftext for any other.
+    prompt_ending: Literal["endoftext", "generation_prompt"] | None = None
 
 
 def default_ending(model_name: str | None) -> str:
@@ -142,7 +147,7 @@ class QwenVLAdapter(TokenVectors, TransformersAdapter):
         super().__init__(model, tokenizer, image_processor, settings)
         if model.config.model_type not in BACKBONES:
             raise RecipeError("model_name", f"is a {model.config.model_type!r} model; qwen_vl drives {BACKBONES}")
-        self.model.visual.requires_grad_(settings.train_vision_tower)
+        self.backbone.visual.requires_grad_(settings.train_vision_tower)
         if settings.multi_vector:
             self.add_projection(model.config.text_config.hidden_size, next(model.parameters()).device)
         if tokenizer is None:  # on_meta: nothing to tokenise, so nothing to check
@@ -150,6 +155,16 @@ class QwenVLAdapter(TokenVectors, TransformersAdapter):
             return
         self._token_ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in VISION_TOKEN_IDS.items()}
         self._check_token_ids(model.config)
+
+    @staticmethod
+    def backbone_of(model: "PreTrainedModel") -> nn.Module:
+        """The Qwen-VL model holding `visual` and `language_model`: `model` itself here (the bare model); the reranker
+        holds it under its ForConditionalGeneration's `.model`."""
+        return model
+
+    @property
+    def backbone(self) -> nn.Module:
+        return self.backbone_of(self.model)
 
     def _check_token_ids(self, config: "PretrainedConfig") -> None:
         for name, token_id in self._token_ids.items():
@@ -286,12 +301,8 @@ class QwenVLAdapter(TokenVectors, TransformersAdapter):
         tokenising the whole string (tested) because each boundary is a special token or a newline -- except for a
         text that itself starts with newlines, which Qwen's pre-tokeniser would merge with the one before it."""
         head, body = self._prompt_parts(side)
-        encode = lambda text: self.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-        pad_id = self._token_ids["image_token_id"]
-        head_ids: list[int] = []
-        counts = iter(tokens_per_image)
-        for token in encode(head):
-            head_ids.extend([pad_id] * next(counts) if token == pad_id else [token])
+        encode = self._encode_text
+        head_ids = self._expand_images(encode(head), tokens_per_image)
         body_ids, end_ids = encode(body), encode(ENDINGS[self.settings.prompt_ending])
         if self.settings.max_length is not None:
             room = self.settings.max_length - len(head_ids) - len(end_ids)
@@ -303,16 +314,29 @@ class QwenVLAdapter(TokenVectors, TransformersAdapter):
             body_ids = body_ids[:room]
         return head_ids + body_ids + end_ids
 
+    def _encode_text(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _expand_images(self, ids: list[int], tokens_per_image: list[int]) -> list[int]:
+        """`ids` with each `<|image_pad|>` repeated once per merged patch of its image (the processor's expansion)."""
+        pad_id = self._token_ids["image_token_id"]
+        expanded: list[int] = []
+        counts = iter(tokens_per_image)
+        for token in ids:
+            expanded.extend([pad_id] * next(counts) if token == pad_id else [token])
+        return expanded
+
+    def _image_batch(self, images: list[Any]) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """The pixel values and grids of `images` (paths or PIL images, in sequence order), each one's token count."""
+        if not images:
+            return {}, []
+        processed = self.image_processor(images=[load_image(image) for image in images], return_tensors="pt")
+        merge = self.image_processor.merge_size**2
+        tokens_per_image = [int(grid.prod()) // merge for grid in processed["image_grid_thw"]]
+        return {PIXEL_VALUES: processed["pixel_values"], IMAGE_GRID_THW: processed["image_grid_thw"]}, tokens_per_image
+
     def preprocess(self, sides: Sequence["Side"]) -> dict[str, torch.Tensor]:
-        images = [load_image(image) for side in sides for image in side.images]
-        batch: dict[str, torch.Tensor] = {}
-        tokens_per_image: list[int] = []
-        if images:
-            processed = self.image_processor(images=images, return_tensors="pt")
-            batch[PIXEL_VALUES] = processed["pixel_values"]
-            batch[IMAGE_GRID_THW] = processed["image_grid_thw"]
-            merge = self.image_processor.merge_size**2
-            tokens_per_image = [int(grid.prod()) // merge for grid in processed["image_grid_thw"]]
+        batch, tokens_per_image = self._image_batch([image for side in sides for image in side.images])
         counts = [len(side.images) for side in sides]
         rows, start = [], 0
         for side, count in zip(sides, counts):
@@ -338,11 +362,16 @@ class QwenVLAdapter(TokenVectors, TransformersAdapter):
         return {"input_ids": input_ids, "attention_mask": attention_mask, "mm_token_type_ids": mm_token_type_ids}
 
     # --- used by the loop ------------------------------------------------------------------------------------------
-    def encode(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def last_hidden_state(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The language model's last layer over the preprocessed sequences (batch keys that are no model input, such
+        as images_per_side, left out)."""
         model_inputs = {key: inputs[key] for key in (*SEQUENCE_KEYS, IMAGE_GRID_THW) if key in inputs}
         if PIXEL_VALUES in inputs:
-            model_inputs[PIXEL_VALUES] = inputs[PIXEL_VALUES].to(self.model.visual.dtype)
-        hidden = self.model(**model_inputs, use_cache=False).last_hidden_state
+            model_inputs[PIXEL_VALUES] = inputs[PIXEL_VALUES].to(self.backbone.visual.dtype)
+        return self.backbone(**model_inputs, use_cache=False).last_hidden_state
+
+    def encode(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        hidden = self.last_hidden_state(inputs)
         if self.settings.multi_vector:
             return self.token_vectors(hidden, inputs["attention_mask"].bool())  # every attended token, images' too
         embeddings = pool(hidden, inputs["attention_mask"], "last").float()
@@ -368,12 +397,12 @@ class QwenVLAdapter(TokenVectors, TransformersAdapter):
         return out
 
     def lora_towers(self) -> list[nn.Module]:
-        return [self.model.language_model]  # the released Qwen3-VL-Embedding LoRA's place
+        return [self.backbone.language_model]  # the released Qwen3-VL-Embedding LoRA's place
 
     def apply_lora(self, recipe: "Recipe") -> None:
         """LoRA on the language model; the vision tower stays frozen, or fully trainable with `train_vision_tower`."""
         super().apply_lora(recipe)
-        self.model.visual.requires_grad_(self.settings.train_vision_tower)
+        self.backbone.visual.requires_grad_(self.settings.train_vision_tower)
 
     # --- persistence -----------------------------------------------------------------------------------------------
     def set_pixel_budget(self, min_pixels: int | None, max_pixels: int | None) -> None:
@@ -394,7 +423,7 @@ class QwenVLAdapter(TokenVectors, TransformersAdapter):
         """The merged model (a plain transformers folder), or with `lora_save: adapter` and LoRA applied only the
         LoRA weights of the language model (PEFT file names), which `load` puts back on `base_model`."""
         if self._saves_lora_only():
-            save_lora_weights(self.model.language_model, path)
+            save_lora_weights(self.backbone.language_model, path)
         else:
             save_hf_model(self.model, path)
         self.tokenizer.save_pretrained(path)
@@ -420,8 +449,8 @@ class QwenVLAdapter(TokenVectors, TransformersAdapter):
         if not Path(path, LORA_WEIGHTS).is_file():
             return super().load_weights(path, info, settings)
         model = load_model(settings.model_name, None, key="model", trust_remote_code=settings.trust_remote_code,
-                           attn_implementation=settings.attn_implementation)
-        load_lora_weights(model.language_model, path)
+                           attn_implementation=settings.attn_implementation, auto_class=cls.auto_class)
+        load_lora_weights(cls.backbone_of(model).language_model, path)
         return model
 
 

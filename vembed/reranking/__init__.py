@@ -1,6 +1,7 @@
 """The second stage: rerankers that read a (query, document) pair jointly and give it one score.
 
-- `cross_encoder.py` the text cross-encoder, chosen by `model_type` through RERANKERS;
+- `cross_encoder.py` the text cross-encoder and `qwen_vl.py` the Qwen-VL reranker (text and image documents, scored by
+  the LM head's "yes" and "no" rows), chosen by `model_type` through RERANKERS;
 - `losses.py` losses on a batch of score lists, chosen by `loss_type` through RANKING_LOSSES;
 - `data.py` the lists (a query, its documents, their labels) from corpus folders and list/pair files;
 - `task.py` how it is trained (the `rerank` task).
@@ -16,7 +17,8 @@ from typing import Any
 
 from vembed.registry import Registry
 
-RERANKERS: Registry[Any] = Registry("model_type", modules=("vembed.reranking.cross_encoder",))
+RERANKERS: Registry[Any] = Registry("model_type", modules=("vembed.reranking.cross_encoder",
+                                                                  "vembed.reranking.qwen_vl"))
 RANKING_LOSSES: Registry[Any] = Registry("loss_type", modules=("vembed.reranking.losses",))
 
 

@@ -30,6 +30,7 @@ from vembed.models.hf import (
 )
 from vembed.models.lora import ATTENTION_PROJECTIONS
 from vembed.reranking import RERANKERS
+from vembed.reranking.pairs import PairPart, PairScorer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -50,7 +51,7 @@ class CrossEncoderSettings(PretrainedSettings):
 
 
 @RERANKERS.register("cross_encoder")
-class CrossEncoderAdapter(nn.Module):
+class CrossEncoderAdapter(PairScorer, nn.Module):
     """A reranker as the rerank task sees it: `preprocess(queries, documents)` -> CPU tensors,
     `forward(inputs)` -> (n,) float logits, `score(queries, documents)`, `save`/`load`."""
 
@@ -58,6 +59,7 @@ class CrossEncoderAdapter(nn.Module):
     task: ClassVar[str] = "rerank"  # vembed.tasks: how this model is trained
     Settings: ClassVar[type[CrossEncoderSettings]] = CrossEncoderSettings
     default_lora_target_modules = ATTENTION_PROJECTIONS
+    modalities: ClassVar[frozenset[str]] = frozenset({"text"})  # an image document is refused, naming its row
 
     def __init__(self, model: "PreTrainedModel", tokenizer: Any, settings: CrossEncoderSettings):
         super().__init__()
@@ -176,33 +178,21 @@ class CrossEncoderAdapter(nn.Module):
         Path(path, ADAPTER_FILE).write_text(json.dumps(info, indent=2))
 
     # --- used by the task ------------------------------------------------------------------------------------------
-    def preprocess(self, queries: list[str], documents: list[str]) -> dict[str, torch.Tensor]:
+    def preprocess(self, queries: list[PairPart], documents: list[PairPart]) -> dict[str, torch.Tensor]:
         """Pairs tokenized jointly (only the longest is cut, as sentence-transformers' CrossEncoder cuts them)."""
-        return dict(self.tokenizer(list(queries), list(documents), padding=True, truncation="longest_first",
-                                   max_length=self.settings.max_length, return_tensors="pt"))
+        return dict(self.tokenizer([_text(query) for query in queries], [_text(document) for document in documents],
+                                   padding=True, truncation="longest_first", max_length=self.settings.max_length,
+                                   return_tensors="pt"))
 
     def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """(n,) float32 logits of n preprocessed pairs."""
         return self.model(**inputs).logits.view(-1).float()
 
-    @torch.no_grad()
-    def score(self, queries: list[str], documents: list[str], batch_size: int = 64) -> torch.Tensor:
-        """(n,) logits of the pairs (queries[i], documents[i]), in evaluation mode, on the model's device."""
-        if len(queries) != len(documents):
-            raise ValueError(f"{len(queries)} queries for {len(documents)} documents; give one query per document")
-        was_training = self.training
-        self.eval()
-        device = next(self.parameters()).device
-        try:
-            parts = [self(self._to(self.preprocess(queries[i:i + batch_size], documents[i:i + batch_size]), device))
-                     for i in range(0, len(queries), batch_size)]
-        finally:
-            self.train(was_training)
-        return torch.cat(parts).cpu() if parts else torch.zeros(0)
+    def num_sides(self, inputs: dict[str, torch.Tensor]) -> int:
+        return int(inputs["input_ids"].shape[0])  # one row per pair
 
-    @staticmethod
-    def _to(inputs: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-        return {key: value.to(device) for key, value in inputs.items()}
+    def slice_batch(self, inputs: dict[str, torch.Tensor], start: int, stop: int) -> dict[str, torch.Tensor]:
+        return {key: value[start:stop] for key, value in inputs.items()}
 
     # --- what the loop asks of every trained model -----------------------------------------------------------------
     def towers(self) -> list[nn.Module]:
@@ -234,3 +224,16 @@ class CrossEncoderAdapter(nn.Module):
     def block_classes(self) -> set[type[nn.Module]]:
         names = set(getattr(self.model, "_no_split_modules", None) or ())
         return {type(m) for m in self.model.modules() if type(m).__name__ in names}
+
+
+def _text(part: PairPart) -> str:
+    """A pair's part as the text cross-encoder reads it; an image is refused in one line."""
+    from vembed.data.records import Side
+    from vembed.errors import DataError
+
+    if not isinstance(part, Side):
+        return part
+    if part.images:
+        raise DataError(f"a document holds an image ({part.images[0]}), which the text cross-encoder cannot read; "
+                        "use model_type qwen_vl_reranker for image documents, or give text documents")
+    return part.text or ""

@@ -4,7 +4,8 @@ Where the lists come from (no file to convert):
 - a corpus folder + `data.hard_negatives` (what `vembed mine` writes), or a pairs file with a negatives column: one
   list per (query, positive) record, the positive (label 1) then its K mined negatives (label 0), read by the
   contrastive task's own loader (`vembed.data.sources.load_rows`: the same checks, counts and report);
-- a file of lists `{"query": ..., "documents": [...], "labels": [...]}` (labels: 0/1, grades or scores), or with
+- a file of lists `{"query": ..., "documents": [...], "labels": [...]}` (labels: 0/1, grades or scores; a document is
+  a text or `{"text": ..., "image": "path"}`, the path relative to data.image_root or the file's folder), or with
   `"scores": [...]` instead of labels (a teacher's scores, which the distillation losses read; the positive first
   for rerank_margin_mse);
 - a file of judged pairs `{"query": ..., "document": ..., "label": ...}`: the rows of one query form its list.
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vembed.errors import DataError
+from vembed.reranking.pairs import PairPart, pair_document
 
 if TYPE_CHECKING:
     from vembed.recipe import DataConfig
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
 @dataclass
 class RankList:
     query: str
-    documents: list[str]
+    documents: list[PairPart]  # texts, or Sides where a document holds an image
     labels: list[float]
     source: str | None = None
     row: int | None = None
@@ -48,7 +50,7 @@ class ExampleLists:
 
     def __getitem__(self, index: int) -> RankList:
         example = self.examples[index]
-        documents = [example.positive.text or ""] + [negative.text or "" for negative in example.negatives]
+        documents = [pair_document(side) for side in (example.positive, *example.negatives)]
         return RankList(example.query.text or "", documents, [1.0] + [0.0] * len(example.negatives),
                         example.source, example.row)
 
@@ -94,7 +96,8 @@ def read_lists(data: "DataConfig", split: str) -> tuple[Sequence[RankList], Any]
             if len(shapes) > 1:
                 raise DataError("mixes list/pair/contrastive shapes with the other files of "
                                 f"data.{split}; give one shape per split", file=tables[0][0])
-            lists = [item for file, table in tables for item in _table_lists(file, table, shapes.pop())]
+            shape = shapes.pop()
+            lists = [item for file, table in tables for item in _table_lists(file, table, shape, data.image_root)]
             if not lists:
                 raise DataError("holds no lists", file=files[0])
             return lists, ListReport(files, len(lists), sum(len(item.documents) for item in lists))
@@ -109,7 +112,7 @@ def _records(table: Any):
             yield dict(zip(names, values))
 
 
-def _table_lists(file: str, table: Any, shape: str) -> list[RankList]:
+def _table_lists(file: str, table: Any, shape: str, image_root: str | None = None) -> list[RankList]:
     lists: list[RankList] = []
     by_query: dict[str, RankList] = {}
     for number, row in enumerate(_records(table), start=1):
@@ -126,8 +129,8 @@ def _table_lists(file: str, table: Any, shape: str) -> list[RankList]:
                                 f"{targets[:-1]} per document", file=file, row=number)
             if not documents:
                 raise DataError("has an empty 'documents' list", file=file, row=number)
-            lists.append(RankList(query, [str(d) for d in documents], [_label(x, file, number) for x in labels],
-                                  file, number))
+            lists.append(RankList(query, [_document(d, file, number, image_root) for d in documents],
+                                  [_label(x, file, number) for x in labels], file, number))
         else:
             item = by_query.get(query)
             if item is None:
@@ -136,6 +139,31 @@ def _table_lists(file: str, table: Any, shape: str) -> list[RankList]:
             item.documents.append(str(row.get("document")))
             item.labels.append(_label(row.get("label"), file, number))
     return lists
+
+
+def _document(value: Any, file: str, row: int, image_root: str | None) -> PairPart:
+    """A list's document: its text, or `{"text": ..., "image": path}` as a Side (the path relative to image_root or
+    the file's folder; a missing image is a DataError naming the row)."""
+    from pathlib import Path
+
+    from vembed.data.records import Side
+
+    if not isinstance(value, dict):
+        return str(value)
+    text, image = value.get("text"), value.get("image")
+    if image is None:
+        return str(text or "")
+    path = Path(image_root or Path(file).parent, image)
+    if not path.is_file():
+        raise DataError(f"image {image} not found; check the path or data.image_root", file=file, row=row)
+    return Side(text=text, image=str(path), role="document")
+
+
+def first_image_document(lists: Sequence[RankList]) -> RankList | None:
+    """The first list holding an image document (None: all text): what a text-only reranker refuses."""
+    from vembed.data.records import Side
+
+    return next((item for item in lists if any(isinstance(d, Side) and d.images for d in item.documents)), None)
 
 
 def _targets(row: dict[str, Any], file: str, number: int) -> str:

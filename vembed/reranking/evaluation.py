@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from vembed.errors import DataError
+from vembed.reranking.pairs import pair_document
 
 if TYPE_CHECKING:
     import torch
@@ -61,7 +62,7 @@ def rerank(score: Scorer, split: "CorpusSplit", run: Mapping[str, Mapping[str, f
             if document not in split.corpus.index:
                 raise DataError(f"candidate {document!r} of query {query!r} is not in the corpus of {split.folder}")
             queries.append(query_text)
-            documents.append(split.corpus.sides[split.corpus.index[document]].text or "")
+            documents.append(pair_document(split.corpus.sides[split.corpus.index[document]]))
             owners.append((query, document))
     scores = score(queries, documents).tolist() if owners else []
     reranked: dict[str, dict[str, float]] = {query: {} for query in first_stage}

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from vembed.errors import RecipeError
+from vembed.errors import DataError, RecipeError
 from vembed.tasks import TASKS, Task
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ class RerankObjective(nn.Module):
     def scores(self, pairs: dict[str, torch.Tensor]) -> torch.Tensor:
         """(n,) logits of the flat pairs; in chunks of `pairs_per_chunk` under activation checkpointing when
         training, so only one chunk's activations are alive at a time (each is recomputed in the backward)."""
-        n = next(iter(pairs.values())).shape[0]
+        n = self.adapter.num_sides(pairs)
         chunk = self.pairs_per_chunk
         if not chunk or n <= chunk:
             return self.adapter(pairs)
@@ -46,7 +46,8 @@ class RerankObjective(nn.Module):
 
         parts = []
         for start in range(0, n, chunk):
-            part = {key: value[start:start + chunk] for key, value in pairs.items()}
+            # The adapter's own slicing: a Qwen-VL chunk also takes its pairs' images (pixel rows are patches).
+            part = self.adapter.slice_batch(pairs, start, min(start + chunk, n))
             if torch.is_grad_enabled():
                 parts.append(checkpoint(self.adapter, part, use_reentrant=False))
             else:
@@ -84,9 +85,16 @@ class RerankTask(Task):
         model_class(recipe).check_recipe(recipe)
 
     def load_train_data(self):
-        from vembed.reranking.data import read_lists
+        from vembed.components import model_class
+        from vembed.reranking.data import first_image_document, read_lists
 
         self.train_lists, report = read_lists(self.recipe.data, "train")
+        if "image" not in model_class(self.recipe).modalities:
+            found = first_image_document(self.train_lists)
+            if found is not None:
+                raise DataError(f"holds an image document, which model_type {self.recipe.model_type} (text only) "
+                                "cannot read; use model_type qwen_vl_reranker or give text documents",
+                                file=found.source, row=found.row)
         return report
 
     def batch_lines(self, world_size: int) -> list[tuple[str, str]]:

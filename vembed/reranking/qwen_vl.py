@@ -1,0 +1,208 @@
+"""A Qwen-VL reranker (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; Qwen3-VL-Reranker 2B/8B are Qwen3-VL): the query and the
+document are read jointly in the released Qwen3-VL-Reranker's chat template, which asks for a "yes"/"no" answer::
+
+    <|im_start|>system\\n{JUDGE}<|im_end|>\\n<|im_start|>user\\n<Instruct>: {instruction}<Query>:{images}{text}
+    <Document>:{images}{text}<|im_end|>\\n<|im_start|>assistant\\n
+
+(one sequence; the line break before `<Document>:` is part of it; a part with neither text nor image says "NULL").
+The pair's score is the logit of "yes" against "no" at the last token, h · (W_yes - W_no) with W the LM head's rows,
+as the released code scores (sigmoid of it: the probability of "yes"). Reading the LM head's own rows, not a new
+head, is what lets a released reranker fine-tune from where it is, and what keeps the saved folder a plain
+ForConditionalGeneration checkpoint that transformers loads and scores as the released one.
+
+Everything else (tokenizer and vision-token checks, images, padding, LoRA, pixel budgets, save/load) is the qwen_vl
+embedding adapter's (vembed/models/qwen_vl.py), which this class extends with the pair template and the score.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from pydantic import Field
+
+from vembed.errors import RecipeError
+from vembed.models.base import ADAPTER_FILE
+from vembed.models.pooling import pool
+from vembed.models.qwen_vl import (
+    EMPTY_INSTANCE,
+    IMAGE_PAD,
+    IMAGES_PER_SIDE,
+    PLANNED_TEXT_TOKENS,
+    VISION_END,
+    VISION_START,
+    QwenVLAdapter,
+    QwenVLModelSettings,
+)
+from vembed.reranking import RERANKERS
+from vembed.reranking.pairs import PairPart, PairScorer, as_side
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    from vembed.data.records import Side
+    from vembed.recipe import Recipe
+
+# The released Qwen3-VL-Reranker's system turn and default instruction (its inference code).
+JUDGE = ('Judge whether the Document meets the requirements based on the Query and the Instruct provided. Note that '
+         'the answer can only be "yes" or "no".')
+DEFAULT_INSTRUCTION = "Given a search query, retrieve relevant candidates that answer the query."
+ANSWERS = ("yes", "no")  # the LM head rows whose difference scores a pair
+PAIR_START = "<|im_start|>system\n" + JUDGE + "<|im_end|>\n<|im_start|>user\n<Instruct>: "
+ENDING = "<|im_end|>\n<|im_start|>assistant\n"
+
+
+class QwenVLRerankerSettings(QwenVLModelSettings):
+    # The `<Instruct>:` of every pair (a query Side's own instruction wins); the released default unless set.
+    instruction: str = DEFAULT_INSTRUCTION
+    # Pairs encoded per forward chunk, as the cross-encoder's (chunks are activation-checkpointed).
+    pairs_per_chunk: int | None = Field(default=None, gt=0)
+
+    unsaved: ClassVar[frozenset[str]] = QwenVLModelSettings.unsaved | {"pairs_per_chunk", "normalize"}
+
+    @property
+    def multi_vector(self) -> bool:  # a reranker scores pairs, never token vectors (the embedder's code asks)
+        return False
+
+
+@RERANKERS.register("qwen_vl_reranker")
+class QwenVLReranker(PairScorer, QwenVLAdapter):
+    """`preprocess(queries, documents)` -> CPU tensors, `forward(inputs)` -> (n,) float "yes"-vs-"no" logits,
+    `score(queries, documents)`, `save`/`load`: the reranker contract of vembed/reranking/cross_encoder.py."""
+
+    model_type: ClassVar[str] = "qwen_vl_reranker"
+    task: ClassVar[str] = "rerank"
+    Settings: ClassVar[type[QwenVLRerankerSettings]] = QwenVLRerankerSettings
+    auto_class: ClassVar[str] = "AutoModelForImageTextToText"  # the model with its LM head
+
+    def __init__(self, model: "PreTrainedModel", tokenizer: Any, image_processor: Any,
+                 settings: QwenVLRerankerSettings):
+        if model.get_output_embeddings() is None:
+            raise RecipeError("model_name", f"{type(model).__name__} has no LM head; the reranker scores with its "
+                                            '"yes" and "no" rows')
+        super().__init__(model, tokenizer, image_processor, settings)
+        self._answer_ids: tuple[int, int] | None = None
+        self._kept_ids: set[int] = set()
+        if tokenizer is not None:
+            vocab = tokenizer.get_vocab()
+            missing = [answer for answer in ANSWERS if answer not in vocab]
+            if missing:
+                raise RecipeError("tokenizer_name", f"has no single token {' or '.join(map(repr, missing))}; the "
+                                                    "reranker reads the LM head rows of 'yes' and 'no': use the "
+                                                    "checkpoint's own tokenizer")
+            self._answer_ids = (vocab["yes"], vocab["no"])
+            # What truncation never cuts (the released code keeps every special token): template and image tokens.
+            self._kept_ids = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+
+    @staticmethod
+    def backbone_of(model: "PreTrainedModel") -> Any:
+        return model.model  # ForConditionalGeneration: the Qwen-VL model under the LM head
+
+    # --- built from a recipe ---------------------------------------------------------------------------------------
+    @classmethod
+    def check_recipe(cls, recipe: "Recipe") -> None:
+        super().check_recipe(recipe)
+        cls.hf_config(cls.settings_of(recipe))  # the config only: a checkpoint without an LM head fails here
+
+    @classmethod
+    def check_config(cls, config: "PretrainedConfig", key: str) -> None:
+        super().check_config(config, key)
+        architectures = getattr(config, "architectures", None)
+        if architectures and not any(name.endswith("ForConditionalGeneration") for name in architectures):
+            raise RecipeError(key, f"is a {', '.join(architectures)} checkpoint, saved without an LM head; the "
+                                   'reranker scores with the LM head\'s "yes" and "no" rows: start from a '
+                                   "ForConditionalGeneration checkpoint (Qwen/Qwen3-VL-Reranker-2B, "
+                                   "Qwen/Qwen3-VL-2B-Instruct)")
+
+    @classmethod
+    def resolve(cls, settings: QwenVLRerankerSettings, tokenizer: Any, config: "PretrainedConfig"
+                ) -> QwenVLRerankerSettings:
+        # Past the embedder's resolve: the reranker has one template, no prompt ending to choose.
+        return super(QwenVLAdapter, cls).resolve(settings, tokenizer, config)
+
+    def planning_tokens(self, recipe: "Recipe") -> dict[str, dict[str, int]]:
+        """One route, `pair`: the embedder's document sequence (one image at max_pixels, its text) plus a text
+        query, within max_length when set."""
+        document = super().planning_tokens(recipe)["document"]
+        text = document["text"] if self.settings_of(recipe).max_length is not None else (
+            document["text"] + PLANNED_TEXT_TOKENS)
+        return {"pair": {"text": text, "image": document["image"]}}
+
+    # --- the pair template -----------------------------------------------------------------------------------------
+    def pair_prompt(self, query: "Side", document: "Side") -> str:
+        """The pair's sequence as text, one `<|image_pad|>` per image (before expansion)."""
+        instruction = query.instruction or self.settings.instruction
+        return (PAIR_START + instruction + "<Query>:" + _content(query) + "\n<Document>:" + _content(document)
+                + ENDING)
+
+    def _truncate(self, ids: list[int]) -> list[int]:
+        """At most max_length tokens, as the released code cuts: the ending kept, and before it every special token
+        (template, images) with the first of the other tokens that fit (so the document's text goes first)."""
+        limit = self.settings.max_length
+        if limit is None or len(ids) <= limit:
+            return ids
+        ending = len(self._encode_text(ENDING))
+        body, tail = ids[:-ending], ids[-ending:]
+        fixed = ending + sum(token in self._kept_ids for token in body)
+        room = limit - fixed
+        if room < 0:
+            raise ValueError(f"a pair's template and images alone take {fixed} tokens, over max_length {limit}; raise "
+                             "max_length or lower max_pixels")
+        kept = []
+        for token in body:
+            if token in self._kept_ids:
+                kept.append(token)
+            elif room > 0:
+                kept.append(token)
+                room -= 1
+        return kept + tail
+
+    def preprocess(self, queries: Sequence[PairPart], documents: Sequence[PairPart]) -> dict[str, torch.Tensor]:
+        """The pairs' sequences (padded, with their images' pixels): the embedder's batch layout, one row per pair."""
+        pairs = [(as_side(query, "query"), as_side(document, "document")) for query, document in
+                 zip(queries, documents)]
+        batch, tokens_per_image = self._image_batch([image for pair in pairs for side in pair for image in side.images])
+        rows, counts, start = [], [], 0
+        for query, document in pairs:
+            count = len(query.images) + len(document.images)
+            ids = self._expand_images(self._encode_text(self.pair_prompt(query, document)),
+                                      tokens_per_image[start:start + count])
+            rows.append(self._truncate(ids))
+            counts.append(count)
+            start += count
+        batch.update(self._pad(rows))
+        batch[IMAGES_PER_SIDE] = torch.tensor(counts, dtype=torch.long)
+        return batch
+
+    # --- used by the task ------------------------------------------------------------------------------------------
+    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(n,) float32 logits of "yes" against "no" at each pair's last token: h · (W_yes - W_no)."""
+        last = pool(self.last_hidden_state(inputs), inputs["attention_mask"], "last")
+        if self._answer_ids is None:
+            raise RuntimeError("this reranker was built on the meta device (vembed plan) and cannot score")
+        yes, no = self._answer_ids
+        weight = self.model.get_output_embeddings().weight
+        return (last @ (weight[yes] - weight[no]).to(last.dtype)).float()
+
+    def apply_lora(self, recipe: "Recipe") -> None:
+        """LoRA on the language model, as the embedder's; the LM head stays frozen too: only its "yes" and "no" rows
+        are read, and training it whole would train a vocabulary-sized matrix (the input embeddings, where tied)."""
+        super().apply_lora(recipe)
+        self.model.get_output_embeddings().requires_grad_(False)
+
+    def write_adapter_file(self, path: str | Path) -> None:
+        import json
+
+        # A reranker has no embedding size to record (vembed.load refuses it by its model_type).
+        Path(path, ADAPTER_FILE).write_text(json.dumps({"model_type": self.model_type,
+                                                        "settings": self.settings_to_save()}, indent=2))
+
+
+def _content(side: "Side") -> str:
+    """A query's or document's content as the released template writes it: images first, then text; "NULL" when
+    the part has neither."""
+    text = side.text if side.text and side.text.strip() else None
+    images = (VISION_START + IMAGE_PAD + VISION_END) * len(side.images)
+    return images + (text if text is not None else ("" if images else EMPTY_INSTANCE))
