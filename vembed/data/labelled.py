@@ -229,9 +229,12 @@ def _datasets_table(path: Path, request: Request) -> LabelledImages:
     """A `datasets` table: its Image column read undecoded; embedded bytes are checked by their header only."""
     import datasets
 
+    from vembed.data.node_lock import one_builder_per_node
     from vembed.data.tables import _undecoded_images, read_table
 
-    table = read_table(str(path), "hf" if path.is_dir() else "parquet", request.split)
+    builder = "hf" if path.is_dir() else "parquet"
+    with one_builder_per_node(str(path), builder):  # a Parquet file's Arrow cache: one rank of a node builds it
+        table = read_table(str(path), builder, request.split)
     _check_columns(path, list(table.column_names), request.label_column)
     feature = table.features.get(request.label_column)
     declared = list(feature.names) if isinstance(feature, datasets.ClassLabel) else None
