@@ -113,7 +113,8 @@ def with_image_cache(data: "LabelledImages", adapter: nn.Module, recipe: "Recipe
     data.cache = open_image_cache(sorted(set(data.paths)), adapter.image_processor, settings.image_cache_dir,
                                   load=data.load, stamp=data.stamp)
     if data.cache is not None and data.cache.errors:
-        data.without({key: message for key, (message, _) in data.cache.errors.items()})
+        data.without({key: message if file is None else f"{file}: {message}"
+                      for key, (message, file) in data.cache.errors.items()})
         data.check_bad_fraction(settings.max_bad_fraction, " (found decoding every image for the image cache)")
     return data
 
