@@ -50,7 +50,7 @@ ELSEWHERE: dict[str, set[str]] = {
     "vembed/data/streaming.py": {"check_stream_recipe", "find_shards", "require_backend", "_check_first_sample"},
     "vembed/data/corpus.py": {"CorpusSource.check"},
     "vembed/data/embedding_shards.py": {"read_index"},
-    "vembed/data/labelled.py": {"read_labelled_images", "_image_folder", "_table"},
+    "vembed/data/labelled.py": {"read_labelled_images", "_image_folder"},
     "vembed/data/teacher_embeddings.py": {"read_index"},  # loss.teacher_embeddings, the vembed extract folder
     "vembed/extraction.py": {"extract_teacher_embeddings"},  # vembed extract --recipe: its data.train
     # --- output folders (stage 5 and the tools' --out / --cache-dir) ---

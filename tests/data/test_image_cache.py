@@ -89,9 +89,9 @@ def _builds(monkeypatch) -> list[int]:
     built: list[int] = []
     build = ic._build
 
-    def counting(file, paths, processor, shape):
+    def counting(file, paths, processor, shape, *load):
         built.append(len(paths))
-        return build(file, paths, processor, shape)
+        return build(file, paths, processor, shape, *load)
 
     monkeypatch.setattr(ic, "_build", counting)
     return built
@@ -298,10 +298,10 @@ def _rank_opens_the_cache(paths: list[str], folder: str, out: str) -> None:
     rank = dist.get_rank()
     build = ic._build
 
-    def marking(file, paths, processor, shape):
+    def marking(file, paths, processor, shape, *load):
         Path(out, f"built-by-{rank}").touch()
         time.sleep(1)  # a slow build: without the lock the other rank would find no cache and build it too
-        return build(file, paths, processor, shape)
+        return build(file, paths, processor, shape, *load)
 
     ic._build = marking
     processor = clip_image_processor(32)

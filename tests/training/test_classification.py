@@ -290,3 +290,64 @@ def test_zero3_on_two_ranks_trains_and_evaluates_as_one_process(digits, tmp_path
     saved = saved_model_metrics(zero3, digits)
     assert saved["confusion_matrix"] == launched["validation"]["confusion_matrix"]
     assert saved["macro_f1"] == pytest.approx(launched["validation"]["macro_f1"], abs=1e-9)
+
+
+def digits_dataset(tree: Path, out: Path, truncate: int | None = None) -> Path:
+    """The ImageFolder tree `tree` as a `datasets` save_to_disk folder: each file's bytes in an Image column, its
+    class in a ClassLabel of CLASSES (in that order, not sorted); with `truncate`, that row's PNG cut in half."""
+    from tests.data.test_labelled import write_dataset
+
+    files = sorted((f, name) for name in CLASSES for f in (tree / name).iterdir())
+    images = [f.read_bytes() for f, _ in files]
+    if truncate is not None:
+        images[truncate] = images[truncate][: len(images[truncate]) // 2]
+    return write_dataset(out, images, [CLASSES.index(name) for _, name in files])
+
+
+def test_a_datasets_folder_trains_and_a_second_launch_reads_the_image_cache(digits, tmp_path, capsys):
+    import re
+
+    from vembed.models import load_adapter
+
+    saved = digits_dataset(digits / "train", tmp_path)
+    data = {"train": str(saved), "validation": str(digits / "validation" / "labels.csv"),
+            "image_cache_dir": str(tmp_path / "cache")}
+    for run, how in (("first", "built in"), ("second", "mapped")):
+        assert train(recipe(digits, tmp_path / run, data=data, max_steps=2), tmp_path / "recipe.yaml") == 0
+        out = capsys.readouterr().out
+        assert re.search(f"image cache +36 images resized once, {how}", out), out
+    metrics = json.loads((tmp_path / "second" / "metrics.json").read_text())
+    assert metrics["validation"]["num_samples"] == 18 and metrics["train"]["data"]["num_images"] == 36
+    assert load_adapter(tmp_path / "second" / "final").settings.label_names == CLASSES  # the ClassLabel's order
+
+
+@pytest.mark.parametrize("case,message", [
+    ("num_labels", r"num_labels: is 5 but .*saved has 3 classes; set num_labels: 3"),
+    ("not_images", r"saved: 2 of 36 rows have no image file or no readable image .*first: row 0: column 'image': "
+                   r"embedded bytes are not an image"),
+    ("broken_image", r"saved: 1 of 36 rows .*\(found decoding every image for the image cache\).*first: row 3: "
+                     r"cannot decode"),
+    ("no_label_column", r"saved: has no 'label' column \(columns: image, kind\)"),
+])
+def test_bad_datasets_data_stops_with_one_line_and_writes_nothing(digits, tmp_path, capsys, case, message):
+    import re
+
+    import datasets
+
+    raw = recipe(digits, tmp_path / "run", num_labels=5 if case == "num_labels" else 3)
+    raw["data"] = {"train": str(tmp_path / "saved"), "image_cache_dir": str(tmp_path / "cache"),
+                   "max_bad_fraction": 0.02}
+    saved = digits_dataset(digits / "train", tmp_path / "made", truncate=3 if case == "broken_image" else None)
+    table = datasets.load_from_disk(str(saved))
+    if case == "not_images":
+        table = table.cast_column("image", datasets.Image(decode=False)).map(
+            lambda row, i: {"image": {"bytes": b"not a png", "path": None}} if i in (0, 7) else row,
+            with_indices=True).cast_column("image", datasets.Image())
+    elif case == "no_label_column":
+        table = table.rename_column("label", "kind")
+    table.save_to_disk(str(tmp_path / "saved"))
+    capsys.readouterr()  # datasets' progress bars while making the data
+    assert train(raw, tmp_path / "recipe.yaml") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(message, err), err
+    assert not (tmp_path / "run").exists()

@@ -292,3 +292,15 @@ def test_augmented_views_of_an_image_differ_and_replay(digits, tmp_path):
     assert not torch.equal(pixels, later)  # another epoch, other crops
     with pytest.raises(RecipeError, match="augmentation.mixup_alpha: mixes two images' labels"):
         check_recipe(recipe_from_dict(dict(raw, augmentation={**augmentation, "mixup_alpha": 0.2})))
+
+
+def test_a_datasets_folder_trains_with_the_image_cache(digits, tmp_path, capsys):
+    from tests.training.test_classification import digits_dataset
+
+    saved = digits_dataset(digits / "train", tmp_path)
+    raw = recipe(digits, tmp_path / "run", max_steps=2,
+                 data={"train": str(saved), "image_cache_dir": str(tmp_path / "cache")})
+    assert train(raw, tmp_path / "recipe.yaml") == 0
+    assert "36 images resized once, built in" in capsys.readouterr().out
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["train"]["steps"] == 2 and metrics["train"]["data"]["num_images"] == 36

@@ -11,7 +11,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -105,6 +105,20 @@ def normalise(pixels: np.ndarray, processor: Any) -> "torch.Tensor":
     return torch.from_numpy(out)
 
 
+def cache_applies(data: Any, adapter: Any) -> bool:
+    """Whether a run's training images go through the cache: data.image_cache on, and an adapter whose images have
+    one fixed size (its `image_cache` flag) and a processor."""
+    return bool(data.image_cache) and type(adapter).image_cache and adapter.image_processor is not None
+
+
+def cache_line(cache: "ImageCache | None") -> list[tuple[str, str]]:
+    """The start block's line on the cache of a run's training images (none without one)."""
+    if cache is None:
+        return []
+    how = "mapped" if cache.build_seconds is None else f"built in {cache.build_seconds:.1f} s"
+    return [("image cache", f"{len(cache):,} images resized once, {how}: {cache.file}")]
+
+
 def image_paths(examples: Iterable["Example"], num_negatives: int | None) -> list[str]:
     """Every image file the records use (query, positive, the negatives they keep), once each, sorted. Records made
     on fetch (`PairRows`, `CorpusPairs`) say it from their columns without making one (their negatives are already
@@ -162,7 +176,8 @@ class ImageCache:
         return {**self.__dict__, "_pixels": None}
 
 
-def open_image_cache(paths: Sequence[str], processor: Any, cache_dir: str | os.PathLike | None = None,
+def open_image_cache(paths: Sequence[str], processor: Any, cache_dir: str | os.PathLike | None = None, *,
+                     load: "Callable[[str], Any] | None" = None, stamp: "Callable[[str], str | None] | None" = None,
                      ) -> ImageCache | None:
     """The cache of `paths` (absolute, sorted, unique) at `processor`'s settings: mapped when built, else built
     first. None when the processor's output has no fixed size or the disk lacks room (the caller decodes as before).
@@ -170,7 +185,9 @@ def open_image_cache(paths: Sequence[str], processor: Any, cache_dir: str | os.P
     Keyed by each file's path, size and modification time and by the processor settings that shape the pixels, so a
     changed image or setting makes a new cache. One process per node builds it under a file lock while the others
     wait, then map it; it is written to a temporary name and renamed when complete, so an interrupted build is never
-    read.
+    read. Images that are no file (embedded in a table: vembed/data/labelled.py) come with `load` (key -> decoded
+    image, `DataError` when it cannot be) and `stamp` (key -> what changes when the image does, e.g. its table's
+    files' sizes and times; None: a file, stat'ed as above).
     """
     settings = cacheable_settings(processor)
     if settings is None or not paths:
@@ -178,7 +195,7 @@ def open_image_cache(paths: Sequence[str], processor: Any, cache_dir: str | os.P
     height, width = output_shape(processor)
     folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    key = _key(paths, settings)
+    key = _key(paths, settings, stamp)
     file = folder / f"images-{key}.npy"
     shape = (len(paths), 3, height, width)
     from filelock import FileLock
@@ -193,14 +210,14 @@ def open_image_cache(paths: Sequence[str], processor: Any, cache_dir: str | os.P
                                "every epoch", len(paths), need / 1e9, folder, free / 1e9)
                 return None
             start = time.perf_counter()
-            errors = _build(file, paths, processor, shape)
+            errors = _build(file, paths, processor, shape, load)
             build_seconds = time.perf_counter() - start
     cache = ImageCache(file, paths, errors)
     cache.build_seconds = build_seconds
     return cache
 
 
-def _key(paths: Sequence[str], settings: dict[str, Any]) -> str:
+def _key(paths: Sequence[str], settings: dict[str, Any], stamp: "Callable[[str], str | None] | None" = None) -> str:
     import PIL
     import transformers
 
@@ -208,13 +225,18 @@ def _key(paths: Sequence[str], settings: dict[str, Any]) -> str:
     digest.update(json.dumps({"version": CACHE_VERSION, "settings": settings, "pillow": PIL.__version__,
                               "transformers": transformers.__version__}, sort_keys=True).encode())
     for path in paths:
-        try:
-            stat = os.stat(path)
-            size, mtime = stat.st_size, stat.st_mtime_ns
-        except OSError:
-            size = mtime = -1
-        digest.update(f"\0{path}\0{size}\0{mtime}".encode())
+        stamped = stamp(path) if stamp is not None else None
+        digest.update(f"\0{path}\0{stamped if stamped is not None else _file_stamp(path)}".encode())
     return digest.hexdigest()[:32]
+
+
+def _file_stamp(path: str) -> str:
+    try:
+        stat = os.stat(path)
+        size, mtime = stat.st_size, stat.st_mtime_ns
+    except OSError:
+        size = mtime = -1
+    return f"{size}\0{mtime}"
 
 
 def _index_file(file: Path) -> Path:
@@ -233,12 +255,13 @@ def _read_complete(file: Path, shape: tuple[int, ...]) -> dict[str, tuple[str, s
     return {path: (message, source) for path, (message, source) in index["errors"].items()}
 
 
-def _build(file: Path, paths: Sequence[str], processor: Any, shape: tuple[int, ...]
-           ) -> dict[str, tuple[str, str | None]]:
+def _build(file: Path, paths: Sequence[str], processor: Any, shape: tuple[int, ...],
+           load: "Callable[[str], Any] | None" = None) -> dict[str, tuple[str, str | None]]:
     """Decode, resize and crop every image once into `file`; the index first, the pixels renamed into place last
     (the mark of a complete cache)."""
     from vembed.data.images import load_image
 
+    load_image = load or load_image
     start = time.perf_counter()
     _remove_stale(file)
     suffix = f".tmp-{socket.gethostname()}-{os.getpid()}"

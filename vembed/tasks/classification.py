@@ -43,7 +43,8 @@ class ClassificationObjective(nn.Module):
 
 
 class LabelledImageDataset(Dataset):
-    """`dataset[i]` or `dataset[(epoch, i)]` -> `((epoch, i), image path, label)`: the key is what the training
+    """`dataset[i]` or `dataset[(epoch, i)]` -> `((epoch, i), image, label)` (a path, a lazily opened image or cached
+    pixels: `LabelledImages.image`): the key is what the training
     collator seeds sample i's augmentation with (the training sampler yields epoch-tagged indices for it:
     `tags_epochs`)."""
 
@@ -55,9 +56,9 @@ class LabelledImageDataset(Dataset):
     def __len__(self) -> int:
         return len(self.data)
 
-    def __getitem__(self, key: int | tuple[int, int]) -> tuple[tuple[int, int], str, int]:
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[tuple[int, int], Any, int]:
         epoch, index = key if isinstance(key, tuple) else (0, key)
-        return (epoch, index), self.data.paths[index], self.data.labels[index]
+        return (epoch, index), self.data.image(index), self.data.labels[index]
 
 
 class ClassificationCollator:
@@ -70,7 +71,7 @@ class ClassificationCollator:
         self.augmentation = augmentation if augmentation is not None and augmentation.enabled else None
         self.seed = seed
 
-    def __call__(self, items: list[tuple[tuple[int, int], str, int]]) -> dict[str, Any]:
+    def __call__(self, items: list[tuple[tuple[int, int], Any, int]]) -> dict[str, Any]:
         from vembed.data.records import Side
 
         labels = torch.tensor([label for _, _, label in items], dtype=torch.long)
@@ -102,6 +103,24 @@ def read_split(recipe: "Recipe", split: str, names: list[str] | None,
                                 max_bad_fraction=data.max_bad_fraction)
 
 
+def with_image_cache(data: "LabelledImages", adapter: nn.Module, recipe: "Recipe") -> "LabelledImages":
+    """The training images resized once, as the pair data's (vembed/data/image_cache.py, the same key rules), unless
+    augmentation crops the originals. Building the cache decodes every image, so those that do not decode are
+    skipped and counted now (data.max_bad_fraction), before step 1."""
+    from vembed.data.image_cache import cache_applies, open_image_cache
+
+    settings = recipe.data
+    if not cache_applies(settings, adapter) or recipe.augmentation.enabled:
+        return data
+    data.cache = open_image_cache(sorted(set(data.paths)), adapter.image_processor, settings.image_cache_dir,
+                                  load=data.load, stamp=data.stamp)
+    if data.cache is not None and data.cache.errors:
+        data.without({key: message if file is None else f"{file}: {message}"
+                      for key, (message, file) in data.cache.errors.items()})
+        data.check_bad_fraction(settings.max_bad_fraction, " (found decoding every image for the image cache)")
+    return data
+
+
 def class_names(recipe: "Recipe") -> list[str]:
     """The classes of the training data (or the recipe's label_names), checked against the head's size."""
     settings = recipe.model
@@ -122,12 +141,12 @@ class ClassificationTask(Task):
     def check_recipe(cls, recipe: "Recipe", *, for_training: bool = True) -> None:
         data = recipe.data
         if data.streaming:
-            raise RecipeError("data.streaming", "classification reads CSV/JSONL files or ImageFolder trees whole; "
+            raise RecipeError("data.streaming", "classification reads its labelled images whole; "
                                                 "remove it")
         for split in ("train", "validation", "test"):
             if isinstance(getattr(data, split), (dict, list)):
-                raise RecipeError(f"data.{split}", "classification takes one CSV/JSONL file or ImageFolder "
-                                                   "directory per split")
+                raise RecipeError(f"data.{split}", "classification takes one ImageFolder directory, CSV/JSONL "
+                                                   "file or `datasets` folder/Parquet file per split")
         for key, value in (("stages", recipe.stages), ("data.no_duplicates", data.no_duplicates)):
             if value:
                 raise RecipeError(key, "is not supported for classification; remove it")
@@ -159,19 +178,21 @@ class ClassificationTask(Task):
         adapter = self.build_adapter()
         return ClassificationObjective(adapter, loss_class(recipe).from_recipe(recipe))
 
+    def batch_lines(self, world_size: int) -> list[tuple[str, str]]:
+        from vembed.data.image_cache import cache_line
+
+        return super().batch_lines(world_size) + cache_line(self.train_data.cache)
+
     def train_dataset(self, objective: nn.Module):
         recipe = self.recipe
+        with_image_cache(self.train_data, objective.adapter, recipe)
         return (LabelledImageDataset(self.train_data),
                 ClassificationCollator(objective.adapter, recipe.augmentation, recipe.seed))
 
     def load_eval_split(self, split: str) -> "LabelledImages | None":
         if getattr(self.recipe.data, split) is None:
             return None
-        data = read_split(self.recipe, split, self.recipe.model.label_names)
-        limit = self.recipe.data.eval_max_samples
-        if limit is not None:
-            data.paths, data.labels = data.paths[:limit], data.labels[:limit]
-        return data
+        return read_split(self.recipe, split, self.recipe.model.label_names).head(self.recipe.data.eval_max_samples)
 
     def evaluate(self, model: nn.Module, data: "LabelledImages | None", accelerator: "Accelerator",
                  prepared: nn.Module | None = None) -> dict[str, Any]:

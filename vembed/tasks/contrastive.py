@@ -208,11 +208,9 @@ class ContrastiveTask(Task):
             applies = MODELS.get(recipe.model_type).length_chunking
             lines.append(("length-aware", f"{recipe.length_chunks} length-sorted padded chunks per text side"
                           if applies else f"off: {recipe.model_type} pools where padding matters"))
-        cache = self.image_cache
-        if cache is not None:
-            how = "mapped" if cache.build_seconds is None else f"built in {cache.build_seconds:.1f} s"
-            lines.append(("image cache", f"{len(cache):,} images resized once, {how}: {cache.file}"))
-        return lines
+        from vembed.data.image_cache import cache_line
+
+        return lines + cache_line(self.image_cache)
 
     def build_objective(self) -> "nn.Module":
         from vembed.losses import build_loss
@@ -247,11 +245,11 @@ class ContrastiveTask(Task):
 
     def _image_cache(self, adapter: EmbeddingAdapter) -> "ImageCache | None":
         """The training images resized once (data.image_cache), for adapters whose images have one fixed size."""
-        data = self.recipe.data
-        if not data.image_cache or not type(adapter).image_cache or adapter.image_processor is None:
-            return None
-        from vembed.data.image_cache import image_paths, open_image_cache
+        from vembed.data.image_cache import cache_applies, image_paths, open_image_cache
 
+        data = self.recipe.data
+        if not cache_applies(data, adapter):
+            return None
         return open_image_cache(image_paths(self.train_rows, None), adapter.image_processor, data.image_cache_dir)
 
     def enter_stage(self, objective: "nn.Module", stage: "Stage") -> None:

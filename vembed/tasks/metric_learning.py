@@ -17,7 +17,7 @@ from torch import nn
 
 from vembed.errors import DataError, RecipeError
 from vembed.tasks import TASKS, Task
-from vembed.tasks.classification import ClassificationCollator, LabelledImageDataset, read_split
+from vembed.tasks.classification import ClassificationCollator, LabelledImageDataset, read_split, with_image_cache
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -45,12 +45,12 @@ class MetricLearningObjective(nn.Module):
 
 
 class RowsOfImages(LabelledImageDataset):
-    """`((epoch, row), path, row)`: the row id is the label when the positives are views of one image (rows are distinct
-    across ranks, so a view's positive is never another rank's image)."""
+    """`((epoch, row), image, row)`: the row id is the label when the positives are views of one image (rows are
+    distinct across ranks, so a view's positive is never another rank's image)."""
 
-    def __getitem__(self, key: int | tuple[int, int]) -> tuple[tuple[int, int], str, int]:
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[tuple[int, int], Any, int]:
         epoch, index = key if isinstance(key, tuple) else (0, key)
-        return (epoch, index), self.data.paths[index], index
+        return (epoch, index), self.data.image(index), index
 
 
 class ViewsCollator:
@@ -63,7 +63,7 @@ class ViewsCollator:
         self.adapter, self.views, self.seed = adapter, views, seed
         self.augmentation = augmentation if augmentation is not None and augmentation.enabled else None
 
-    def __call__(self, items: list[tuple[tuple[int, int], str, int]]) -> dict[str, Any]:
+    def __call__(self, items: list[tuple[tuple[int, int], Any, int]]) -> dict[str, Any]:
         from vembed.data.records import Side
 
         if self.augmentation is None:
@@ -107,12 +107,12 @@ class MetricLearningTask(Task):
                 raise RecipeError(f"augmentation.{key}", "mixes two images' labels, which metric-learning losses do "
                                                          "not take; remove it (crops and flips apply)")
         if data.streaming:
-            raise RecipeError("data.streaming", "metric learning reads CSV/JSONL files or ImageFolder trees whole; "
+            raise RecipeError("data.streaming", "metric learning reads its labelled images whole; "
                                                 "remove it")
         for split in ("train", "validation", "test"):
             if isinstance(getattr(data, split), (dict, list)):
-                raise RecipeError(f"data.{split}", "metric learning takes one CSV/JSONL file or ImageFolder "
-                                                   "directory per split")
+                raise RecipeError(f"data.{split}", "metric learning takes one ImageFolder directory, CSV/JSONL "
+                                                   "file or `datasets` folder/Parquet file per split")
         for key, value in (("stages", recipe.stages), ("num_labels", recipe.model.num_labels),
                            ("head_init", recipe.model.head_init != "random")):
             if value:
@@ -147,11 +147,17 @@ class MetricLearningTask(Task):
                                               embedding_dim=adapter.embedding_dim)
         return MetricLearningObjective(adapter, loss)
 
+    def batch_lines(self, world_size: int) -> list[tuple[str, str]]:
+        from vembed.data.image_cache import cache_line
+
+        return super().batch_lines(world_size) + cache_line(self.train_data.cache)
+
     def train_dataset(self, objective: nn.Module):
         from vembed.components import loss_class
 
         views = loss_class(self.recipe).views_per_image(self.recipe.loss)
         recipe = self.recipe
+        with_image_cache(self.train_data, objective.adapter, recipe)
         if views == 1:
             return (LabelledImageDataset(self.train_data),
                     ClassificationCollator(objective.adapter, recipe.augmentation, recipe.seed))
@@ -160,11 +166,7 @@ class MetricLearningTask(Task):
     def load_eval_split(self, split: str) -> "LabelledImages | None":
         if getattr(self.recipe.data, split) is None:
             return None
-        data = read_split(self.recipe, split, None)
-        limit = self.recipe.data.eval_max_samples
-        if limit is not None:
-            data.paths, data.labels = data.paths[:limit], data.labels[:limit]
-        return data
+        return read_split(self.recipe, split, None).head(self.recipe.data.eval_max_samples)
 
     def evaluate(self, model: nn.Module, data: "LabelledImages | None", accelerator: "Accelerator",
                  prepared: nn.Module | None = None) -> dict[str, Any]:
