@@ -123,3 +123,24 @@ def test_class_name_head_bench_smoke_measures_both_heads(smoke_dir):
     for head_init in ("class_names", "random"):
         assert set(results["classification"][head_init]) == {"before", "after"}
         assert 0 <= results["classification"][head_init]["before"]["accuracy"] <= 1
+
+
+@pytest.mark.slow  # in-process, but it trains three times, once through sentence-transformers' CrossEncoderTrainer
+def test_rerank_vs_st_smoke_trains_the_same_job_in_both_tools(smoke_dir):
+    """vembed's Trainer and sentence-transformers' CrossEncoderTrainer on the same start, lists and batches: the same
+    BCE loss at every step, with and without vembed's length chunks (at step 0 the same model on the same batch; after
+    it, the same optimizer), and each final model's reranking judged on the same held-out candidates."""
+    bench = _load("rerank_vs_st")
+    if not bench.available_peer():
+        pytest.skip("sentence-transformers is not installed (pip install -e .[bench])")
+    assert bench.main(["--smoke"]) == 0
+    summary = json.loads(_written(smoke_dir, "rerank_vs_st.json").read_text())
+    runs = summary["runs"]
+    assert set(runs) == {"vembed", "sentence-transformers", "vembed length_chunks=2"} and summary["steps"] == 3
+    assert all(len(run["losses"]) == 3 for run in runs.values())
+    # the same model on the same first batch, then the same optimizer: one curve (length chunks change only rounding)
+    assert summary["loss_difference_step0"] < 1e-5 and max(summary["max_loss_differences"].values()) < 1e-5
+    for run in runs.values():
+        assert run["samples_per_second"] > 0 and run["peak_rss_mb"] > 0
+        assert 0.0 <= run["metrics"]["reranked/ndcg@10"] <= 1.0 and run["metrics"]["reranked/num_queries"] == 4
+    assert _written(smoke_dir, "rerank_vs_st.png").stat().st_size > 0

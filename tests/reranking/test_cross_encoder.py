@@ -59,6 +59,29 @@ def test_lists_in_chunks_give_the_gradients_of_one_forward(rerank_recipe):
         assert torch.allclose(chunked[name], grad, atol=1e-6, rtol=1e-5), name
 
 
+def test_length_chunks_score_pairs_in_length_sorted_groups_with_the_gradients_of_one_forward(rerank_recipe):
+    """`length_chunks: 3`: three forwards, each only as wide as its longest pair, and the gradients of one padded
+    forward (with pairs_per_chunk inside the groups too)."""
+    from vembed.training.loop import Trainer
+
+    trainer = Trainer(recipe_from_dict(dict(rerank_recipe, length_chunks=3)))
+    trainer.build()
+    batch = trainer.loader.collate_fn([trainer.dataset[i] for i in [0, 1, 2, 3]])
+    widths: list[int] = []
+    hook = trainer.adapter.model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    trainer.model(batch)
+    hook.remove()
+    full = batch["pairs"]["input_ids"].shape[1]
+    assert len(widths) == 3 and max(widths) == full and min(widths) < full, (widths, full)
+    whole = _gradients(rerank_recipe, [0, 1, 2, 3])
+    for chunked in (_gradients(dict(rerank_recipe, length_chunks=3), [0, 1, 2, 3]),
+                    _gradients(dict(rerank_recipe, length_chunks=2, pairs_per_chunk=3), [0, 1, 2, 3])):
+        assert whole.keys() == chunked.keys()
+        for name, grad in whole.items():
+            assert torch.allclose(chunked[name], grad, atol=1e-6, rtol=1e-5), name
+
+
 def test_list_with_mismatched_labels_names_file_and_row(rerank_recipe, tmp_path):
     from vembed.reranking.data import read_lists
 

@@ -60,6 +60,7 @@ class CrossEncoderAdapter(PairScorer, nn.Module):
     Settings: ClassVar[type[CrossEncoderSettings]] = CrossEncoderSettings
     default_lora_target_modules = ATTENTION_PROJECTIONS
     modalities: ClassVar[frozenset[str]] = frozenset({"text"})  # an image document is refused, naming its row
+    length_chunking: ClassVar[bool] = True  # pairs are rows of tokens scored at the first: padding can be cut
 
     def __init__(self, model: "PreTrainedModel", tokenizer: Any, settings: CrossEncoderSettings):
         super().__init__()

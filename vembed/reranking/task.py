@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from vembed.errors import DataError, RecipeError
+from vembed.reranking import RERANKERS
 from vembed.tasks import TASKS, Task
 
 if TYPE_CHECKING:
@@ -31,13 +32,29 @@ class RerankObjective(nn.Module):
     """The reranker and its loss in one module (what DDP wraps). `forward(batch)`: the loss of a collated batch
     (`vembed.reranking.data.collate_lists`)."""
 
-    def __init__(self, adapter: nn.Module, loss: nn.Module, pairs_per_chunk: int | None = None):
+    def __init__(self, adapter: nn.Module, loss: nn.Module, pairs_per_chunk: int | None = None,
+                 length_chunks: int = 1):
         super().__init__()
         self.adapter, self.loss, self.pairs_per_chunk = adapter, loss, pairs_per_chunk
+        # Length groups index pairs by row: only for rerankers whose batch is rows of tokens (not Qwen-VL's patches).
+        self.length_chunks = length_chunks if getattr(adapter, "length_chunking", False) else 1
 
     def scores(self, pairs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """(n,) logits of the flat pairs; in chunks of `pairs_per_chunk` under activation checkpointing when
-        training, so only one chunk's activations are alive at a time (each is recomputed in the backward)."""
+        """(n,) logits of the flat pairs. With `length_chunks` > 1 the pairs run as that many length-sorted groups,
+        each padded only to its own longest pair (the recipe's length-aware encoding: a batch's short pairs stop
+        paying for its long ones), their scores put back in batch order."""
+        from vembed.models.length_chunks import chunk_rows, in_batch_order, trim_padding
+
+        mask = pairs.get("attention_mask")
+        if self.length_chunks <= 1 or mask is None or len(mask) < 2:
+            return self._scores(pairs)
+        groups = chunk_rows(mask, self.length_chunks)
+        parts = [self._scores(trim_padding({key: value[rows] for key, value in pairs.items()})) for rows in groups]
+        return in_batch_order(torch.cat(parts), torch.cat(groups))
+
+    def _scores(self, pairs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(n,) logits; in chunks of `pairs_per_chunk` under activation checkpointing when training, so only one
+        chunk's activations are alive at a time (each is recomputed in the backward)."""
         n = self.adapter.num_sides(pairs)
         chunk = self.pairs_per_chunk
         if not chunk or n <= chunk:
@@ -101,14 +118,19 @@ class RerankTask(Task):
         recipe = self.recipe
         lists = recipe.batch_size * world_size
         return [("ranking batch", f"{lists} query lists per forward (each list scored on its own rank)"),
-                ("effective batch", f"{lists * recipe.gradient_accumulation_steps} lists per optimizer step")]
+                ("effective batch", f"{lists * recipe.gradient_accumulation_steps} lists per optimizer step"),
+                *([("length-aware", f"{recipe.length_chunks} length-sorted padded groups of pairs per forward"
+                    if getattr(RERANKERS.get(recipe.model_type), "length_chunking", False)
+                    else f"off: {recipe.model_type} batches are not rows of tokens alone")]
+                  if recipe.length_chunks > 1 else [])]
 
     def build_objective(self) -> nn.Module:
         from vembed.components import loss_class
 
         recipe = self.recipe
         adapter = self.build_adapter()
-        return RerankObjective(adapter, loss_class(recipe).from_recipe(recipe), adapter.settings.pairs_per_chunk)
+        return RerankObjective(adapter, loss_class(recipe).from_recipe(recipe), adapter.settings.pairs_per_chunk,
+                               recipe.length_chunks)
 
     def train_dataset(self, objective: nn.Module):
         from vembed.reranking.data import collate_lists
