@@ -53,6 +53,11 @@ CANDIDATES = 20  # first-stage candidates per held-out query
 TIMING_WARMUP = 2  # optimizer steps left out of the step clock
 # initializer_range 0.5: weights large enough that a pair's logit depends on its words (at BERT's 0.02 every pair scores
 # about the same, and two different batches give the same BCE to 1e-5, so the smoke test could not tell them apart)
+# all-MiniLM-L6-v2's layout, random: a speed run where the weights package cannot travel (a GPU machine, offline).
+# Its 30,522-row embedding table is kept, so the optimizer's work matches; the word-level tokenizer gives ~1 token a
+# word where WordPiece gives a few more.
+MINILM_SHAPES = {"hidden_size": 384, "intermediate_size": 1536, "num_hidden_layers": 6, "num_attention_heads": 12,
+                 "vocab_size": 30522}
 TINY_BERT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
              "initializer_range": 0.5}
 
@@ -133,7 +138,8 @@ def write_job(work: Path, lists: int, heldout: int, count: int) -> None:
     (work / "first_stage.trec").write_text("\n".join(run) + "\n")
 
 
-def prepare(work: Path, lists: int, heldout: int, count: int, batch_size: int, smoke: bool) -> dict[str, Any]:
+def prepare(work: Path, lists: int, heldout: int, count: int, batch_size: int, smoke: bool,
+            minilm_shapes: bool = False) -> dict[str, Any]:
     """The job's files, the starting cross-encoder folder (vembed writes it, both load it) and vembed's batch order."""
     import torch
 
@@ -142,9 +148,11 @@ def prepare(work: Path, lists: int, heldout: int, count: int, batch_size: int, s
 
     work.mkdir(parents=True, exist_ok=True)
     write_job(work, lists, heldout, count)
-    minilm = None if smoke else _minilm()
+    minilm = None if smoke or minilm_shapes else _minilm()
     if minilm:
         base, model = {"model_name": minilm}, "all-MiniLM-L6-v2 encoder + fresh 1-logit head"
+    elif minilm_shapes:
+        base, model = tiny_bert(work, MINILM_SHAPES), "random BERT of all-MiniLM-L6-v2's shapes + 1-logit head"
     else:
         base, model = tiny_bert(work), "tiny random BERT + 1-logit head"
     torch.manual_seed(SEED)  # the fresh head (and a random encoder) drawn once; both tools load these weights
@@ -160,8 +168,8 @@ def prepare(work: Path, lists: int, heldout: int, count: int, batch_size: int, s
             "warmup_steps": int(WARMUP_RATIO * steps)}
 
 
-def tiny_bert(work: Path) -> dict[str, Any]:
-    """A tiny random BERT over the job's words (a word-level tokenizer written into `work`)."""
+def tiny_bert(work: Path, shapes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A random BERT over the job's words (a word-level tokenizer written into `work`): tiny, or of `shapes`."""
     from transformers import BertTokenizerFast
 
     words = {w for text in documents(random.Random(SEED)).values() for w in text.split()}
@@ -169,7 +177,8 @@ def tiny_bert(work: Path) -> dict[str, Any]:
     vocabulary = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *sorted(words)]
     BertTokenizerFast(vocab={w: i for i, w in enumerate(vocabulary)}).save_pretrained(work / "tokenizer")
     return {"tokenizer_name": str(work / "tokenizer"), "model_config": {
-        "model_type": "bert", "vocab_size": len(vocabulary), "max_position_embeddings": MAX_LENGTH, **TINY_BERT}}
+        "model_type": "bert", "vocab_size": len(vocabulary), "max_position_embeddings": MAX_LENGTH,
+        **(shapes or TINY_BERT)}}
 
 
 def available_peer() -> bool:
@@ -428,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="N > 1: also run vembed with length_chunks N (length-sorted groups of pairs)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: bf16 autocast on both sides")
     parser.add_argument("--smoke", action="store_true", help="tiny random BERT, 24 lists, one round, in-process, with a length_chunks run")
+    parser.add_argument("--minilm-shapes", action="store_true",
+                        help="a random BERT of all-MiniLM-L6-v2's shapes instead of its weights (speed only)")
     parser.add_argument("--out", help="output folder (default: bench/results, or a temporary one with --smoke)")
     parser.add_argument("--child", nargs=2, metavar=("TOOL", "SPEC"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -444,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                       args.rounds)
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="rerank-vs-st-") as work:  # model folders: never into results
-        spec = {**prepare(Path(work), lists, heldout, args.negatives, batch, args.smoke), "loss": args.loss,
+        spec = {**prepare(Path(work), lists, heldout, args.negatives, batch, args.smoke,
+                                args.minilm_shapes), "loss": args.loss,
                 "device": args.device, "learning_rate": args.lr}
         names = runs_of(max(2, args.length_chunks) if args.smoke else args.length_chunks)
         for round_ in range(rounds):
