@@ -68,7 +68,7 @@ def test_keys_of_the_replaced_toolkit_point_at_vembeds_name(key):
 @pytest.mark.parametrize("raw, key, message", [
     ({"model_type": "clip", "query_instruction": "x"}, "query_instruction",
      "is a qwen_vl setting; this recipe's model_type is clip"),
-    ({"model_type": "clip", "min_pixels": 4096}, "min_pixels", "is a qwen_vl setting"),
+    ({"model_type": "clip", "min_pixels": 4096}, "min_pixels", "is a qwen_vl / qwen_vl_reranker setting"),
     ({"model_type": "clip", "prompt_ending": "endoftext"}, "prompt_ending", "is a qwen_vl setting"),
     ({"model_type": "clip", "pooling": "cls"}, "pooling", "is a composed / text / vision setting"),
     ({"dit": {"size": "tiny"}}, "dit", "is a blip3o_dit setting; this recipe's model_type is clip"),

@@ -433,13 +433,6 @@ class QwenVLAdapter(TokenVectors, TransformersAdapter):
         self.write_adapter_file(path)
 
     @classmethod
-    def load(cls, path: str | Path, *, trust_remote_code: bool = False) -> "QwenVLAdapter":
-        adapter = super().load(path, trust_remote_code=trust_remote_code)
-        if adapter.settings.multi_vector:
-            adapter.load_projection(path)
-        return adapter
-
-    @classmethod
     def saved_settings(cls, path: str | Path, trust_remote_code: bool) -> tuple[dict[str, Any], QwenVLSettings]:
         info, settings = super().saved_settings(path, trust_remote_code)
         return info, settings.model_copy(update={"model_name": info.get("settings", {}).get("base_model")})

@@ -104,13 +104,6 @@ class TextAdapter(TokenVectors, TransformersAdapter):
             adapter.load_projection(name)  # continuing from a saved ColBERT (ours or PyLate's): keep its projection
         return adapter
 
-    @classmethod
-    def load(cls, path: str | Path, *, trust_remote_code: bool = False) -> "TextAdapter":
-        adapter = super().load(path, trust_remote_code=trust_remote_code)
-        if adapter.settings.multi_vector:
-            adapter.load_projection(path)
-        return adapter
-
     def save(self, path: str | Path) -> None:
         super().save(path)
         if self.settings.multi_vector:

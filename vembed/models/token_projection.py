@@ -55,8 +55,8 @@ class TokenVectorSettings(Settings):
 
 class TokenVectors:
     """Mixed into an adapter (before `TransformersAdapter`) whose Settings derive from TokenVectorSettings: sizes, the
-    projection, and its loading. The adapter calls `add_projection` when built, `token_vectors` in `encode`, and
-    `load_projection` when it reads a folder; it writes the projection with its own folder layout."""
+    projection, and its loading. The adapter calls `add_projection` when built and `token_vectors` in `encode`; `load`
+    reads a saved folder's projection back; the adapter writes it with its own folder layout."""
 
     settings: Any
     projection: nn.Linear
@@ -91,6 +91,14 @@ class TokenVectors:
         `(n, T)` is true, the zero vector elsewhere."""
         vectors = F.normalize(self.projection(hidden).float(), dim=-1)
         return vectors * kept.unsqueeze(-1)
+
+    @classmethod
+    def load(cls, path: str | Path, *, trust_remote_code: bool = False) -> Any:
+        """The saved adapter (the next class's `load`), with its token projection read back from `path`."""
+        adapter = super().load(path, trust_remote_code=trust_remote_code)  # type: ignore[misc]
+        if adapter.settings.multi_vector:
+            adapter.load_projection(path)
+        return adapter
 
     def load_projection(self, path: str | Path) -> None:
         """The token projection saved in `path/1_Dense` (sentence-transformers' Dense layout)."""
