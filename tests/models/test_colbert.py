@@ -125,3 +125,16 @@ def test_tokenizer_without_a_mask_token_is_refused(colbert_raw, tiny_tokenizer_d
 
     with pytest.raises(RecipeError, match="mask token"):
         MODELS.get("text").from_recipe(recipe_from_dict(dict(colbert_raw, tokenizer_name=tiny_tokenizer_dir)))
+
+
+def test_the_planned_vector_size_is_the_token_vectors_only_with_token_vectors(colbert_raw):
+    """`embedding_dim_for` (what `vembed plan` and the GradCache buffers size by, before a model exists): the token
+    vector size with `embedding: multi_vector`, the encoder's width without (mutmut found it untested)."""
+    from vembed.components import recipe_from_dict
+    from vembed.models import MODELS
+
+    text = MODELS.get("text")
+    assert text.embedding_dim_for(recipe_from_dict(colbert_raw)) == 16
+    single = {k: v for k, v in colbert_raw.items()
+              if k not in ("embedding", "multi_vector_dim", "query_length", "loss_type")}
+    assert text.embedding_dim_for(recipe_from_dict(single)) == colbert_raw["model_config"]["hidden_size"]
