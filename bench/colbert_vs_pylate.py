@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -28,6 +26,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
+from children import run_in_child, serve_child  # noqa: E402
 from outputs import output_dir  # noqa: E402
 from pylate_runner import STACK, pylate_available  # noqa: E402
 
@@ -161,16 +160,9 @@ RUNS = {"vembed": ("vembed", {}), "vembed length_chunks=2": ("vembed", {"length_
 
 def run_child(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     tool, changes = RUNS[name]
-    work, tag = Path(spec["work"]), name.replace(" ", "_").replace("=", "")
-    (work / f"{tag}.spec.json").write_text(json.dumps({**spec, **changes, "tag": tag}))
+    tag = name.replace(" ", "_").replace("=", "")
     path = str(STACK) if tool == "pylate" else str(ROOT)
-    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
-           "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run([sys.executable, __file__, "--child", tool, str(work / f"{tag}.spec.json")], env=env,
-                          capture_output=True, text=True, timeout=3600)
-    if done.returncode != 0:
-        raise RuntimeError(f"{name} run failed:\n{done.stderr[-4000:]}")
-    return json.loads((work / f"{tag}.result.json").read_text())
+    return run_in_child(__file__, tool, {**spec, **changes, "tag": tag}, path, name)
 
 
 # --- the comparison --------------------------------------------------------------------------------------------------
@@ -201,10 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", nargs=2, metavar=("TOOL", "SPEC"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        tool, spec_file = args.child
-        spec = json.loads(Path(spec_file).read_text())
-        Path(spec["work"], f"{spec['tag']}.result.json").write_text(json.dumps(TOOLS[tool](spec)))
-        return 0
+        return serve_child(args.child, TOOLS)
     if not pylate_available():
         print(f"PyLate's stack is not installed at {STACK}: run bash scripts/setup.sh dev", file=sys.stderr)
         return 2

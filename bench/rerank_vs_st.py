@@ -31,7 +31,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -40,6 +39,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from children import run_in_child, serve_child  # noqa: E402
 from outputs import output_dir  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -332,18 +332,11 @@ def runs_of(length_chunks: int) -> dict[str, tuple[str, dict[str, Any]]]:
 def run_tool(name: str, run: tuple[str, dict[str, Any]], spec: dict[str, Any], round_: int,
              in_process: bool) -> dict[str, Any]:
     tool, changes = run
-    work, tag = Path(spec["work"]), f"{name.replace(' ', '_').replace('=', '')}-round{round_}"
+    tag = f"{name.replace(' ', '_').replace('=', '')}-round{round_}"
     spec = {**spec, **changes, "tag": tag, "evaluate": round_ == 0}
     if in_process:
         return TOOLS[tool](spec)
-    (work / f"{tag}.spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
-           "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run([sys.executable, __file__, "--child", tool, str(work / f"{tag}.spec.json")], env=env,
-                          capture_output=True, text=True, timeout=3600)
-    if done.returncode != 0:
-        raise RuntimeError(f"{tool} run failed:\n{done.stderr[-4000:]}")
-    return json.loads((work / f"{tag}.result.json").read_text())
+    return run_in_child(__file__, tool, spec, str(ROOT), tool)
 
 
 # --- the comparison --------------------------------------------------------------------------------------------------
@@ -443,10 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", nargs=2, metavar=("TOOL", "SPEC"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        tool, spec_file = args.child
-        spec = json.loads(Path(spec_file).read_text())
-        Path(spec["work"], f"{spec['tag']}.result.json").write_text(json.dumps(TOOLS[tool](spec)))
-        return 0
+        return serve_child(args.child, TOOLS)
     if not available_peer():
         print("sentence-transformers is not installed: pip install -e .[bench]", file=sys.stderr)
         return 2
