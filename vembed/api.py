@@ -82,8 +82,9 @@ class Embedder:
         L2-normalised unless `normalize=False` (then they are whatever the model outputs).
         """
         if self.multi_vector:
-            raise ValueError("this is a multi_vector (ColBERT) model: it gives token vectors, not one vector per "
-                             "text; use encode_token_vectors(texts, role=...) and score(queries, documents)")
+            raise ValueError("this is a multi_vector (late-interaction: ColBERT, ColQwen) model: it gives token "
+                             "vectors, not one vector per item; use encode_token_vectors(texts, images=..., role=...) "
+                             "and score(queries, documents)")
         sides = _sides(texts, images, role, "encode")
         embeddings = encode_sides(self.adapter, sides, batch_size=batch_size, show_progress=show_progress)
         if normalize:
@@ -92,7 +93,7 @@ class Embedder:
 
     @property
     def multi_vector(self) -> bool:
-        """Whether the model gives token vectors (`embedding: multi_vector`, ColBERT) rather than one per side."""
+        """Whether the model gives token vectors (`embedding: multi_vector`: ColBERT, ColQwen) rather than one per side."""
         return getattr(self.adapter.settings, "embedding", "single") == "multi_vector"
 
     def encode_token_vectors(self, texts: str | Sequence[str] | None = None, role: str | None = None,

@@ -123,3 +123,6 @@ def test_a_run_saves_a_final_that_gives_the_trained_adapters_token_vectors(colqw
             ("document", {"images": images}, [Side(image=image, role="document") for image in images])):
         loaded = model.encode_token_vectors(role=role, **kwargs)
         torch.testing.assert_close(loaded, encode_sides(trained, sides).cpu(), atol=1e-6, rtol=0)
+    # Asked for one vector per item, it names what it is and the calls that serve it (not "ColBERT" only).
+    with pytest.raises(ValueError, match=r"ColQwen\) model: .*encode_token_vectors\(texts, images=\.\.\., role"):
+        model.encode(images=images)
