@@ -161,8 +161,15 @@ def _adapter_class(model_type: str | None) -> Any:
     return MODELS.get(model_type) if model_type in MODELS else None
 
 
+def _reranker_class(model_type: str | None) -> Any:
+    """The reranker class (vembed/reranking, its own registry) of a folder that scores pairs; None for embedders."""
+    from vembed.reranking import RERANKERS
+
+    return RERANKERS.get(model_type) if model_type in RERANKERS else None
+
+
 def _modalities(model_type: str | None) -> frozenset[str]:
-    adapter = _adapter_class(model_type)
+    adapter = _adapter_class(model_type) or _reranker_class(model_type)
     return adapter.modalities if adapter is not None else frozenset()
 
 
@@ -199,7 +206,11 @@ def _front_matter(card: Mapping[str, Any], flavour: Flavour) -> str:
     if "image" in modalities:
         tags.append("image-feature-extraction")
     meta: dict[str, Any] = {}
-    if flavour == "sentence-transformers":
+    reranker = _reranker_class(model_type)
+    if reranker is not None:  # scores pairs: what the Hub lists rerankers under, and the library that loads it
+        tags = ["vembed", *reranker.card_tags, str(model_type), "reranker", "text-ranking"]
+        meta.update(library_name=reranker.card_library, pipeline_tag="text-ranking")
+    elif flavour == "sentence-transformers":
         meta["library_name"] = "sentence-transformers"
         meta["pipeline_tag"] = "sentence-similarity" if modalities == {"text"} else "feature-extraction"
     else:
@@ -218,13 +229,16 @@ def _title(card: Mapping[str, Any], flavour: Flavour, source_path: str | None) -
     model = card.get("model") or {}
     recipe = card.get("recipe") or {}
     name = recipe.get("run_name") or (Path(recipe["output_dir"]).name if recipe.get("output_dir") else None)
-    title = f"# {name}: a vembed {model.get('model_type')} embedding model" if name else \
-        f"# A vembed {model.get('model_type')} embedding model"
+    reranker = _reranker_class(model.get("model_type")) is not None
+    kind = f"{model.get('model_type')} {'reranker' if reranker else 'embedding model'}"
+    title = f"# {name}: a vembed {kind}" if name else f"# A vembed {kind}"
     lines = [title, ""]
     dim = model.get("embedding_dim")
     normalized = {True: ", L2-normalised", False: ", not normalised"}.get(
         (model.get("settings") or {}).get("normalize"), "")
     what = f"Embeddings of {dim} dimensions{normalized}" if dim else "A model"
+    if reranker:
+        what = "One relevance score (a logit: higher ranks first) per (query, document) pair read jointly"
     if _multi_vector(model):
         what = (f"Token vectors ({_token_vectors_of(model).late_interaction_name} late interaction) of {dim} "
                 f"dimensions{normalized}")
@@ -420,6 +434,10 @@ def _evaluation_section(evaluation: Mapping[str, Any] | None, best: Mapping[str,
     if not evaluation:
         return ("## Evaluation\n\nNo evaluation was recorded (the recipe set no `data.validation` or `data.test`).")
     columns = [(key, title) for key, title in EVAL_COLUMNS if evaluation.get(key)]
+    from vembed.reranking.evaluation import is_rerank_metrics
+
+    if all(is_rerank_metrics(evaluation[key]) for key, _ in columns):
+        return _rerank_evaluation_section(evaluation, best, columns)
     names = list(dict.fromkeys(name for key, _ in columns for name in evaluation[key]))
     parts = ["## Evaluation",
              "The run's `metrics.json` (`q2d`: queries → documents, `d2q`: documents → queries; `accuracy@k`: the "
@@ -432,9 +450,36 @@ def _evaluation_section(evaluation: Mapping[str, Any] | None, best: Mapping[str,
         if group:
             parts.append(f"### {group}")
         parts.append(_table(["metric", *(title for _, title in columns)], rows))
-    if best and best.get("value") is not None:
-        parts.append(f"Best validation `{best.get('metric')}` during training: {_number(best['value'])}"
-                     + (f" ({best['checkpoint']})" if best.get("checkpoint") else "") + ".")
+    parts += _best_line(best)
+    return "\n\n".join(parts)
+
+
+def _best_line(best: Mapping[str, Any] | None) -> list[str]:
+    if not best or best.get("value") is None:
+        return []
+    return [f"Best validation `{best.get('metric')}` during training: {_number(best['value'])}"
+            + (f" ({best['checkpoint']})" if best.get("checkpoint") else "") + "."]
+
+
+def _rerank_evaluation_section(evaluation: Mapping[str, Any], best: Mapping[str, Any] | None,
+                               columns: Sequence[tuple[str, str]]) -> str:
+    """A reranker's numbers as what it adds: per evaluated split, the first stage's candidates in their order, the
+    same candidates reranked by the model, and the change."""
+    from vembed.reranking.evaluation import before_after
+
+    parts = ["## Evaluation",
+             "The run's `metrics.json`: each judged query's first-stage candidates (the top 100 of "
+             "`data.first_stage_run`) as the first stage ranked them, and reranked by this model, with trec_eval's "
+             "definitions (`vembed eval RERANKER CORPUS --first-stage ...` computes the same table). \"before "
+             "training\" is the reranker as it started."]
+    for key, title in columns:
+        metrics = evaluation[key]
+        rows = [[name, _number(first), _number(reranked), f"{reranked - first:+.4f}"]
+                for name, first, reranked in before_after(metrics)]
+        queries = metrics.get("reranked/num_queries")
+        parts += [f"### {title}" + (f" ({int(queries)} judged queries)" if queries is not None else ""),
+                  _table(["metric", "first stage", "reranked", "change"], rows)]
+    parts += _best_line(best)
     return "\n\n".join(parts)
 
 
@@ -467,6 +512,9 @@ def _load_section(model: Mapping[str, Any], flavour: Flavour, path: str, source_
             lines += ["", f"With vembed, load the folder it was exported from: `vembed.load({source_path!r})`."]
         lines += ["", *_mteb_lines(path, images)]
         return "\n".join(lines)
+    reranker = _reranker_class(model_type)
+    if reranker is not None:
+        return "\n".join(lines + reranker.card_usage(path))
     if adapter is None:  # a generator (blip3o_dit), not an embedding model
         lines += ["```python", "from vembed.generation import load_generator",
                   f"generator = load_generator({path!r})", "```"]

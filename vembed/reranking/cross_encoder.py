@@ -61,10 +61,25 @@ class CrossEncoderAdapter(PairScorer, nn.Module):
     default_lora_target_modules = ATTENTION_PROJECTIONS
     modalities: ClassVar[frozenset[str]] = frozenset({"text"})  # an image document is refused, naming its row
     length_chunking: ClassVar[bool] = True  # pairs are rows of tokens scored at the first: padding can be cut
+    card_library: ClassVar[str] = "sentence-transformers"  # final/ loads as CrossEncoder(path), vembed's scores
+    card_tags: ClassVar[tuple[str, ...]] = ("sentence-transformers", "cross-encoder")
 
     def __init__(self, model: "PreTrainedModel", tokenizer: Any, settings: CrossEncoderSettings):
         super().__init__()
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
+
+    @classmethod
+    def card_usage(cls, path: str) -> list[str]:
+        """vembed's lines, then sentence-transformers' `CrossEncoder`, which reads final/ as it is (its config names
+        the identity activation, so `predict` gives the raw logit vembed gives)."""
+        from vembed.reranking.pairs import EXAMPLE_DOCUMENTS, EXAMPLE_QUERY
+
+        pairs = [(EXAMPLE_QUERY, document) for document in EXAMPLE_DOCUMENTS]
+        return [*super().card_usage(path), "", "With sentence-transformers (the same scores):", "", "```python",
+                "from sentence_transformers import CrossEncoder", f"model = CrossEncoder({path!r})",
+                f"scores = model.predict({pairs!r})",
+                f"ranked = model.rank({EXAMPLE_QUERY!r}, {EXAMPLE_DOCUMENTS!r})  # [{{'corpus_id', 'score'}}, ...]",
+                "```"]
 
     # --- built from a recipe or a folder ---------------------------------------------------------------------------
     @classmethod

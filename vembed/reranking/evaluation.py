@@ -124,13 +124,27 @@ def judged_split(split: "CorpusSplit", max_queries: int | None) -> "CorpusSplit"
 METRIC_ORDER = ("ndcg", "mrr", "recall", "map")  # the table's rows: the headline metrics first
 
 
+STAGES = ("first_stage", "reranked")  # the prefixes of rerank_run's metric names
+
+
+def is_rerank_metrics(metrics: Mapping[str, float]) -> bool:
+    """Whether `metrics` are `rerank_run`'s (every name a stage's), not an embedder's."""
+    return bool(metrics) and all(name.split("/", 1)[0] in STAGES for name in metrics)
+
+
+def before_after(metrics: Mapping[str, float]) -> list[tuple[str, float, float]]:
+    """(metric, first stage, reranked) per cut-off metric of `rerank_run`'s output, headline metrics first: the rows
+    of the CLI's table and of the model card's."""
+    names = [key[len("first_stage/"):] for key in metrics if key.startswith("first_stage/") and "@" in key
+             and f"reranked/{key[len('first_stage/'):]}" in metrics]
+    names.sort(key=lambda name: (METRIC_ORDER.index(name.split("@")[0]), int(name.split("@")[1])))
+    return [(name, metrics[f"first_stage/{name}"], metrics[f"reranked/{name}"]) for name in names]
+
+
 def metrics_table(metrics: Mapping[str, float]) -> str:
     """The before/after table of `rerank_run`'s metrics: one row per metric, first stage, reranked and the change."""
-    names = [key[len("first_stage/"):] for key in metrics if key.startswith("first_stage/") and "@" in key]
-    names.sort(key=lambda name: (METRIC_ORDER.index(name.split("@")[0]), int(name.split("@")[1])))
     lines = [f"{'metric':<12}{'first stage':>13}{'reranked':>11}{'change':>10}"]
-    for name in names:
-        before, after = metrics[f"first_stage/{name}"], metrics[f"reranked/{name}"]
+    for name, before, after in before_after(metrics):
         lines.append(f"{name:<12}{before:>13.4f}{after:>11.4f}{after - before:>+10.4f}")
     lines.append(f"{int(metrics['reranked/num_queries'])} judged queries with a relevant document")
     return "\n".join(lines)

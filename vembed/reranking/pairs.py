@@ -4,7 +4,7 @@ mode (`PairScorer`, mixed into each reranker class)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Union
+from typing import ClassVar, Union
 
 import torch
 
@@ -24,9 +24,27 @@ def pair_document(side: Side) -> PairPart:
     return side if side.images else (side.text or "")
 
 
+# The pair the model card's snippets score (vembed/model_card.py).
+EXAMPLE_QUERY = "how do I sort a list of numbers"
+EXAMPLE_DOCUMENTS = ["Sort the integers in ascending order.", "Parse the dates, skipping bad input."]
+
+
 class PairScorer:
     """`score(queries, documents)` for a reranker module whose `preprocess(queries, documents)` makes CPU tensors
-    and whose forward gives one logit per pair."""
+    and whose forward gives one logit per pair; and what its model card says about loading it."""
+
+    card_library: ClassVar[str] = "vembed"  # the card's library_name: the library that loads the folder as it is
+    card_tags: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def card_usage(cls, path: str) -> list[str]:
+        """The card's "How to use it" lines (Markdown) for a folder of this reranker at `path`: with vembed."""
+        return ["With vembed (`pip install vembed`):", "", "```python",
+                "from vembed.reranking import load_reranker",
+                f"reranker = load_reranker({path!r})",
+                f"scores = reranker.score([{EXAMPLE_QUERY!r}] * 2, {EXAMPLE_DOCUMENTS!r})  "
+                "# one logit per (query, document) pair: higher ranks first",
+                "```"]
 
     @torch.no_grad()
     def score(self, queries: Sequence[PairPart], documents: Sequence[PairPart], batch_size: int = 64) -> torch.Tensor:

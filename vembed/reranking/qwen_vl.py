@@ -76,6 +76,23 @@ class QwenVLReranker(PairScorer, QwenVLAdapter):
     task: ClassVar[str] = "rerank"
     Settings: ClassVar[type[QwenVLRerankerSettings]] = QwenVLRerankerSettings
     auto_class: ClassVar[str] = "AutoModelForImageTextToText"  # the model with its LM head
+    card_library: ClassVar[str] = "transformers"  # final/ is a plain ForConditionalGeneration folder
+
+    @classmethod
+    def card_usage(cls, path: str) -> list[str]:
+        """vembed's lines with an image document, then what plain transformers needs to score as vembed does."""
+        from vembed.reranking.pairs import EXAMPLE_QUERY
+
+        return ["With vembed (`pip install vembed`); documents are texts, or `Side`s holding images (paths or PIL "
+                "images):", "", "```python", "from vembed.data.records import Side",
+                "from vembed.reranking import load_reranker", f"reranker = load_reranker({path!r})",
+                f"scores = reranker.score([{EXAMPLE_QUERY!r}] * 2, ['Sort the integers in ascending order.', "
+                "Side(image='page.png')])  # higher ranks first", "```", "",
+                "With plain transformers: the folder is a Qwen-VL ForConditionalGeneration checkpoint "
+                f"(`AutoModelForImageTextToText.from_pretrained({path!r})`, the tokenizer beside it). A pair's score "
+                "is the last position's \"yes\" logit minus its \"no\" logit on the released Qwen3-VL-Reranker "
+                "chat template (the sigmoid of it: the released model's relevance probability); vembed builds that "
+                "prompt (`QwenVLReranker.pair_prompt`)."]
 
     def __init__(self, model: "PreTrainedModel", tokenizer: Any, image_processor: Any,
                  settings: QwenVLRerankerSettings):
