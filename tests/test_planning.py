@@ -4,6 +4,7 @@ real layer keeps, the decision tree, and the `vembed plan` command."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -446,6 +447,7 @@ def test_every_shipped_recipe_plans(path, stand_in_shards, capsys):
     from vembed.cli import main
     from vembed.components import load_recipe
     from vembed.planning import estimate_line
+    from vembed.tasks import task_for
 
     overrides = _offline_overrides(path, stand_in_shards)
     code = main(["plan", str(path), "--gpus", "8", "--gpu-memory", "80", *(["--config_override", *overrides]
@@ -459,6 +461,12 @@ def test_every_shipped_recipe_plans(path, stand_in_shards, capsys):
         assert e.total(False) > 0 and e.activations > 0, e.strategy.name
     # The start block of a training run prints the same estimate, not "unavailable".
     assert estimate_line(load_recipe(path, overrides), "ddp", 8).startswith("memory estimate     ")
+    # What the batch is and whether GradCache is planned are the recipe's task's (a classifier's batch is not
+    # "contrastive", and its task refuses GradCache, so no GradCache row).
+    task = task_for(load_recipe(path, overrides))
+    assert re.search(rf"= \d+ {task.plan_batch}; ", out), out.splitlines()[2]
+    if not task.uses_gradient_cache:
+        assert "gradcache" not in out, task.name
 
 
 def test_the_recipes_are_all_found():

@@ -329,7 +329,8 @@ class ModelSize:
     routes: dict[str, dict[str, int]] = field(default_factory=dict)
     contrastive: bool = True  # the loss scores a batch × batch matrix (gathered across devices)
     lora: bool = True  # the model can train with LoRA (else LoRA strategies are not planned)
-    gradient_cache: bool = True  # the model can train with GradCache
+    gradient_cache: bool = True  # the model's task can train with GradCache
+    batch_name: str = "contrastive"  # what the plan calls the global batch (the task's `plan_batch`)
     checkpointing: bool = True  # the model can train with gradient checkpointing (else its ckpt column repeats acts)
     # samples encoded per forward chunk, each chunk checkpointed (a reranker's pairs_per_chunk): the activations of
     # one chunk are alive at a time, not the whole batch's
@@ -356,6 +357,7 @@ def measure_model(recipe: "Recipe", with_lora: bool = True) -> ModelSize:
     `with_lora=False` skips counting what LoRA would leave trainable (it imports peft, ~0.2 s of a run's start-up)
     for callers that only estimate the recipe's own setting; `trainable_lora` then equals `trainable`."""
     from vembed.components import loss_class, model_class
+    from vembed.tasks import task_for
 
     import inspect
 
@@ -369,8 +371,9 @@ def measure_model(recipe: "Recipe", with_lora: bool = True) -> ModelSize:
     loss_parameters = sum(p.numel() for p in loss_cls.from_recipe(recipe, **sizes).parameters() if p.requires_grad)
     total = sum(p.numel() for p in adapter.parameters()) + loss_parameters
     trainable = sum(p.numel() for p in adapter.parameters() if p.requires_grad) + loss_parameters
+    task = task_for(recipe)  # what its loss holds and whether GradCache can serve it are the task's
     if hasattr(adapter, "activation_elements"):
-        return _counted_model(adapter, recipe, total, trainable)
+        return _counted_model(adapter, recipe, total, trainable, task.plan_batch)
     routes = adapter.planning_tokens(recipe)
     # An encoder's shape carries the longest sequence any side gives it (what the table shows); the activations
     # use each route's own length.
@@ -384,13 +387,16 @@ def measure_model(recipe: "Recipe", with_lora: bool = True) -> ModelSize:
     if with_lora:
         adapter.apply_lora(recipe)
         lora = sum(p.numel() for p in adapter.parameters() if p.requires_grad) + loss_parameters
-    if routes and PAIR_ROLE in routes:  # a reranker: pairs read jointly, no embeddings, no batch-wide loss
-        return ModelSize(total, trainable, lora, encoders, 1, routes, contrastive=False, gradient_cache=False,
+    training = dict(contrastive=task.batch_wide_loss, gradient_cache=task.uses_gradient_cache,
+                    batch_name=task.plan_batch)
+    if routes and PAIR_ROLE in routes:  # a reranker: pairs read jointly, one score each, no embeddings
+        return ModelSize(total, trainable, lora, encoders, 1, routes, **training,
                          chunk_samples=getattr(adapter.settings, "pairs_per_chunk", None))
-    return ModelSize(total, trainable, lora, encoders, adapter.embedding_dim, routes or default_routes(encoders))
+    return ModelSize(total, trainable, lora, encoders, adapter.embedding_dim, routes or default_routes(encoders),
+                     **training)
 
 
-def _counted_model(model, recipe: "Recipe", total: int, trainable: int) -> ModelSize:
+def _counted_model(model, recipe: "Recipe", total: int, trainable: int, batch_name: str) -> ModelSize:
     """The BLIP3-o DiT: one pass per sample through its blocks, activations counted by the model itself; it trains
     without LoRA, GradCache or checkpointing (FlowMatchingTask.check_recipe refuses them)."""
     config = model.config
@@ -403,7 +409,7 @@ def _counted_model(model, recipe: "Recipe", total: int, trainable: int) -> Model
     )
     return ModelSize(total, trainable, trainable, {"dit": shape}, config.clip_dim,
                      routes={"sample": {"dit": config.num_tokens}}, contrastive=False, lora=False,
-                     gradient_cache=False, checkpointing=False)
+                     gradient_cache=False, checkpointing=False, batch_name=batch_name)
 
 
 @dataclass(frozen=True)
@@ -744,7 +750,7 @@ def format_plan(plan: MemoryPlan) -> str:
         f"{work.roles[role]} {role} → " + " + ".join(f"{name} {tokens} tokens" for name, tokens in route.items())
         for role, route in model.routes.items())
     shapes = ", ".join(f"{m} {e.layers} layers × {e.hidden}" for m, e in model.encoders.items())
-    batch = "contrastive" if model.contrastive else "global"
+    batch = model.batch_name
     lora = f"{model.trainable_lora:,} with LoRA (r={plan.lora_r})" if model.lora else "no LoRA for this model"
     lines = [
         f"vembed plan {plan.recipe_path}: {plan.gpus} GPU(s) × {plan.gpu_memory_gib:g} GiB "

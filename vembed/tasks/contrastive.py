@@ -118,6 +118,8 @@ class ContrastiveObjective(nn.Module):
 class ContrastiveTask(Task):
     name = "contrastive"
     uses_gradient_cache = True
+    batch_wide_loss = True
+    plan_batch = "contrastive"
     image_cache: "ImageCache | None" = None  # the training images resized once, when `train_dataset` opened one
     teacher: "TeacherEmbeddings | None" = None  # embedding_mse: the teacher's vectors of the training rows
 

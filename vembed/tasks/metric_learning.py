@@ -92,6 +92,7 @@ def check_positives(data: "LabelledImages", loss_type: str) -> None:
 @TASKS.register("metric_learning")
 class MetricLearningTask(Task):
     name = "metric_learning"
+    batch_wide_loss = True  # pairs and triplets over the batch gathered from every rank (vembed/losses/metric_learning.py)
     augments_images = True  # crops and flips; mixup/cutmix mix labels, which these losses do not take
     no_gradient_cache = ("is not used by metric learning (it trains embeddings, with no classification head); "
                          "remove it")
