@@ -119,5 +119,7 @@ def encode_sides(
             return embeddings[: len(mine)]
         # Plain gather, not gather_for_metrics: the latter trims by the remainder of whichever prepared dataloader is
         # at its end (the training one, when evaluating at the end of an epoch), which is not ours.
+        if embeddings.dim() == 3:  # token vectors: each share padded to its own longest side; gather needs one length
+            embeddings = accelerator.pad_across_processes(embeddings, dim=1)  # zero vectors: the padding contract
         embeddings = accelerator.gather(embeddings.contiguous())[:n]
     return embeddings
