@@ -21,6 +21,15 @@ from vembed.errors import DataError
 SCORES = "scores"  # the shape's score column, read when the file has no data.columns.score column
 
 
+class ListRowError(DataError):
+    """A row of this shape that cannot be read. `reason` names it as a skip (a key of streaming.STREAM_SKIP_FIXES):
+    the map-style path stops on it, a stream counts it (vembed/data/stream_samples.py)."""
+
+    def __init__(self, reason: str, message: str, file: str, row: int | None = None):
+        super().__init__(message, file=file, row=row)
+        self.reason = reason
+
+
 def is_candidate_lists(present: Iterable[str], columns: dict[str, str]) -> bool:
     present = set(present)
     return columns["documents"] in present and columns["positive"] not in present \
@@ -41,15 +50,15 @@ class ListColumns:
 
 def list_columns(present: Iterable[str], columns: dict[str, str], file: str) -> ListColumns | None:
     """The columns of this shape among `present`; None when they are not of it. A documents column beside a negatives
-    column is a `DataError` naming the file: which would the hard negatives be?"""
+    column is a `ListRowError` naming the file: which would the hard negatives be?"""
     present = list(present)
     if not is_candidate_lists(present, columns):
         return None
     documents = columns["documents"]
     if columns["negatives"] in present:
-        raise DataError(f"has both a {documents!r} column (data.columns.documents: the positive, then the hard "
-                        f"negatives) and a {columns['negatives']!r} column (data.columns.negatives); give one of them",
-                        file=file)
+        raise ListRowError("documents_and_negatives", f"has both a {documents!r} column (data.columns.documents: the "
+                           f"positive, then the hard negatives) and a {columns['negatives']!r} column "
+                           "(data.columns.negatives); give one of them", file=file)
     score = columns["score"] if columns["score"] in present else SCORES if SCORES in present else None
     return ListColumns(documents, score)
 
@@ -57,16 +66,16 @@ def list_columns(present: Iterable[str], columns: dict[str, str], file: str) -> 
 def split_documents(cell: Any, score: Any, builder: str, names: ListColumns, file: str,
                     row: int) -> tuple[Any, list[Any]]:
     """One row's (positive, negatives) from its documents cell: the first document, then the rest. A score cell that
-    is a list (as score_of reads one) of another length than the documents is a `DataError` naming the file and
+    is a list (as score_of reads one) of another length than the documents is a `ListRowError` naming the file and
     `row` (1-based): the scores would be matched to the wrong documents."""
     documents = as_list(cell, builder)
     listed = isinstance(score, (list, tuple)) or (builder == "csv" and isinstance(score, str)
                                                    and score.lstrip().startswith("["))  # as score_of reads
     given = as_list(score, builder) if listed else None
     if given is not None and len(given) != len(documents):
-        raise DataError(f"data.columns.score ({names.score!r}): {len(given)} teacher scores for {len(documents)} "
-                        f"documents (data.columns.documents {names.documents!r}); give one score per document, in "
-                        "order", file=file, row=row)
+        raise ListRowError("bad_score", f"data.columns.score ({names.score!r}): {len(given)} teacher scores for "
+                           f"{len(documents)} documents (data.columns.documents {names.documents!r}); give one score "
+                           "per document, in order", file=file, row=row)
     return (documents[0] if documents else None), documents[1:]
 
 
@@ -83,7 +92,7 @@ def as_row_of_pairs(row: dict[str, Any], builder: str, columns: dict[str, str], 
                     number: int) -> dict[str, Any]:
     """One row (column -> cell, e.g. a streamed sample's) as a pairs row: its documents and scores replaced by
     `pairs_of`'s columns; unchanged when it is not of this shape. Raises `list_columns`' and `split_documents`'
-    `DataError`s."""
+    `ListRowError`s."""
     names = list_columns(row, columns, file)
     if names is None:
         return row
