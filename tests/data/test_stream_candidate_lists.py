@@ -133,6 +133,21 @@ def test_a_distillation_loss_trains_on_a_streamed_lists_file_as_on_the_file_read
     assert len(losses[True]) == 1 and losses[True][0]["loss"] == pytest.approx(losses[False][0]["loss"], rel=1e-5)
 
 
+def test_a_streamed_loss_that_reads_negatives_needs_data_num_hard_negatives(tmp_path, tiny_tokenizer_dir):
+    from vembed.components import recipe_from_dict
+    from vembed.errors import RecipeError
+    from vembed.recipe_checks import check_recipe
+
+    train = _jsonl(tmp_path / "lists.jsonl", LISTS)
+    raw = {**text_model_keys(tiny_tokenizer_dir), "loss_type": "distill_kl", "max_steps": 1,
+           "data": {"train": str(train), "streaming": True}}
+    with pytest.raises(RecipeError) as refused:  # before: a ValueError traceback at step 1 (the batch had none)
+        check_recipe(recipe_from_dict(raw))
+    assert refused.value.key == "data.num_hard_negatives" and "distill_kl reads at least 1" in str(refused.value)
+    check_recipe(recipe_from_dict({**raw, "data": {**raw["data"], "num_hard_negatives": 1}}))
+    check_recipe(recipe_from_dict({**raw, "loss_type": "infonce"}))  # reads negatives where there are, needs none
+
+
 def test_a_tar_sample_whose_image_is_its_positive_is_not_a_candidate_list(tmp_path):
     from streams import png_bytes
 
