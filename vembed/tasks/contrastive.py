@@ -429,10 +429,10 @@ def _check_not_streamed(recipe: "Recipe") -> None:
     from vembed.components import loss_class
 
     # Read whole, a split keeps its rows' smallest count of negatives; a stream cannot know it before reading.
-    needed, kept = getattr(loss_class(recipe), "min_negatives", 0), recipe.data.num_hard_negatives or 0
-    if kept < needed:
-        raise RecipeError("data.num_hard_negatives", f"is {recipe.data.num_hard_negatives}, and a stream keeps that "
-                                                     f"many hard negatives per record (unset: none); loss_type "
+    needed, given = getattr(loss_class(recipe), "min_negatives", 0), recipe.data.num_hard_negatives
+    if (given or 0) < needed:
+        raise RecipeError("data.num_hard_negatives", f"is {'unset' if given is None else given}, and a stream keeps "
+                                                     f"that many hard negatives per record (unset: none); loss_type "
                                                      f"{recipe.loss_type} reads at least {needed}; set it")
 
 
