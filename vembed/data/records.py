@@ -49,3 +49,10 @@ class Example:
     row: int | None = None  # row in the source file, for error messages
     source: str | None = None  # source file, for error messages
     source_name: str | None = None  # the named source (data.train: {name: ...}) it came from; None: unnamed
+
+    def keep_negatives(self, count: int) -> None:
+        """Keep the first `count` hard negatives, and a list of teacher scores ([positive, negatives...]) cut with
+        them."""
+        del self.negatives[count:]
+        if isinstance(self.score, list):
+            del self.score[1 + count:]

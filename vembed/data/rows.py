@@ -40,9 +40,7 @@ class TablePart:
         except Skipped as skipped:  # it passed the checks when the run started: the data changed since
             raise DataError(f"{skipped.detail} (it was usable when the run started)", file=self.reader.file,
                             row=position + 1) from None
-        del example.negatives[self.num_negatives:]
-        if isinstance(example.score, list):  # teacher scores of [positive, negatives...]: cut with the negatives
-            del example.score[1 + self.num_negatives:]
+        example.keep_negatives(self.num_negatives)
         return example
 
     def _row(self, position: int) -> dict[str, Any]:

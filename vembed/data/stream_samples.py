@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vembed.data.candidate_lists import SCORES, ListRowError, as_row_of_pairs
 from vembed.data.images import IMAGE_EXTENSIONS, load_image
 from vembed.data.records import Example, Side
 from vembed.errors import DataError
@@ -145,10 +146,17 @@ class SampleDecoder:
         return str(record.fields.get("__key__", record.row))
 
     def parts_of(self, record: RawRecord) -> dict[str, Any]:
-        """The record's fields by part (query, positive_image, ...), still undecoded."""
-        if "__key__" in record.fields:
-            return self._tar_row(record.fields)
-        return {part: record.fields[name] for part, name in self.columns.items() if name in record.fields}
+        """The record's fields by part (query, positive_image, ...), still undecoded. A candidate list (`{query,
+        documents, scores}`) is split as the map-style path splits it (vembed/data/candidate_lists.py); its bad rows
+        are `SampleSkipped`, counted as a stream counts every bad sample."""
+        tar = "__key__" in record.fields
+        cells = self._tar_cells(record.fields) if tar else record.fields
+        try:
+            cells = as_row_of_pairs(cells, "json" if tar else _builder(record.file), self.columns, record.file,
+                                    record.row)
+        except ListRowError as err:
+            raise SampleSkipped(err.reason, err.detail) from None
+        return {part: cells[name] for part, name in self.columns.items() if name in cells}
 
     def _example(self, record: RawRecord, position: SlotPosition) -> Example | None:
         from vembed.data.reader import RowReader, Skipped  # the map-style rules for a row: one place for a cell
@@ -164,10 +172,13 @@ class SampleDecoder:
         if len(example.negatives) < self.num_negatives:
             raise SampleSkipped("too_few_negatives", f"has {len(example.negatives)} hard negatives, "
                                              f"{self.num_negatives} required")
-        del example.negatives[self.num_negatives:]
+        example.keep_negatives(self.num_negatives)
         return example
 
-    def _tar_row(self, fields: dict[str, Any]) -> dict[str, Any]:
+    def _tar_cells(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """A tar sample's cells by column name: the member named as the column, else the field of its `.json` (where
+        a candidate list's `scores` are read too), else open_clip's pairing (a side's image: its positive, so a
+        `.json` documents list beside it is not a candidate list, as a file's positive_image column would say)."""
         meta: dict[str, Any] = {}
         if "json" in fields:
             try:
@@ -176,25 +187,25 @@ class SampleDecoder:
                 raise SampleSkipped("bad_json", f".json is not valid JSON ({err})") from None
             if not isinstance(meta, dict):
                 raise SampleSkipped("bad_json", f".json holds a {type(meta).__name__}, not an object")
-        row: dict[str, Any] = {}
+        cells: dict[str, Any] = {SCORES: meta[SCORES]} if SCORES in meta else {}
         for part, name in self.columns.items():
             key = name.lower()
             if key in fields and key != "json":
-                row[part] = _member_value(part, fields[key])
+                cells[name] = _member_value(part, fields[key])
             elif name in meta:
-                row[part] = meta[name]
+                cells[name] = meta[name]
         used = {name.lower() for name in self.columns.values()}
         for part, member in self.defaults.items():
-            # open_clip's pairing fills a side only while that side's columns keep their default names and none was
-            # found, and only from a member no column claims.
+            # open_clip's pairing fills a side only while that side's columns keep their default names (so a part is
+            # its column's name) and none was found, and only from a member no column claims.
             side = part.removesuffix("_image")
             renamed = self.columns[side] != side or self.columns[f"{side}_image"] != f"{side}_image"
-            if renamed or side in row or f"{side}_image" in row:
+            if renamed or side in cells or f"{side}_image" in cells:
                 continue
             found = _first_image(fields, used) if member == "image" else (member if member in fields else None)
             if found is not None and found not in used:
-                row[part] = _member_value(part, fields[found])
-        return row
+                cells[part] = _member_value(part, fields[found])
+        return cells
 
 
 def _default_columns() -> dict[str, str]:
@@ -212,7 +223,7 @@ def _member_value(part: str, data: bytes) -> Any:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise SampleSkipped("bad_text", f"member for {part} is not UTF-8 text ({err.reason})") from None
-    if part == "negatives":
+    if part in ("negatives", "documents"):  # a JSON list, else one per line
         try:
             parsed = json.loads(text)
         except ValueError:

@@ -60,6 +60,8 @@ EXTRA_SKIP_FIXES = {  # reasons a stream meets beside the map-style ones (source
     "bad_shard": "check the shard: it is missing, truncated or not a tar / data file",
     "too_many_images": "give one image per side (only qwen_vl embeds several)",
     "missing_modality": "give every sample text and an image (a dual encoder trains both towers every step)",
+    "documents_and_negatives": "give a documents list (the positive, then the hard negatives) or a negatives list, "
+                               "not both",
 }
 STREAM_SKIP_FIXES = {**SKIP_FIXES, **EXTRA_SKIP_FIXES}
 
@@ -542,7 +544,9 @@ def _check_first_sample(backend: str, path: str, columns: dict[str, str]) -> Non
     decoder = SampleDecoder(columns, None, 0, None)
     try:
         parts = decoder.parts_of(record)
-    except SampleSkipped:
+    except SampleSkipped as skip:
+        if skip.reason == "documents_and_negatives":  # the columns are the problem: refused as the map-style path
+            raise DataError(skip.detail, file=path) from None
         return  # a bad first sample is counted like any other; the columns are not the problem
     for side in ("query", "positive"):
         if side not in parts and f"{side}_image" not in parts:
@@ -552,9 +556,10 @@ def _check_first_sample(backend: str, path: str, columns: dict[str, str]) -> Non
                     fields += [f"json:{name}" for name in json.loads(record.fields["json"])]
                 except ValueError:
                     pass
+            lists = f", or a list {columns['documents']!r} (data.columns.documents)" if side == "positive" else ""
             raise RecipeError(f"data.columns.{side}", f"the first sample of {path} has no {side} (looked for "
-                                                      f"{columns[side]!r} and {columns[side + '_image']!r}; it has "
-                                                      f"{fields}); map yours with data.columns.{side}=<name>")
+                                                      f"{columns[side]!r} and {columns[side + '_image']!r}{lists}; it "
+                                                      f"has {fields}); map yours with data.columns.{side}=<name>")
 
 
 def check_stream_recipe(data_cfg: "DataConfig", max_steps: int | None) -> None:

@@ -417,8 +417,8 @@ def _corpus_report(corpus: "CorpusSplit") -> dict[str, Any]:
 
 
 def _check_not_streamed(recipe: "Recipe") -> None:
-    """What needs the whole training split up front (its sources' sizes, every record's texts, each stage's length)
-    is refused for streamed data, naming the key."""
+    """What needs the whole training split up front (its sources' sizes, every record's texts, each stage's length,
+    its smallest count of hard negatives) is refused for streamed data, naming the key."""
     if isinstance(recipe.data.train, dict):
         raise RecipeError("data.streaming", "named sources are read memory-mapped, not streamed; set "
                                             "data.streaming: false, or stream one source (data.train: its files)")
@@ -428,6 +428,14 @@ def _check_not_streamed(recipe: "Recipe") -> None:
     if recipe.stages:
         raise RecipeError("stages", "are not available for streamed data yet; train the stages as separate runs "
                                     "(model_name: the previous run's final/ folder)")
+    from vembed.components import loss_class
+
+    # Read whole, a split keeps its rows' smallest count of negatives; a stream cannot know it before reading.
+    needed, given = getattr(loss_class(recipe), "min_negatives", 0), recipe.data.num_hard_negatives
+    if (given or 0) < needed:
+        raise RecipeError("data.num_hard_negatives", f"is {'unset' if given is None else given}, and a stream keeps "
+                                                     f"that many hard negatives per record (unset: none); loss_type "
+                                                     f"{recipe.loss_type} reads at least {needed}; set it")
 
 
 def validation_metric_names(recipe: "Recipe") -> list[str]:
