@@ -204,3 +204,16 @@ def test_vembed_train_refuses_a_test_split_without_its_run_in_one_line_before_tr
     assert err[-1].startswith(f"recipe error: {says}"), err[-1]
     assert "Traceback" not in "\n".join(err)
     assert not (tmp_path / "run").exists()
+
+
+def test_first_stage_runs_are_evaluation_not_part_of_whose_run_a_folder_holds(rerank_recipe):
+    """Adding data.test and its run file to a resumed run is evaluating more, not another run (as data.test is)."""
+    from vembed.components import recipe_from_dict
+    from vembed.training.run_dir import run_identity
+
+    def identity(**data):
+        return run_identity(recipe_from_dict(dict(rerank_recipe, data={**rerank_recipe["data"], **data})))
+
+    assert identity() == identity(first_stage_run="dev.trec") == \
+        identity(first_stage_run={"validation": "dev.trec", "test": "test.trec"})
+    assert identity() != identity(num_hard_negatives=3)
