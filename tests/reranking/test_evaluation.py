@@ -167,22 +167,31 @@ def _recipe_file(rerank_recipe, tmp_path, **data):
     return path
 
 
+GIVE = "give the TREC run file of the first stage on data.{} (e.g. the embedder's top 100 per query)"
+PER_SPLIT = "; a run per split: first_stage_run: {validation: PATH, test: PATH}"
+RETRIEVED_ON = "is set but data.{} is not; name the corpus folder the run was retrieved on"
+
+
 @pytest.mark.parametrize("data, says", [
     ({"test": "CORPUS", "first_stage_run": None},
-     "data.first_stage_run.test: is not set; give the TREC run file of the first stage on data.test"),
+     "data.first_stage_run.test: is not set; " + GIVE.format("test") + PER_SPLIT),
     ({"test": "CORPUS", "first_stage_run": {"test": "missing.trec"}},
-     "data.first_stage_run.test: 'missing.trec' is not a file; give the TREC run file of the first stage on "
-     "data.test"),
+     "data.first_stage_run.test: 'missing.trec' is not a file; " + GIVE.format("test") + PER_SPLIT),
     ({"validation": "CORPUS", "test": "CORPUS", "first_stage_run": "RUN"},
-     "data.first_stage_run.test: is not set"),
+     "data.first_stage_run.test: is not set; " + GIVE.format("test") + PER_SPLIT),
+    ({"validation": "CORPUS", "first_stage_run": "missing.trec"},
+     "data.first_stage_run: 'missing.trec' is not a file; " + GIVE.format("validation")),
     ({"test": "LISTS", "first_stage_run": {"test": "RUN"}},
-     "data.test: must be a corpus folder (corpus.jsonl, queries.jsonl, qrels/) for rerankers"),
+     "data.test: must be a corpus folder (corpus.jsonl, queries.jsonl, qrels/) for rerankers: its first-stage "
+     "candidates are reranked and judged"),
     ({"test": "CORPUS", "first_stage_run": "RUN"},
-     "data.first_stage_run: is set but data.validation is not; name the corpus folder the run was retrieved on (a "
-     "bare path is data.validation's run; data.test's is first_stage_run: {test: PATH})"),
-    ({"first_stage_run": {"test": "RUN"}}, "data.first_stage_run.test: is set but data.test is not"),
-], ids=["no-run", "missing-run", "bare-path-is-validations", "not-a-corpus", "bare-path-without-validation",
-        "run-without-split"])
+     "data.first_stage_run: " + RETRIEVED_ON.format("validation") + " (a bare path is data.validation's run; "
+     "data.test's is first_stage_run: {test: PATH})"),
+    ({"test": "CORPUS", "first_stage_run": {"validation": "RUN", "test": "RUN"}},
+     "data.first_stage_run.validation: " + RETRIEVED_ON.format("validation")),
+    ({"first_stage_run": {"test": "RUN"}}, "data.first_stage_run.test: " + RETRIEVED_ON.format("test")),
+], ids=["no-run", "missing-run", "bare-path-is-validations", "missing-validation-run", "not-a-corpus",
+        "bare-path-without-validation", "validation-run-without-split", "test-run-without-split"])
 def test_vembed_train_refuses_a_test_split_without_its_run_in_one_line_before_training(rerank_recipe, tmp_path,
                                                                                          capsys, data, says):
     from corpora import make_corpus_folder
@@ -201,7 +210,7 @@ def test_vembed_train_refuses_a_test_split_without_its_run_in_one_line_before_tr
     recipe = _recipe_file(rerank_recipe, tmp_path, **{key: resolve(value) for key, value in data.items()})
     assert main(["train", str(recipe)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith(f"recipe error: {says}"), err[-1]
+    assert err[-1] == f"recipe error: {says}"
     assert "Traceback" not in "\n".join(err)
     assert not (tmp_path / "run").exists()
 
