@@ -226,3 +226,24 @@ def test_first_stage_runs_are_evaluation_not_part_of_whose_run_a_folder_holds(re
     assert identity() == identity(first_stage_run="dev.trec") == \
         identity(first_stage_run={"validation": "dev.trec", "test": "test.trec"})
     assert identity() != identity(num_hard_negatives=3)
+
+
+def test_the_best_checkpoint_is_picked_by_a_reranking_metric_of_validation(rerank_recipe, tmp_path):
+    from vembed.components import recipe_from_dict
+    from vembed.errors import RecipeError
+    from vembed.evaluation.corpus import DEFAULT_CUTOFFS
+    from vembed.recipe_checks import check_recipe
+
+    raw = _validated_recipe(rerank_recipe, tmp_path)
+    recipe = recipe_from_dict(raw)
+    check_recipe(recipe)
+    assert recipe.metric_for_best_model == "reranked/ndcg@10"
+    assert "metric_for_best_model" not in recipe.model_fields_set  # still the default: a resume may change it
+    chosen = recipe_from_dict(dict(raw, metric_for_best_model="first_stage/recall@100"))
+    check_recipe(chosen)
+    assert chosen.metric_for_best_model == "first_stage/recall@100"
+    with pytest.raises(RecipeError) as error:
+        check_recipe(recipe_from_dict(dict(raw, metric_for_best_model="q2d/accuracy@1")))
+    names = [f"{stage}/{name}" for stage in ("reranked", "first_stage") for name in DEFAULT_CUTOFFS.names()]
+    assert str(error.value) == ("recipe error: metric_for_best_model: 'q2d/accuracy@1' is not a reranking metric; "
+                                f"use one of: {', '.join(names)}")
