@@ -33,7 +33,7 @@ ELSEWHERE: dict[str, set[str]] = {
                                     "_resolve_best_metric", "_check_teacher_embeddings",  # stage 4
                                     "ContrastiveTask.load_train_data"},  # the teacher's rows, as the data is read
     "vembed/tasks/classification.py": {"class_names"},  # stage 4, ClassificationTask.check_recipe
-    "vembed/reranking/task.py": {"_check_evaluation"},  # stage 4, RerankTask.check_recipe
+    "vembed/reranking/task.py": {"_check_evaluation", "_check_held_out"},  # stage 4, RerankTask.check_recipe
     "vembed/reranking/cross_encoder.py": {"CrossEncoderAdapter.settings_of", "CrossEncoderAdapter.hf_config",
                                           "CrossEncoderAdapter.load"},  # its check_recipe's; load: a saved folder
     "vembed/models/base.py": {"EmbeddingAdapter.settings_of", "require_tokenizer_name",

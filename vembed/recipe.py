@@ -166,6 +166,14 @@ class SourceConfig(_Strict):
 SplitValue = str | list[str] | dict[str, SourceConfig] | None
 
 
+class FirstStageRuns(_Strict):
+    """Rerankers: the first stage's TREC run file on each held-out corpus folder (`data.first_stage_run: {validation:
+    PATH, test: PATH}`; a bare path is data.validation's run)."""
+
+    validation: str | None = None
+    test: str | None = None
+
+
 class QrelsSplits(_Strict):
     """Which qrels/<name>.tsv of a corpus folder (vembed/data/corpus.py) each data split reads, when it names one.
     No fallback: a folder without the named file is an error listing the splits it has (BEIR sets without dev, such
@@ -223,9 +231,10 @@ class DataConfig(_Strict):
     # "positive_ids", or neither: every positive of the query), "negative_ids": [...]} (what `mine` writes); each
     # record keeps num_hard_negatives of its row's (pairs with fewer are skipped and counted).
     hard_negatives: str | None = None
-    # Rerankers (model_type cross_encoder): a TREC run file of the first stage (the embedder's top candidates) on
-    # data.validation's corpus folder; evaluation reranks its top 100 per query and reports before and after.
-    first_stage_run: str | None = None
+    # Rerankers: TREC run files of the first stage (the embedder's top candidates) on the held-out corpus folders, a
+    # path (data.validation's) or {validation: PATH, test: PATH}; evaluation reranks each query's top 100 and reports
+    # before and after (validation before training, every eval_steps and at the end; test at the end).
+    first_stage_run: str | FirstStageRuns | None = None
 
     @field_validator("train", "validation", "test", mode="before")
     @classmethod
@@ -262,6 +271,15 @@ class DataConfig(_Strict):
                     if source.weight is not None:
                         raise _KeyError(f"data.{split}.{name}.weight", "only training sources have a weight")
         return self
+
+    def first_stage_run_of(self, split: str) -> tuple[str, str | None]:
+        """The recipe key of `split`'s first-stage run file ("validation"/"test") and the file (None: unset)."""
+        runs = self.first_stage_run
+        if isinstance(runs, FirstStageRuns):
+            return f"data.first_stage_run.{split}", getattr(runs, split)
+        if split == "validation":
+            return "data.first_stage_run", runs
+        return f"data.first_stage_run.{split}", None
 
     def sources(self, split: str) -> "dict[str, SourceConfig] | None":
         """The named sources of `split` with every unset key filled (own value, then the same-named training

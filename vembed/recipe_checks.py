@@ -30,9 +30,9 @@ tests/test_recipe_checks.py fails when a recipe error is raised anywhere else.
    - metric_learning (`vembed/tasks/metric_learning.py`): the labelled files of classification, no head
      (num_labels, head_init), no streaming, GradCache or stages; a retrieval metric (MAP@R, recall@k); every class
      has a second image where the loss needs positives; ArcFace's num_classes fits the data.
-   - rerank (`vembed/reranking/task.py`): no GradCache or streaming; the data files exist; held-out data is a
-     corpus folder with a first-stage run; a reranking metric; the cross-encoder's own rules
-     (`vembed/reranking/cross_encoder.py`).
+   - rerank (`vembed/reranking/task.py`): no GradCache or streaming; the data files exist; held-out data
+     (validation, test) is a corpus folder with its first-stage run (`data.first_stage_run`); a reranking metric;
+     the cross-encoder's own rules (`vembed/reranking/cross_encoder.py`).
    - flow_matching (`vembed/generation/task.py`): shard directories only and the keys blip3o_dit cannot honour; a
      flow-matching metric; the shards' dims fit the recipe's (`vembed/generation/dit.py`).
 5. The output folder (`vembed.training.run_dir.check_output_dir`, called by the launcher before any process

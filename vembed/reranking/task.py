@@ -21,7 +21,7 @@ from vembed.tasks import TASKS, Task
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from vembed.recipe import Recipe
+    from vembed.recipe import DataConfig, Recipe
 
 NO_GRADIENT_CACHE = ("is not needed for rerankers: a query's loss reads only its own list (no in-batch negatives), "
                      "so the batch does not grow with memory; set use_gradient_cache: false and pairs_per_chunk to "
@@ -138,14 +138,15 @@ class RerankTask(Task):
         return self.train_lists, partial(collate_lists, objective.adapter)
 
     def load_eval_split(self, split: str) -> Any:
-        """data.validation's corpus split and the first-stage run to rerank on it (None without them)."""
+        """data.<split>'s corpus split and the first-stage run to rerank on it (None without them): validation is
+        evaluated during training, test once at the end (the loop's rule for every task)."""
         from vembed.data.corpus import corpus_sources
         from vembed.reranking.evaluation import read_run_file
 
         data = self.recipe.data
-        if split != "validation" or data.validation is None:
+        if getattr(data, split) is None:
             return None
-        return corpus_sources(data, split)[None].load(), read_run_file(data.first_stage_run)
+        return corpus_sources(data, split)[None].load(), read_run_file(data.first_stage_run_of(split)[1])
 
     def evaluate(self, model: nn.Module, data: Any, accelerator: "Accelerator",
                  prepared: nn.Module | None = None) -> dict[str, float]:
@@ -164,30 +165,16 @@ class RerankTask(Task):
 
 
 def _check_evaluation(recipe: "Recipe") -> None:
-    """Held-out data is a corpus folder with a first-stage run to rerank; the best checkpoint is picked by a reranked
-    metric (default: reranked/ndcg@10). One line naming the key otherwise, before anything is read."""
-    import os
-
-    from vembed.data.corpus import corpus_sources
+    """Held-out data (data.validation, data.test) is a corpus folder with a first-stage run to rerank; the best
+    checkpoint is picked by a reranked metric (default: reranked/ndcg@10). One line naming the key otherwise, before
+    anything is read."""
     from vembed.evaluation.corpus import DEFAULT_CUTOFFS
 
     data = recipe.data
-    if data.test is not None:
-        raise RecipeError("data.test", "is not evaluated for rerankers yet; rerank its first-stage run after "
-                                       "training (vembed.reranking.evaluation.rerank_run) or remove it")
+    for split in ("validation", "test"):
+        _check_held_out(data, split)
     if data.validation is None:
-        if data.first_stage_run is not None:
-            raise RecipeError("data.first_stage_run", "is set but data.validation is not; name the corpus folder "
-                                                      "the run was retrieved on")
         return
-    if None not in corpus_sources(data, "validation"):
-        raise RecipeError("data.validation", "must be a corpus folder (corpus.jsonl, queries.jsonl, qrels/) for "
-                                             "rerankers: its first-stage candidates are reranked and judged")
-    corpus_sources(data, "validation")[None].check()
-    if data.first_stage_run is None or not os.path.isfile(data.first_stage_run):
-        found = "is not set" if data.first_stage_run is None else f"{data.first_stage_run!r} is not a file"
-        raise RecipeError("data.first_stage_run", f"{found}; give the TREC run file of the first stage on "
-                                                  "data.validation (e.g. the embedder's top 100 per query)")
     names = [f"{stage}/{name}" for stage in ("reranked", "first_stage") for name in DEFAULT_CUTOFFS.names()]
     if "metric_for_best_model" not in recipe.model_fields_set:
         recipe.metric_for_best_model = "reranked/ndcg@10"
@@ -195,3 +182,29 @@ def _check_evaluation(recipe: "Recipe") -> None:
     elif recipe.metric_for_best_model not in names:
         raise RecipeError("metric_for_best_model", f"{recipe.metric_for_best_model!r} is not a reranking metric; use "
                                                    f"one of: {', '.join(names)}")
+
+
+def _check_held_out(data: "DataConfig", split: str) -> None:
+    """data.<split> (when set) is a corpus folder whose first-stage run file exists; a run file is set only for a
+    split that is."""
+    import os
+
+    from vembed.data.corpus import corpus_sources
+
+    key, run = data.first_stage_run_of(split)
+    if getattr(data, split) is None:
+        if run is not None:
+            bare = " (a bare path is data.validation's run; data.test's is first_stage_run: {test: PATH})" \
+                if key == "data.first_stage_run" and data.test is not None else ""
+            raise RecipeError(key, f"is set but data.{split} is not; name the corpus folder the run was retrieved "
+                                   f"on{bare}")
+        return
+    if None not in corpus_sources(data, split):
+        raise RecipeError(f"data.{split}", "must be a corpus folder (corpus.jsonl, queries.jsonl, qrels/) for "
+                                           "rerankers: its first-stage candidates are reranked and judged")
+    corpus_sources(data, split)[None].check()
+    if run is None or not os.path.isfile(run):
+        found = "is not set" if run is None else f"{run!r} is not a file"
+        shape = "; a run per split: first_stage_run: {validation: PATH, test: PATH}" if split == "test" else ""
+        raise RecipeError(key, f"{found}; give the TREC run file of the first stage on data.{split} (e.g. the "
+                               f"embedder's top 100 per query){shape}")

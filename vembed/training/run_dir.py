@@ -38,7 +38,7 @@ NOT_IDENTITY = frozenset({
     "output_dir", "persistent_dir", "resume_from", "overwrite_output_dir", "report_to", "run_name", "logging_steps",
     "save_steps", "save_total_limit", "eval_steps", "eval_before_training", "metric_for_best_model", "eval_batch_size",
     "profile", "data.validation", "data.test", "data.eval_max_samples", "data.num_workers", "data.max_bad_fraction",
-    "data.qrels_splits.validation", "data.qrels_splits.test",
+    "data.qrels_splits.validation", "data.qrels_splits.test", "data.first_stage_run",  # what a reranker evaluates
     "compile",  # how the towers run, not what they compute (the compiled step is the eager one to 1e-5)
 })
 # What a run writes into output_dir; `overwrite_output_dir: true` removes these and nothing else.
