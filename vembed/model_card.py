@@ -434,7 +434,7 @@ def _evaluation_section(evaluation: Mapping[str, Any] | None, best: Mapping[str,
     if not evaluation:
         return ("## Evaluation\n\nNo evaluation was recorded (the recipe set no `data.validation` or `data.test`).")
     columns = [(key, title) for key, title in EVAL_COLUMNS if evaluation.get(key)]
-    from vembed.reranking.evaluation import is_rerank_metrics
+    from vembed.reranking.metric_names import is_rerank_metrics
 
     if all(is_rerank_metrics(evaluation[key]) for key, _ in columns):
         return _rerank_evaluation_section(evaluation, best, columns)
@@ -465,7 +465,7 @@ def _rerank_evaluation_section(evaluation: Mapping[str, Any], best: Mapping[str,
                                columns: Sequence[tuple[str, str]]) -> str:
     """A reranker's numbers as what it adds: per evaluated split, the first stage's candidates in their order, the
     same candidates reranked by the model, and the change."""
-    from vembed.reranking.evaluation import before_after
+    from vembed.reranking.metric_names import before_after
 
     parts = ["## Evaluation",
              "The run's `metrics.json`: each judged query's first-stage candidates (the top 100 of "

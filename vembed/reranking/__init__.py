@@ -4,6 +4,8 @@
   the LM head's "yes" and "no" rows), chosen by `model_type` through RERANKERS;
 - `losses.py` losses on a batch of score lists, chosen by `loss_type` through RANKING_LOSSES;
 - `data.py` the lists (a query, its documents, their labels) from corpus folders and list/pair files;
+- `evaluation.py` reranking a first-stage run and judging both; `metric_names.py` its metric names and before/after
+  rows (what the CLI's table and the model card show);
 - `task.py` how it is trained (the `rerank` task).
 
 Separate registries, as for the generative path: a reranker embeds nothing, so `vembed.load`, `vembed mine` and the
