@@ -10,23 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from data_files import write_jsonl as _jsonl
+from data_files import write_parquet as _parquet
+
 from vembed.data.collate import score_tensor
 from vembed.data.sources import load_rows
 from vembed.errors import DataError
 from vembed.recipe import DataConfig
-
-
-def _jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
-
-
-def _parquet(path: Path, rows: list[dict]) -> Path:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
 
 
 PAIRS = [{"query": f"a{i}", "positive": f"b{i}", "score": s} for i, s in enumerate([0.0, 2.5, 5, 4.25])]
@@ -109,7 +99,7 @@ def _csv(path: Path, rows: list[dict]) -> Path:
 
 @pytest.mark.parametrize("write", [_jsonl, _parquet, _csv], ids=["jsonl", "parquet", "csv"])
 def test_a_documents_list_is_the_positive_then_the_negatives_with_its_scores(tmp_path, write):
-    path = write(tmp_path / f"lists.{write.__name__[1:]}", LISTS)
+    path = write(tmp_path / f"lists.{write.__name__.rsplit('_', 1)[-1]}", LISTS)
     rows, report = load_rows(DataConfig(train=str(path)), "train")
     assert [(e.query.text, e.positive.text, [n.text for n in e.negatives], e.score) for e in rows] == [
         (f"q{i}", f"p{i}", [f"n{i}a", f"n{i}b"], [9.0 - i, 1.0, -2.0 + i]) for i in range(4)]
@@ -131,7 +121,7 @@ def test_a_documents_list_without_scores_is_contrastive_pairs_and_data_columns_m
 def test_scores_of_another_length_than_the_documents_stop_naming_the_file_and_row(tmp_path, write):
     rows = [dict(row) for row in LISTS]
     rows[2]["scores"] = [1.0, 2.0, 3.0, 4.0]
-    path = write(tmp_path / f"w.{write.__name__[1:]}", rows)
+    path = write(tmp_path / f"w.{write.__name__.rsplit('_', 1)[-1]}", rows)
     with pytest.raises(DataError) as found:
         load_rows(DataConfig(train=str(path)), "train")
     message = str(found.value)

@@ -8,6 +8,8 @@ import os
 
 import pytest
 
+from data_files import write_jsonl as _jsonl
+
 from vembed.data.paths import check_data_paths, resolve_files
 from vembed.data.sources import load_examples
 from vembed.errors import DataError, RecipeError
@@ -34,12 +36,6 @@ def _png(path, colour=(255, 0, 0)):
 
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.new("RGB", (4, 4), colour).save(path)
-    return path
-
-
-def _jsonl(path, rows):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
 
 

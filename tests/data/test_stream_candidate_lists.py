@@ -13,6 +13,8 @@ import pytest
 pytest.importorskip("webdataset")  # the streaming extra (in dev)
 
 from corpora import text_model_keys
+from data_files import write_jsonl as _jsonl
+from data_files import write_parquet as _parquet
 from streams import write_tar
 
 from vembed.data.sources import load_rows
@@ -24,19 +26,6 @@ from vembed.recipe import DataConfig
 LISTS = [{"query": f"a photo of a red square {i}", "documents": [f"a red square {i}", f"a blue circle {i}",
                                                                   f"a green star {i}"],
           "scores": [9.0 - i, 1.0, -2.0 + i]} for i in range(8)]
-
-
-def _jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
-
-
-def _parquet(path: Path, rows: list[dict]) -> Path:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
 
 
 def _csv(path: Path, rows: list[dict]) -> Path:  # lists written as JSON, as a CSV cell holds them
