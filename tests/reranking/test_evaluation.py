@@ -153,9 +153,10 @@ def test_data_test_is_reranked_once_by_the_final_model_and_recorded_as_the_embed
     assert expected["reranked/num_queries"] == len(load_corpus_split(folder, "test").qrels)
     assert written["test"] != written["validation"]  # each split reranks its own run
     assert written["best"]["metric"] == "reranked/ndcg@10"
-    header = next(line for line in (result.final_model_dir / README_FILE).read_text().splitlines()
-                  if line.startswith("| metric"))
-    assert header.split("|")[2:-1] == [" validation ", " test "]
+    # The card shows each split as what the reranker adds there (tests/reranking/test_card.py checks the numbers).
+    readme = (result.final_model_dir / README_FILE).read_text()
+    tests = int(expected["reranked/num_queries"])
+    assert f"### test ({tests} judged queries)" in readme and "### validation (" in readme
 
 
 def _recipe_file(rerank_recipe, tmp_path, **data):
