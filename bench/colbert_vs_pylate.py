@@ -391,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the median is reported)")
     parser.add_argument("--length-chunks", type=int, default=4, help="length_chunks of the chunked vembed run")
-    parser.add_argument("--documents", type=int, help="keep the first N documents of the corpus (default: all 2304)")
+    parser.add_argument("--documents", type=int, help="keep the first N documents of the corpus, a multiple of 8 "
+                                                        "(default: all 2304)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny random BERT, 128 documents, 32 rows, batch 8, one round: checks that it runs")
     parser.add_argument("--out", help="output folder (default: bench/results, or a temporary one with --smoke)")
@@ -407,6 +408,11 @@ def main(argv: list[str] | None = None) -> int:
         if value < 1:
             print(f"{flag} must be at least 1, got {value}", file=sys.stderr)
             return 2
+    family = 2 ** len(_hard_negatives().DETAILS)
+    if args.documents is not None and args.documents % family:
+        print(f"--documents must be a multiple of {family} (whole families of siblings: each training row's hard "
+              f"negative is a sibling of its positive), got {args.documents}", file=sys.stderr)
+        return 2
     out = output_dir(args.out, args.smoke)
     pairs, batch, documents, learning_rate, rounds = (
         (SMOKE["pairs"], SMOKE["batch_size"], SMOKE["documents"], SMOKE["learning_rate"], 1) if args.smoke

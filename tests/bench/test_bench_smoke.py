@@ -127,6 +127,23 @@ def test_colbert_vs_pylate_smoke_trains_the_same_losses_in_both_tools(smoke_dir)
     assert _written(smoke_dir, "colbert_vs_pylate.png").stat().st_size > 0
 
 
+@pytest.mark.parametrize(("flags", "message"), [(["--documents", "12"], "--documents must be a multiple of 8"),
+                                                (["--rounds", "0"], "--rounds must be at least 1")])
+def test_colbert_vs_pylate_refuses_bad_flags_before_building_anything(flags, message, monkeypatch, capsys):
+    """A partial family would leave a positive without a sibling to be its hard negative: one line, exit 2, before
+    the corpus or a model is built."""
+    bench = _load("colbert_vs_pylate")
+    if not bench.pylate_available():
+        pytest.skip("PyLate's stack is not installed (bash scripts/setup.sh dev)")
+
+    def built(*_, **__):
+        raise AssertionError("the job was built")
+
+    monkeypatch.setattr(bench, "prepare", built)
+    assert bench.main(flags) == 2
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.slow  # trains a tiny CLIP, then two classification runs
 def test_class_name_head_bench_smoke_measures_both_heads(smoke_dir):
     assert _load("class_name_head").main(["--smoke"]) == 0
