@@ -111,9 +111,37 @@ def test_colbert_vs_pylate_smoke_trains_the_same_losses_in_both_tools(smoke_dir)
     assert bench.main(["--smoke"]) == 0
     summary = json.loads(_written(smoke_dir, "colbert_vs_pylate.json").read_text())
     assert summary["steps"] == 4 and len(summary["runs"]["pylate"]["losses"]) == 4
+    assert set(summary["runs"]) == {"vembed", "vembed length_chunks=4", "pylate"} and summary["rounds"] == 1
     # the same start, batches, loss and optimizer: the same curve, with or without length chunks
     assert max(summary["max_loss_difference"].values()) < 1e-5
+    # held-out nDCG@10 over the whole (smoke) corpus: the start once, each final model by its own tool's encoding
+    assert set(summary["ndcg@10"]) == {"start", *summary["runs"]}
+    assert all(0.0 <= value <= 1.0 for value in summary["ndcg@10"].values())
+    queries = summary["runs"]["pylate"]["metrics"]["num_queries"]
+    assert queries == summary["corpus"]["test_queries"] > 20 and summary["corpus"]["documents"] == 128
+    # Nearly the same model (losses within 1e-5): only near-tied scores can rank differently. One swap of adjacent
+    # ranks moves one query's nDCG@10 by at most 1 - 1/log2(3) = 0.37; allow that much over the mean (measured: 0).
+    assert max(abs(d) for d in summary["ndcg_difference"].values()) <= 0.37 / queries
+    for run in summary["runs"].values():
+        assert run["samples_per_second"] > 0 and run["samples_per_cpu_second"] > 0 and run["peak_rss_mb"] > 0
     assert _written(smoke_dir, "colbert_vs_pylate.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(("flags", "message"), [(["--documents", "12"], "--documents must be a multiple of 8"),
+                                                (["--rounds", "0"], "--rounds must be at least 1")])
+def test_colbert_vs_pylate_refuses_bad_flags_before_building_anything(flags, message, monkeypatch, capsys):
+    """A partial family would leave a positive without a sibling to be its hard negative: one line, exit 2, before
+    the corpus or a model is built."""
+    bench = _load("colbert_vs_pylate")
+    if not bench.pylate_available():
+        pytest.skip("PyLate's stack is not installed (bash scripts/setup.sh dev)")
+
+    def built(*_, **__):
+        raise AssertionError("the job was built")
+
+    monkeypatch.setattr(bench, "prepare", built)
+    assert bench.main(flags) == 2
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.slow  # trains a tiny CLIP, then two classification runs
