@@ -137,13 +137,13 @@ def test_zero3_colbert_launch_trains_the_weights_of_one_process(colbert_recipe, 
     ranks are gathered (padded to the longest) as in-batch negatives, so 3 steps of 4 per rank train the weights one
     process trains on batches of 8 (dropout off). Measured: every parameter within 3e-6 relative. (FSDP2 shards the
     same model state and shares this loss path; tests/training/test_launches.py launches it.)"""
-    from launching import final_weights, max_relative_difference, write_recipe
+    from launching import final_weights, max_relative_difference, train_in_this_process, write_recipe
 
     config_without_dropout = {**colbert_recipe["model_config"], "hidden_dropout_prob": 0.0,
                               "attention_probs_dropout_prob": 0.0}
     base = {**colbert_recipe, "model_config": config_without_dropout}
     reference = tmp_path / "single"
-    launch(None, write_recipe(base, reference, batch_size=8))
+    train_in_this_process(write_recipe(base, reference, batch_size=8))
     launched = tmp_path / "sharded"
     result = launch("deepspeed_zero3.yaml", write_recipe(base, launched, batch_size=4))
     assert "(2 processes)" in result.stdout + result.stderr
