@@ -60,6 +60,25 @@ def launch(config: str | None, recipe: Path, *, processes: int = 2, mixed_precis
     return result
 
 
+def train_in_this_process(recipe: Path) -> None:
+    """The reference run (one process, no launcher, one thread as each launched rank has), in the test's own process:
+    a fresh interpreter pays ~10 CPU s of imports (torch, transformers, DeepSpeed through save_pretrained) that the
+    test process has paid already, for a 3-step run that takes one second."""
+    import argparse
+    from unittest import mock
+
+    from vembed.entrypoints.train import run
+    from vembed.training.threads import USER_THREADS_ENV
+
+    threads = torch.get_num_threads()
+    try:
+        with mock.patch.dict(os.environ, {USER_THREADS_ENV: "1"}):
+            code = run(argparse.Namespace(recipe=str(recipe), config_override=[], debug=False))
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0, f"the one-process reference run of {recipe} failed (exit {code})"
+
+
 def final_weights(out: Path) -> dict[str, torch.Tensor]:
     """The exported model's tensors (`out/final/*.safetensors`): full weights, whatever the launch sharded."""
     from safetensors.torch import load_file
@@ -95,8 +114,9 @@ def max_relative_difference(actual: dict[str, torch.Tensor], reference: dict[str
 
 def one_process_and_launched(raw: dict, out: Path, config: str, processes: int = 2, steps: int = 3) -> tuple[Path, Path]:
     """`raw` (a vision recipe; its batch_size the global batch) trained for `steps` steps in one process and under
-    `config` on `processes` ranks of batch_size / processes each, into `out/single` and `out/launched`: the two
-    output folders, to compare as one run. No checkpoints or mid-run evaluations unless `raw` asks."""
+    `config` on `processes` ranks of batch_size / processes each, into `out/single` (in this process) and
+    `out/launched`: the two output folders, to compare as one run. No checkpoints or mid-run evaluations unless
+    `raw` asks."""
     # No key bias: softmax ignores it, so its gradient is rounding noise (~1e-10) that Adam turns into full-size
     # steps of random sign; from its zero init, two launches' key biases differ by ~50% (measured) while the model
     # computes the same function.
@@ -108,6 +128,9 @@ def one_process_and_launched(raw: dict, out: Path, config: str, processes: int =
         recipe = out / f"{name}.yaml"
         recipe.parent.mkdir(parents=True, exist_ok=True)
         recipe.write_text(yaml.safe_dump({**common, "output_dir": str(out / name), "batch_size": batch}))
-        launch(launcher, recipe, processes=processes)
+        if launcher is None:
+            train_in_this_process(recipe)
+        else:
+            launch(launcher, recipe, processes=processes)
         runs.append(out / name)
     return runs[0], runs[1]

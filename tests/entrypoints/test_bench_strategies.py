@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -70,15 +67,24 @@ def test_table_reports_failures_in_place():
     assert table[3] == "| zero3 | 2 | failed: launch error: boom | | | | | 3.0 |"
 
 
-def test_a_single_launch_runs_and_writes_table_json_and_plot(tiny_clip_recipe, tmp_path):
+def _bench(monkeypatch, capsys, *args: str) -> tuple[int, str]:
+    """`vembed bench strategies ARGS` in this process (its launches are processes of their own): its exit code and
+    stderr. A fresh interpreter for the command would add seconds of imports to each test."""
+    from vembed.cli import main
+
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the launches import this clone's vembed
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    capsys.readouterr()
+    code = main(["bench", "strategies", *args])
+    return code, capsys.readouterr().err
+
+
+def test_a_single_launch_runs_and_writes_table_json_and_plot(tiny_clip_recipe, tmp_path, monkeypatch, capsys):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(dict(tiny_clip_recipe, batch_size=8)))
     out = tmp_path / "bench"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    result = subprocess.run([sys.executable, "-m", "vembed", "bench", "strategies", str(recipe), "--steps", "3",
-                             "--only", "single", "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
+    code, err = _bench(monkeypatch, capsys, str(recipe), "--steps", "3", "--only", "single", "--out", str(out))
+    assert code == 0, err[-2000:]
     rows = json.loads((out / "strategies.json").read_text())
     assert [row["name"] for row in rows] == ["single"] and rows[0]["ok"]
     assert rows[0]["samples_per_second"] > 0 and rows[0]["final_loss"] > 0
@@ -97,15 +103,12 @@ def vit_recipe(root: Path, output_dir: Path) -> dict:
             "metric_for_best_model": "accuracy", "output_dir": str(output_dir), "batch_size": 6, "seed": 0}
 
 
-def test_a_classification_launch_reports_step_time_and_final_accuracy(tmp_path):
+def test_a_classification_launch_reports_step_time_and_final_accuracy(tmp_path, monkeypatch, capsys):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(vit_recipe(tmp_path / "digits", tmp_path / "run")))
     out = tmp_path / "bench"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    result = subprocess.run([sys.executable, "-m", "vembed", "bench", "strategies", str(recipe), "--steps", "2",
-                             "--only", "single", "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
+    code, err = _bench(monkeypatch, capsys, str(recipe), "--steps", "2", "--only", "single", "--out", str(out))
+    assert code == 0, err[-2000:]
     [row] = json.loads((out / "strategies.json").read_text())
     assert row["ok"] and row["metric"] == "accuracy" and 0 <= row["metric_value"] <= 1
     # 6 images a step: the seconds per step are the samples/s they make
@@ -114,11 +117,9 @@ def test_a_classification_launch_reports_step_time_and_final_accuracy(tmp_path):
     assert "final accuracy" in table and f"| {row['metric_value']:.4f} |" in table
 
 
-def test_an_unavailable_launch_is_one_line(tiny_clip_recipe, tmp_path):
+def test_an_unavailable_launch_is_one_line(tiny_clip_recipe, tmp_path, monkeypatch, capsys):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(tiny_clip_recipe))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    result = subprocess.run([sys.executable, "-m", "vembed", "bench", "strategies", str(recipe), "--only", "zero9"],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "zero9 cannot run here" in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+    code, err = _bench(monkeypatch, capsys, str(recipe), "--only", "zero9")
+    assert code == 2 and "zero9 cannot run here" in err
+    assert len(err.strip().splitlines()) == 1

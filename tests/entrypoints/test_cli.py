@@ -92,7 +92,7 @@ def test_cpu_flag_with_two_processes_is_refused_not_silently_single(tiny_clip_re
 
 
 @pytest.mark.slow
-def test_accelerate_launch_two_cpu_processes_end_to_end(tiny_clip_recipe, tmp_path):
+def test_accelerate_launch_two_cpu_processes_end_to_end(tiny_clip_recipe, tmp_path, capsys):
     raw = dict(tiny_clip_recipe, max_steps=4, save_steps=2, report_to=["tensorboard"], mrl_dims=[16, 8])
     recipe = _write_recipe(tmp_path, raw)
     result = _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
@@ -115,13 +115,17 @@ def test_accelerate_launch_two_cpu_processes_end_to_end(tiny_clip_recipe, tmp_pa
     emb = model.encode(texts=["a photo of a red square"])
     assert emb.shape == (1, 16) and abs(float(emb.norm()) - 1.0) < 1e-5
 
-    evaluated = _run([sys.executable, "-m", "vembed", "eval", str(out / "final"), raw["data"]["test"]])
-    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
-    cli_metrics = json.loads(evaluated.stdout[evaluated.stdout.index("{"):])
+    # The commands in this process (a fresh interpreter each costs ~10 s of imports; `python -m vembed eval` runs
+    # in a subprocess in tests/entrypoints/test_evaluate.py)
+    from vembed.cli import main
+
+    capsys.readouterr()
+    assert main(["eval", str(out / "final"), raw["data"]["test"]]) == 0, capsys.readouterr().err[-2000:]
+    printed = capsys.readouterr().out
+    cli_metrics = json.loads(printed[printed.index("{"):])
     assert cli_metrics["q2d/accuracy@1"] == pytest.approx(metrics["test"]["q2d/accuracy@1"], abs=1e-6)
 
-    exported = _run([sys.executable, "-m", "vembed", "export", str(out / "final"), "--out", str(tmp_path / "st")])
-    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert main(["export", str(out / "final"), "--out", str(tmp_path / "st")]) == 0, capsys.readouterr().err[-2000:]
     assert (tmp_path / "st" / "modules.json").is_file()
 
 

@@ -114,24 +114,30 @@ def test_only_a_launch_of_one_plain_process_trains_in_the_launcher(config, proce
         assert env["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS", "1")
 
 
-# In the launcher's process: accelerate's simple launcher (which starts a second interpreter) must not run.
+# In the launcher's process (`vembed train`, which runs run.py's launch): accelerate's simple launcher (which starts a
+# second interpreter) must not run.
 NO_SECOND_PROCESS = ("import sys, accelerate.commands.launch as launcher; "
                      "launcher.simple_launcher = lambda args: sys.exit('a second interpreter was started'); "
-                     "from vembed.entrypoints.launch import main; sys.exit(main(sys.argv[1:]))")
+                     "from vembed.cli import main; sys.exit(main(['train', *sys.argv[1:]]))")
 
 
 @pytest.mark.slow
 def test_a_one_process_launch_trains_in_the_launcher_as_accelerate_launch_would(tiny_clip_recipe, tmp_path):
-    """run.py with a one-process config trains in its own process (no second interpreter importing torch and
-    transformers again), and the run is the one `accelerate launch` gives: same plan, same weights, same metrics."""
+    """run.py / `vembed train` with a one-process config train in their own process (no second interpreter importing
+    torch and transformers again), and the run is the one `accelerate launch` gives: same plan, same weights, same
+    metrics. Its threads follow the cores: accelerate's one-process launcher says OMP_NUM_THREADS=1 when the user set
+    nothing, and `vembed train` used to train on that one thread (0.50x sentence-transformers' samples/s on 2 cores).
+    (One test, not two: each run here is a fresh interpreter's worth of imports.)"""
     import torch
     from launching import final_weights
+
+    from vembed.training.threads import available_cores
 
     raw = dict(tiny_clip_recipe, max_steps=3, save_steps=None, eval_before_training=True)
     env = {key: value for key, value in ENV.items() if key != "OMP_NUM_THREADS"}  # accelerate's default: 1 thread
     runs = {}
     for name, command in (
-        ("in the launcher", [sys.executable, "-c", NO_SECOND_PROCESS]),
+        ("in the launcher", [sys.executable, "-c", NO_SECOND_PROCESS, "--accelerate_config", "single"]),
         ("accelerate launch", [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                                str(launch.CONFIGS / "single.yaml"), "vembed/entrypoints/train.py"]),
     ):
@@ -146,35 +152,14 @@ def test_a_one_process_launch_trains_in_the_launcher_as_accelerate_launch_would(
     start_block = [line for line in reference_log.splitlines()
                    if line.startswith(("strategy ", "device ", "threads ", "precision "))]
     assert len(start_block) == 4 and all(line in log for line in start_block), log
+    cores = available_cores()
+    threads = next(line for line in start_block if line.startswith("threads "))
+    assert threads.split()[1:4] == [str(cores), "intra-op", "per"], threads
+    assert f"({cores} core{'s' if cores != 1 else ''} / 1 process on this machine)" in threads, threads
     assert weights.keys() == reference_weights.keys()
     assert all(torch.equal(weights[key], reference_weights[key]) for key in weights)
     for split in ("before", "validation", "test"):
         assert metrics[split] == reference_metrics[split], split
-
-
-@pytest.mark.slow
-def test_a_one_process_vembed_train_launch_uses_every_core_it_has(tiny_clip_recipe, tmp_path):
-    """accelerate's one-process launcher says OMP_NUM_THREADS=1 when the user set nothing; `vembed train` used to train
-    on that one thread (0.50x sentence-transformers' samples/s on 2 cores). Its threads follow the cores instead."""
-    from launching import ENV, LAUNCH_TIMEOUT, write_recipe
-    from deadline import limit, run_with_deadline
-
-    from vembed.training.threads import available_cores
-
-    cores = available_cores()
-    if cores < 2:
-        pytest.skip(f"{cores} core available: nothing to share")
-    recipe = write_recipe(tiny_clip_recipe, tmp_path / "run", max_steps=2, save_steps=None,
-                          eval_before_training=False)
-    env = {key: value for key, value in ENV.items() if key != "OMP_NUM_THREADS"}
-    result = run_with_deadline([sys.executable, "-m", "vembed", "train", str(recipe), "--accelerate_config", "single"],
-                               cwd=ROOT, env=env, timeout=limit(LAUNCH_TIMEOUT), log_dir=tmp_path / "logs")
-    log = result.stdout + result.stderr
-    assert result.returncode == 0, log[-3000:]
-    assert "(in this process)" in log
-    line = next((line for line in log.splitlines() if line.startswith("threads ")), "")
-    assert line.split()[1:4] == [str(cores), "intra-op", "per"], log[-3000:]
-    assert f"({cores} cores / 1 process on this machine)" in line
 
 
 def _children(pid: int) -> list[int]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from launching import ROOT, launch
+from launching import ROOT, launch, train_in_this_process
 
 import vembed
 from vembed.components import recipe_from_dict
@@ -117,7 +117,8 @@ def test_a_colbert_recipe_with_a_corpus_validation_split_evaluates_by_maxsim(col
 
 @pytest.mark.slow
 def test_shipped_colbert_recipe_trains_through_vembed_train(colbert_recipe, tmp_path):
-    """configs/colbert_minilm.yaml with the tiny BERT in place of MiniLM, through the training entrypoint."""
+    """configs/colbert_minilm.yaml with the tiny BERT in place of MiniLM, through the training entrypoint (in this
+    process: a fresh interpreter would add ~10 s of imports to a 2-step run)."""
     shipped = yaml.safe_load((ROOT / "configs" / "colbert_minilm.yaml").read_text())
     shipped.pop("model_name")
     tiny = {k: colbert_recipe[k] for k in ("tokenizer_name", "model_config", "data", "output_dir", "seed")}
@@ -125,7 +126,7 @@ def test_shipped_colbert_recipe_trains_through_vembed_train(colbert_recipe, tmp_
            "max_steps": 2, "learning_rate": 1e-3}
     recipe = tmp_path / "colbert.yaml"
     recipe.write_text(yaml.safe_dump(raw))
-    launch(None, recipe)
+    train_in_this_process(recipe)
     final = Path(raw["output_dir"]) / "final"
     vectors = vembed.load(str(final), device="cpu").encode_token_vectors(DOCUMENTS, role="document")
     assert vectors.shape[0] == 3 and vectors.shape[2] == 16
@@ -143,10 +144,12 @@ def test_zero3_colbert_launch_trains_the_weights_of_one_process(colbert_recipe, 
                               "attention_probs_dropout_prob": 0.0}
     base = {**colbert_recipe, "model_config": config_without_dropout}
     reference = tmp_path / "single"
-    launch(None, write_recipe(base, reference, batch_size=8))
+    train_in_this_process(write_recipe(base, reference, batch_size=8))
     launched = tmp_path / "sharded"
     result = launch("deepspeed_zero3.yaml", write_recipe(base, launched, batch_size=4))
     assert "(2 processes)" in result.stdout + result.stderr
+    # DeepSpeed on CPU compiles a shared-memory all-reduce op when unasked (~45 s) that training never calls
+    assert "shm_comm" not in result.stdout + result.stderr
     got, expected = final_weights(launched), final_weights(reference)
     # The key bias's gradient is zero in exact arithmetic (softmax ignores a shift shared by a query's scores): it
     # holds rounding noise of ~1e-10, which Adam scales to steps of ~1e-8, different in each launch. Compared

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from launching import final_weights, launch, max_relative_difference, write_recipe
+from launching import final_weights, launch, max_relative_difference, train_in_this_process, write_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 PER_DEVICE = 8
@@ -82,7 +82,7 @@ def references(bases, tmp_path_factory):
     def get(model: str, lora: bool) -> tuple[dict[str, torch.Tensor], dict]:
         if (model, lora) not in cache:
             out = tmp_path_factory.mktemp("single") / "run"
-            launch(None, write_recipe(bases[model], out, batch_size=2 * PER_DEVICE, **_lora(lora)))
+            train_in_this_process(write_recipe(bases[model], out, batch_size=2 * PER_DEVICE, **_lora(lora)))
             cache[model, lora] = final_weights(out), _metrics(out)
         return cache[model, lora]
 

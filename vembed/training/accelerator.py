@@ -29,6 +29,10 @@ def build_accelerator(recipe: "Recipe", plan: "LaunchPlan") -> "Accelerator":
     handlers = [DistributedDataParallelKwargs(find_unused_parameters=plan.find_unused_parameters)]
     if plan.on_cpu and plan.world_size > 1:
         handlers.append(InitProcessGroupKwargs(backend="gloo"))  # NCCL needs GPUs
+    if plan.on_cpu and plan.kind == "deepspeed":
+        from vembed.training.deepspeed import skip_cpu_inference_comm_op
+
+        skip_cpu_inference_comm_op()
     try:
         accelerator = Accelerator(
             # Accelerator(cpu=True) quietly turns a DeepSpeed launch into DDP; DeepSpeed finds the CPU by itself.

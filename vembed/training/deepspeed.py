@@ -55,6 +55,16 @@ def configure_deepspeed(accelerator: "Accelerator", recipe: "Recipe", model: tor
             zero["stage3_allgather_sequential"] = True
 
 
+def skip_cpu_inference_comm_op() -> None:
+    """Keep DeepSpeed from compiling its shared-memory all-reduce when its process group starts on CPU: a C++ op
+    (~45 s of 2 cores, a compiler needed, rebuilt whenever the install's path changes) that only DeepSpeed
+    inference's tensor parallelism calls; training's collectives go through gloo either way."""
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+
+
 def _zero3_unpartitioned(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     found = []
     for module in model.modules():
