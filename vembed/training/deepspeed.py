@@ -59,10 +59,13 @@ def skip_cpu_inference_comm_op() -> None:
     """Keep DeepSpeed from compiling its shared-memory all-reduce when its process group starts on CPU: a C++ op
     (~45 s of 2 cores, a compiler needed, rebuilt whenever the install's path changes) that only DeepSpeed
     inference's tensor parallelism calls; training's collectives go through gloo either way."""
-    import deepspeed.ops
-    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+    try:  # DeepSpeed's own table of ops it may build; another version may keep it elsewhere: then build as it would
+        import deepspeed.ops
+        from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
-    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+        deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+    except (ImportError, AttributeError, TypeError):
+        pass
 
 
 def _zero3_unpartitioned(model: torch.nn.Module) -> list[torch.nn.Parameter]:
