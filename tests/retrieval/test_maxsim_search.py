@@ -346,6 +346,17 @@ def test_pooling_keeps_at_least_one_vector_and_packs_each_document_pooled():
     assert pack_documents(padded, 1).lengths.tolist() == [4, 2]
 
 
+def test_pooling_clusters_by_ward_not_by_the_nearest_pair():
+    """Tokens along an arc, each gap a little wider than the last: Ward's two clusters are the two halves; linking
+    nearest pairs (single linkage) would chain all but the last token into one."""
+    angles = torch.tensor([0, 1, 2.01, 3.03, 4.06, 5.1, 6.15, 7.21]) * 0.05
+    tokens = torch.zeros(8, 4)
+    tokens[:, 0], tokens[:, 1] = angles.cos(), angles.sin()
+    halves = torch.nn.functional.normalize(torch.stack([tokens[:4].mean(0), tokens[4:].mean(0)]), dim=-1)
+    pooled = pool_tokens(tokens, 4)
+    torch.testing.assert_close(pooled[pooled[:, 1].argsort()], halves)
+
+
 def test_pooling_without_scipy_is_a_recipe_error_naming_the_key(monkeypatch):
     import sys
 
@@ -353,7 +364,7 @@ def test_pooling_without_scipy_is_a_recipe_error_naming_the_key(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "scipy.cluster.hierarchy", None)  # an import of it raises ImportError
     with pytest.raises(RecipeError, match=r"^recipe error: document_pool_factor: token pooling \(--pool-factor\) "
-                                          r"needs scipy"):
+                                          r"needs scipy: pip install 'vembed\[colbert\]', or index without pooling$"):
         pool_tokens(torch.eye(4), 2)
 
 
