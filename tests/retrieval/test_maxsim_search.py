@@ -273,6 +273,7 @@ def test_a_packed_list_slices_selects_and_moves_documents_by_position():
     assert not middle[0].any() and torch.equal(middle[1], docs[2].half().float())
     assert torch.equal(packed.padded(3), docs[3].half().float()[None])  # to the end
     assert packed.padded(1, 2).shape == (1, 0, 4)  # only a document without tokens
+    assert packed.padded(2, 2).shape == (0, 0, 4)  # no document
     picked = packed.select(torch.tensor([3, 0]))
     assert picked.shape == (2, 2, 4) and picked.dtype == torch.float32
     assert torch.equal(picked[0, :1], docs[3].half().float()) and not picked[0, 1:].any()
