@@ -379,6 +379,8 @@ def test_pool_factor_keys_and_flags():
     assert pool_factor_of(colbert) == 1 and pool_factor_key(colbert) == {}  # unpooled: older caches stay valid
     set_pool_factor(colbert, None)
     assert colbert.settings.document_pool_factor is None  # None keeps the model's own setting
+    set_pool_factor(colbert, 2)  # the smallest factor that pools: a cache of it is not the unpooled one
+    assert pool_factor_of(colbert) == 2 and pool_factor_key(colbert) == {"document_pool_factor": 2}
     set_pool_factor(colbert, 3)
     assert pool_factor_of(colbert) == 3 and pool_factor_key(colbert) == {"document_pool_factor": 3}
     with pytest.raises(RecipeError, match=r"^recipe error: --pool-factor: must be at least 1 \(1: no pooling\), "
