@@ -314,6 +314,7 @@ def test_maxsim_top_k_refuses_bad_queries_and_k_and_scores_empty_sides():
         maxsim_top_k(torch.zeros(2, 3, 5), packed, 1)
     with pytest.raises(ValueError, match="^k must be at least 1, got 0$"):
         maxsim_top_k(torch.zeros(2, 3, 4), packed, 0)
+    assert maxsim_top_k(torch.nn.functional.normalize(torch.ones(2, 3, 4), dim=-1), packed, 1).indices.shape == (2, 1)
     none = maxsim_top_k(torch.zeros(0, 3, 4), packed, 2)
     assert none.scores.shape == (0, 2)
     no_docs = maxsim_top_k(torch.zeros(2, 3, 4), PackedTokens(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long)), 2)
