@@ -4,6 +4,7 @@ whole batch."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -77,6 +78,9 @@ def test_maxsim_document_without_tokens_scores_zero():
     queries, documents = _token_vectors([2], 3, g), _token_vectors([0, 2], 3, g)
     scores = maxsim(queries, documents)
     assert scores[0, 0] == 0 and torch.isfinite(scores).all()
+    # documents padded to no token slot at all (search unpacks a chunk of empty documents so): every score 0
+    assert torch.equal(maxsim(queries, documents[:, :0]), queries.new_zeros(1, 2))
+    assert torch.equal(maxsim_candidates(queries, documents[None, :, :0]), queries.new_zeros(1, 2))
 
 
 def test_cat_tokens_pads_to_the_longest_and_mask_reads_back():
@@ -87,10 +91,11 @@ def test_cat_tokens_pads_to_the_longest_and_mask_reads_back():
     assert token_mask(joined).sum(1).tolist() == [2, 1, 3]
 
 
-@pytest.mark.parametrize("with_negatives,with_labels", [(False, False), (True, False), (True, True)])
-def test_loss_equals_cross_entropy_over_brute_force_maxsim(with_negatives, with_labels):
+@pytest.mark.parametrize("with_negatives,with_labels,q_width", [(False, False, 4), (True, False, 4), (True, True, 4),
+                                                                 (True, False, 3)])
+def test_loss_equals_cross_entropy_over_brute_force_maxsim(with_negatives, with_labels, q_width):
     g = torch.Generator().manual_seed(3)
-    query = _token_vectors([4, 4, 4, 4], 4, g)  # expanded queries: every position a token
+    query = _token_vectors([q_width] * 4, q_width, g)  # expanded queries: every position a token; B 4, Tq 4 or 3
     positive = _token_vectors([3, 6, 1, 5], 6, g)
     negatives = _token_vectors([2, 4, 3, 1, 6, 2, 5, 3], 6, g).view(4, 2, 6, D) if with_negatives else None
     labels = torch.tensor([7, 8, 7, 9]) if with_labels else None
@@ -156,13 +161,14 @@ def _brute_distill(query, positive, negatives, teacher, temperature, teacher_tem
     return torch.stack(losses).mean() * temperature**2
 
 
-@pytest.mark.parametrize("temperature,teacher_temperature,min_max", [(1.0, None, False), (0.5, 2.0, False),
-                                                                     (1.0, None, True)])
-def test_distill_kl_equals_kl_over_each_querys_candidates_by_loops(temperature, teacher_temperature, min_max):
+@pytest.mark.parametrize("temperature,teacher_temperature,min_max,widths", [
+    (1.0, None, False, (6, 5)), (0.5, 2.0, False, (6, 5)), (1.0, None, True, (6, 5)),
+    (1.0, None, False, (10, 5)), (1.0, None, False, (6, 10))])  # token widths (positives, negatives); D is 8
+def test_distill_kl_equals_kl_over_each_querys_candidates_by_loops(temperature, teacher_temperature, min_max, widths):
     g = torch.Generator().manual_seed(6)
     query = _token_vectors([4, 2, 3], 4, g)
-    positive = _token_vectors([3, 6, 1], 6, g)
-    negatives = _token_vectors([2, 4, 3, 1, 5, 2], 5, g).view(3, 2, 5, D)  # narrower than the positives
+    positive = _token_vectors([3, widths[0], 1], widths[0], g)
+    negatives = _token_vectors([2, 4, 3, 1, widths[1], 2], widths[1], g).view(3, 2, widths[1], D)
     teacher = torch.tensor([[9.0, 3.0, -1.0], [2.0, 4.5, 0.0], [1.0, 1.0, 7.0]], dtype=torch.float64)
     loss = LateInteractionDistillKLLoss(temperature, teacher_temperature, "min_max" if min_max else "none")(
         query, positive, negatives, scores=teacher)
@@ -204,11 +210,130 @@ def test_distill_kl_needs_negatives_and_a_teacher_score_per_candidate():
     g = torch.Generator().manual_seed(7)
     query, positive = _token_vectors([2, 2], 3, g), _token_vectors([2, 3], 3, g)
     negatives = _token_vectors([1, 2], 3, g).view(2, 1, 3, D)
-    with pytest.raises(ValueError, match="needs hard negatives"):
+    with pytest.raises(ValueError, match="^LateInteractionDistillKLLoss needs hard negatives"):
         LateInteractionDistillKLLoss()(query, positive, None, scores=torch.zeros(2, 1))
-    with pytest.raises(ValueError, match=r"needs scores of shape \(2, 2\)"):
+    with pytest.raises(ValueError, match=r"^LateInteractionDistillKLLoss needs scores of shape \(2, 2\)"):
         LateInteractionDistillKLLoss()(query, positive, negatives, scores=torch.zeros(2, 3))
 
+
+
+# --- the recipe keys and the shapes each loss takes ------------------------------------------------------------------
+def _built(loss_type: str, **keys):
+    from vembed.components import recipe_from_dict
+    from vembed.losses import build_loss
+
+    return build_loss(recipe_from_dict({"model_type": "text", "embedding": "multi_vector", "loss_type": loss_type,
+                                        **keys}))
+
+
+def test_recipe_defaults_and_keys_reach_each_loss_and_its_config():
+    assert _built("late_interaction").config == {
+        "name": "LateInteractionLoss", "loss_type": "late_interaction", "temperature": 1.0,
+        "learnable_temperature": False}
+    learned = _built("late_interaction", temperature=0.5, learnable_temperature=True)
+    assert learned.config == {"name": "LateInteractionLoss", "loss_type": "late_interaction", "temperature": 0.5,
+                              "learnable_temperature": True, "learned_temperature": pytest.approx(0.5)}
+    assert learned._infonce.log_scale.requires_grad
+    assert _built("late_interaction_pairwise").config == {
+        "name": "LateInteractionPairwiseLoss", "loss_type": "late_interaction_pairwise", "temperature": 1.0,
+        "maxsim_normalization": "query_length"}
+    assert _built("late_interaction_pairwise", temperature=0.5, maxsim_normalization="none").config == {
+        "name": "LateInteractionPairwiseLoss", "loss_type": "late_interaction_pairwise", "temperature": 0.5,
+        "maxsim_normalization": "none"}
+    assert _built("late_interaction_distill_kl").config == {
+        "name": "LateInteractionDistillKLLoss", "loss_type": "late_interaction_distill_kl", "temperature": 1.0,
+        "teacher_temperature": 1.0, "maxsim_normalization": "none"}
+    assert _built("late_interaction_distill_kl", temperature=0.5).config["teacher_temperature"] == 0.5
+    assert _built("late_interaction_distill_kl", temperature=0.5, teacher_temperature=2.0,
+                  maxsim_normalization="min_max").config == {
+        "name": "LateInteractionDistillKLLoss", "loss_type": "late_interaction_distill_kl", "temperature": 0.5,
+        "teacher_temperature": 2.0, "maxsim_normalization": "min_max"}
+
+
+@pytest.mark.parametrize("loss_type", ["late_interaction", "late_interaction_pairwise", "late_interaction_distill_kl"])
+def test_recipe_refuses_matryoshka_and_a_temperature_not_above_zero_naming_the_key(loss_type):
+    from vembed.errors import RecipeError
+
+    with pytest.raises(RecipeError, match=r"mrl_dims: Matryoshka dimensions apply to one vector per side, not to "
+                                          r"token vectors; remove mrl_dims \(set multi_vector_dim instead\)"):
+        _built(loss_type, mrl_dims=[4])
+    with pytest.raises(RecipeError, match="temperature: input should be greater than 0"):
+        _built(loss_type, temperature=0)
+    assert _built(loss_type, temperature=0.25).temperature == 0.25
+
+
+@pytest.mark.parametrize("loss_type", ["late_interaction_pairwise", "late_interaction_distill_kl"])
+def test_fixed_temperature_losses_refuse_a_learnable_one_naming_the_key(loss_type):
+    from vembed.errors import RecipeError
+
+    with pytest.raises(RecipeError, match="learnable_temperature: this loss_type keeps its temperature fixed; "
+                                          "remove the key"):
+        _built(loss_type, learnable_temperature=True)
+
+
+def test_a_learnable_temperature_below_the_cap_is_a_recipe_error_naming_temperature():
+    from vembed.errors import RecipeError
+
+    with pytest.raises(RecipeError) as refused:
+        _built("late_interaction", temperature=0.001, learnable_temperature=True)
+    assert refused.value.key == "temperature"
+    assert refused.value.message.startswith("a learnable temperature starts at 0.001, below the cap of 0.01")
+
+
+def test_python_defaults_are_the_recipes():
+    """`LateInteractionLoss()` and the others built in Python (no recipe) take the recipe's defaults."""
+    g = torch.Generator().manual_seed(11)
+    query, positive = _token_vectors([3, 2, 1], 4, g), _token_vectors([2, 4, 3], 4, g)
+    negatives = _token_vectors([1, 2, 3], 4, g).view(3, 1, 4, D)
+    teacher = torch.tensor([[1.0, 0.0], [0.5, 2.0], [3.0, -1.0]], dtype=torch.float64)
+    for loss_type, cls in [("late_interaction", LateInteractionLoss),
+                           ("late_interaction_pairwise", LateInteractionPairwiseLoss),
+                           ("late_interaction_distill_kl", LateInteractionDistillKLLoss)]:
+        default, built = cls(), _built(loss_type)
+        assert default.config == built.config, loss_type
+        assert not any(p.requires_grad for p in default.parameters())  # nothing learned by default
+        assert torch.equal(default(query, positive, negatives, scores=teacher),
+                           built(query, positive, negatives, scores=teacher)), loss_type
+    # the defaults themselves: temperature 1, colpali's per-token normalisation, raw MaxSim for distillation
+    assert torch.equal(LateInteractionPairwiseLoss()(query, positive, negatives),
+                       LateInteractionPairwiseLoss(1.0, "query_length")(query, positive, negatives))
+    assert not torch.equal(LateInteractionPairwiseLoss()(query, positive, negatives),
+                           LateInteractionPairwiseLoss(1.0, "none")(query, positive, negatives))
+
+
+@pytest.mark.parametrize("loss", [LateInteractionLoss, LateInteractionPairwiseLoss, LateInteractionDistillKLLoss])
+def test_mismatched_token_vectors_are_refused_naming_the_shapes(loss):
+    name = {LateInteractionLoss: "late_interaction", LateInteractionPairwiseLoss: "late_interaction_pairwise",
+            LateInteractionDistillKLLoss: "late_interaction_distill_kl"}[loss]
+    q, p, n, s = torch.zeros(2, 3, D), torch.zeros(2, 4, D), torch.zeros(2, 1, 5, D), torch.zeros(2, 2)
+    for query, positive in [(q, torch.zeros(3, 4, D)), (q, torch.zeros(2, 4, D + 1)), (torch.zeros(2, 3), p),
+                            (q, torch.zeros(2, D))]:
+        with pytest.raises(ValueError, match=f"^{re.escape(name)} takes token vectors: query \\(B, Tq, d\\) and "
+                                             f"positive \\(B, Tp, d\\); got {re.escape(str(tuple(query.shape)))} and "
+                                             f"{re.escape(str(tuple(positive.shape)))} "
+                                             f"\\(set embedding: multi_vector\\)$"):
+            loss()(query, positive, n, scores=s)
+    for negatives in [torch.zeros(2, 5, D), torch.zeros(3, 1, 5, D), torch.zeros(2, 1, 5, D + 1)]:
+        with pytest.raises(ValueError, match=f"^negatives must be \\(B, k, Tn, d\\) with B=2, d={D}; got "
+                                             f"{re.escape(str(tuple(negatives.shape)))}$"):
+            loss()(q, p, negatives, scores=s)
+    assert loss()(q, p, n, scores=s).isfinite()  # shapes that fit: no error
+
+
+def test_pairwise_divides_by_each_querys_own_token_count_and_a_query_without_tokens_scores_zero():
+    g = torch.Generator().manual_seed(9)
+    query = _token_vectors([1, 3, 0], 4, g)  # one token, three, none (3 queries of width 4: B is not Tq)
+    positive, negatives = _token_vectors([2, 3, 1], 3, g), _token_vectors([2, 1, 3], 3, g).view(3, 1, 3, D)
+    loss = LateInteractionPairwiseLoss(0.5)(query, positive, negatives)
+    expected = [_brute_pairwise(query[:2], positive, negatives, 0.5, True), torch.log(torch.tensor(2.0))]
+    # the query without tokens scores 0 against everything: softplus(0) = log 2, not NaN from 0 / 0
+    assert abs(loss.item() - (2 * expected[0] + expected[1]).item() / 3) <= 1e-9
+
+
+def test_pairwise_row_without_any_other_candidate_adds_zero():
+    g = torch.Generator().manual_seed(10)
+    query, positive = _token_vectors([2], 2, g), _token_vectors([2], 2, g)
+    assert LateInteractionPairwiseLoss()(query, positive).item() == 0.0
 
 # --- two gloo ranks = one process on the whole batch ---------------------------------------------------------------
 Q_LENGTHS = [5, 5, 5, 5, 5, 5]  # expanded queries

@@ -237,3 +237,163 @@ def test_two_ranks_each_scoring_a_share_of_each_block_find_what_one_process_find
     found = torch.load(out, weights_only=True)
     assert torch.equal(found["indices"], expected.indices)
     torch.testing.assert_close(found["scores"], expected.scores, atol=1e-6, rtol=0)
+
+
+# --- the packed block and the scorer on token vectors written here (no model) ---------------------------------------
+def _unit_tokens(lengths: list[int], dim: int = 4, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.functional.normalize(torch.randn(n, dim, generator=g), dim=-1) for n in lengths]
+
+
+def _brute_scores(queries: torch.Tensor, documents: list[torch.Tensor]) -> torch.Tensor:
+    """(n_queries, n_documents) MaxSim by loops, documents as stored (float16), a document without tokens 0."""
+    out = torch.zeros(len(queries), len(documents))
+    for i, query in enumerate(queries):
+        for j, doc in enumerate(documents):
+            doc = doc.to(STORED_DTYPE).float()
+            out[i, j] = sum(float((q @ doc.T).max()) for q in query if q.any()) if len(doc) else 0.0
+    return out
+
+
+def test_packed_tokens_refuse_lengths_that_do_not_sum_to_the_vectors():
+    with pytest.raises(ValueError, match="^3 token vectors for document lengths summing to 4$"):
+        PackedTokens(torch.zeros(3, 4), torch.tensor([1, 3]))
+    with pytest.raises(ValueError, match="^3 token vectors for document lengths summing to 3$"):
+        PackedTokens(torch.zeros(3, 4), torch.tensor([[1, 2]]))  # lengths must be one per document
+    empty = PackedTokens.pack([])
+    assert len(empty) == 0 and empty.vectors.shape == (0, 0) and empty.vectors.dtype == STORED_DTYPE
+
+
+def test_a_packed_list_slices_selects_and_moves_documents_by_position():
+    docs = _unit_tokens([2, 0, 3, 1])
+    packed = PackedTokens.pack(docs)
+    assert packed.lengths.tolist() == [2, 0, 3, 1] and packed.lengths.dtype == torch.long and packed.dim == 4
+    middle = packed.padded(1, 3)
+    assert middle.shape == (2, 3, 4) and middle.dtype == torch.float32
+    assert not middle[0].any() and torch.equal(middle[1], docs[2].half().float())
+    assert torch.equal(packed.padded(3), docs[3].half().float()[None])  # to the end
+    assert packed.padded(1, 2).shape == (1, 0, 4)  # only a document without tokens
+    assert packed.padded(2, 2).shape == (0, 0, 4)  # no document
+    picked = packed.select(torch.tensor([3, 0]))
+    assert picked.shape == (2, 2, 4) and picked.dtype == torch.float32
+    assert torch.equal(picked[0, :1], docs[3].half().float()) and not picked[0, 1:].any()
+    assert torch.equal(picked[1], docs[0].half().float())
+    assert packed.select(torch.tensor([], dtype=torch.long)).shape == (0, 0, 4)
+    moved = packed.to("cpu")
+    assert torch.equal(moved.vectors, packed.vectors) and torch.equal(moved.lengths, packed.lengths)
+
+
+@pytest.mark.parametrize("chunk_elements", [1, 4 * 3 + 1, 1 << 24])  # one document a chunk, two, all
+def test_maxsim_top_k_equals_loops_for_any_chunk_and_offsets_the_indices(chunk_elements):
+    docs = _unit_tokens([2, 3, 1, 0, 3, 2, 1], seed=1)
+    queries = torch.stack([torch.cat([q, q.new_zeros(3 - len(q), 4)]) for q in _unit_tokens([3, 2, 1], seed=2)])
+    expected = _brute_scores(queries, docs)
+    found = maxsim_top_k(queries.double(), PackedTokens.pack(docs), 4, doc_offset=100, chunk_elements=chunk_elements)
+    assert found.scores.dtype == torch.float32 and found.indices.shape == (3, 4)
+    order = expected.sort(dim=1, descending=True, stable=True)
+    torch.testing.assert_close(found.scores, order.values[:, :4], atol=1e-5, rtol=0)
+    assert torch.equal(found.indices, order.indices[:, :4] + 100)
+
+
+def test_maxsim_top_k_keeps_k_beyond_the_block_and_ranks_nan_last():
+    docs = _unit_tokens([1, 2], seed=3)
+    queries = torch.nn.functional.normalize(torch.randn(1, 2, 4), dim=-1)
+    found = maxsim_top_k(queries, PackedTokens.pack(docs), 3)
+    assert found.indices[0, 2] == -1 and found.scores[0, 2] == -torch.inf  # 2 documents for k 3: one empty slot
+    nan = PackedTokens(torch.full((2, 4), float("nan")).half(), torch.tensor([2]))
+    both = maxsim_top_k(queries, PackedTokens(torch.cat([nan.vectors, PackedTokens.pack(docs).vectors]),
+                                              torch.tensor([2, 1, 2])), 3)
+    assert both.indices[0, 2] == 0  # the NaN document ranks after both others
+
+
+def test_maxsim_top_k_refuses_bad_queries_and_k_and_scores_empty_sides():
+    packed = PackedTokens.pack(_unit_tokens([2, 1]))
+    with pytest.raises(ValueError, match=r"^token vectors must be \(n, tokens, 4\), got \(2, 4\)$"):
+        maxsim_top_k(torch.zeros(2, 4), packed, 1)
+    with pytest.raises(ValueError, match=r"^token vectors must be \(n, tokens, 4\), got \(2, 3, 5\)$"):
+        maxsim_top_k(torch.zeros(2, 3, 5), packed, 1)
+    with pytest.raises(ValueError, match="^k must be at least 1, got 0$"):
+        maxsim_top_k(torch.zeros(2, 3, 4), packed, 0)
+    assert maxsim_top_k(torch.nn.functional.normalize(torch.ones(2, 3, 4), dim=-1), packed, 1).indices.shape == (2, 1)
+    none = maxsim_top_k(torch.zeros(0, 3, 4), packed, 2)
+    assert none.scores.shape == (0, 2)
+    no_docs = maxsim_top_k(torch.zeros(2, 3, 4), PackedTokens(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long)), 2)
+    assert no_docs.scores.shape == (2, 2) and (no_docs.indices == -1).all()
+
+
+def test_maxsim_pairs_scores_each_query_with_its_own_document():
+    from vembed.retrieval.maxsim_search import maxsim_pairs
+
+    docs = _unit_tokens([2, 3, 1], seed=4)
+    queries = torch.nn.functional.normalize(torch.randn(2, 3, 4, dtype=torch.float64), dim=-1)
+    rows = torch.tensor([2, 0])
+    scores = maxsim_pairs(queries, PackedTokens.pack(docs), rows)
+    expected = _brute_scores(queries.float(), docs)
+    assert scores.shape == (2,) and scores.dtype == torch.float32
+    torch.testing.assert_close(scores, torch.stack([expected[0, 2], expected[1, 0]]), atol=1e-5, rtol=0)
+    assert maxsim_pairs(queries, PackedTokens.pack(docs), torch.tensor([], dtype=torch.long)).shape == (0,)
+
+
+def test_pooling_keeps_at_least_one_vector_and_packs_each_document_pooled():
+    from vembed.retrieval.maxsim_search import pack_documents
+
+    tokens = _unit_tokens([2], dim=8, seed=5)[0]
+    assert pool_tokens(tokens, 3).shape == (1, 8)  # 2 // 3 is 0 clusters: one
+    assert pool_tokens(tokens, 2).shape == (1, 8)
+    padded = torch.zeros(2, 4, 8)
+    padded[0, :4], padded[1, :2] = _unit_tokens([4], dim=8, seed=6)[0], tokens
+    pooled = pack_documents(padded, 2)
+    assert pooled.lengths.tolist() == [2, 1] and pooled.vectors.dtype == STORED_DTYPE
+    torch.testing.assert_close(pooled.vectors[2:].float(), pool_tokens(tokens, 2).half().float())
+    assert pack_documents(padded, 1).lengths.tolist() == [4, 2]
+
+
+def test_pooling_clusters_by_ward_not_by_the_nearest_pair():
+    """Tokens along an arc, each gap a little wider than the last: Ward's two clusters are the two halves; linking
+    nearest pairs (single linkage) would chain all but the last token into one."""
+    angles = torch.tensor([0, 1, 2.01, 3.03, 4.06, 5.1, 6.15, 7.21]) * 0.05
+    tokens = torch.zeros(8, 4)
+    tokens[:, 0], tokens[:, 1] = angles.cos(), angles.sin()
+    halves = torch.nn.functional.normalize(torch.stack([tokens[:4].mean(0), tokens[4:].mean(0)]), dim=-1)
+    pooled = pool_tokens(tokens, 4)
+    torch.testing.assert_close(pooled[pooled[:, 1].argsort()], halves)
+
+
+def test_pooling_without_scipy_is_a_recipe_error_naming_the_key(monkeypatch):
+    import sys
+
+    from vembed.errors import RecipeError
+
+    monkeypatch.setitem(sys.modules, "scipy.cluster.hierarchy", None)  # an import of it raises ImportError
+    with pytest.raises(RecipeError, match=r"^recipe error: document_pool_factor: token pooling \(--pool-factor\) "
+                                          r"needs scipy: pip install 'vembed\[colbert\]', or index without pooling$"):
+        pool_tokens(torch.eye(4), 2)
+
+
+def test_pool_factor_keys_and_flags():
+    from types import SimpleNamespace
+
+    from vembed.errors import RecipeError
+    from vembed.retrieval.maxsim_search import pool_factor_key, pool_factor_of, set_pool_factor
+
+    colbert = SimpleNamespace(embedding_kind="multi_vector", settings=SimpleNamespace(document_pool_factor=None))
+    assert pool_factor_of(colbert) == 1 and pool_factor_key(colbert) == {}  # unpooled: older caches stay valid
+    set_pool_factor(colbert, None)
+    assert colbert.settings.document_pool_factor is None  # None keeps the model's own setting
+    set_pool_factor(colbert, 2)  # the smallest factor that pools: a cache of it is not the unpooled one
+    assert pool_factor_of(colbert) == 2 and pool_factor_key(colbert) == {"document_pool_factor": 2}
+    set_pool_factor(colbert, 3)
+    assert pool_factor_of(colbert) == 3 and pool_factor_key(colbert) == {"document_pool_factor": 3}
+    with pytest.raises(RecipeError, match=r"^recipe error: --pool-factor: must be at least 1 \(1: no pooling\), "
+                                          r"got 0$"):
+        set_pool_factor(colbert, 0)
+    with pytest.raises(RecipeError, match="^recipe error: index.pool: must be at least 1"):
+        set_pool_factor(colbert, -1, key="index.pool")
+    set_pool_factor(colbert, 1)
+    assert pool_factor_of(colbert) == 1 and pool_factor_key(colbert) == {}
+    dense = SimpleNamespace(embedding_kind="single_vector", settings=SimpleNamespace())
+    set_pool_factor(dense, 1)  # no pooling asks nothing of the model
+    assert pool_factor_of(dense) == 1 and not hasattr(dense.settings, "document_pool_factor")
+    with pytest.raises(RecipeError, match="^recipe error: --pool-factor: pools token vectors; this model gives one "
+                                          "vector per document: remove the flag$"):
+        set_pool_factor(dense, 2)

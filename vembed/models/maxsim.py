@@ -25,6 +25,8 @@ def maxsim(queries: torch.Tensor, documents: torch.Tensor,
     if queries.dim() != 3 or documents.dim() != 3 or queries.shape[2] != documents.shape[2]:
         raise ValueError(f"maxsim takes (Bq, Tq, d) queries and (Bd, Td, d) documents; got {tuple(queries.shape)} "
                          f"and {tuple(documents.shape)}")
+    if documents.shape[1] == 0:  # no document has a token slot (a search chunk of empty documents): the max is over
+        return queries.new_zeros(queries.shape[0], documents.shape[0])  # nothing, every score 0
     query_tokens = token_mask(queries)  # (Bq, Tq)
     document_tokens = token_mask(documents)  # (Bd, Td)
     per_document = max(1, queries.shape[0] * queries.shape[1] * documents.shape[1])
@@ -48,6 +50,8 @@ def maxsim_candidates(queries: torch.Tensor, candidates: torch.Tensor,
             or candidates.shape[3] != queries.shape[2]:
         raise ValueError(f"maxsim_candidates takes (B, Tq, d) queries and (B, c, Td, d) candidates; got "
                          f"{tuple(queries.shape)} and {tuple(candidates.shape)}")
+    if candidates.shape[2] == 0:  # no candidate has a token slot: every score 0, as in `maxsim`
+        return queries.new_zeros(queries.shape[0], candidates.shape[1])
     per_query = max(1, queries.shape[1] * candidates.shape[1] * candidates.shape[2])
     block = max(1, max_block_elements // per_query)
     scores = []
