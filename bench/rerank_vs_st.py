@@ -230,7 +230,8 @@ def train_vembed(spec: dict[str, Any]) -> dict[str, Any]:
     from vembed.training.loop import Trainer
 
     recipe = {"model_type": "cross_encoder", "model_name": spec["start"], "max_length": MAX_LENGTH,
-              "loss_type": LOSSES[spec["loss"]][0], "data": {"train": str(Path(spec["work"], "train_lists.jsonl"))},
+              "loss_type": LOSSES[spec["loss"]][0], "data": {"train": str(Path(spec["work"], "train_lists.jsonl")),
+                                                            "num_workers": spec["num_workers"]},
               "output_dir": str(Path(spec["work"], f"{spec['tag']}-run")), "batch_size": spec["batch_size"],
               "learning_rate": spec["learning_rate"], "epochs": 1, "scheduler_type": "linear",
               "warmup_ratio": WARMUP_RATIO, "weight_decay": WEIGHT_DECAY, "max_grad_norm": 1.0, "logging_steps": 1,
@@ -284,7 +285,7 @@ def train_sentence_transformers(spec: dict[str, Any]) -> dict[str, Any]:
         learning_rate=spec["learning_rate"], num_train_epochs=1, lr_scheduler_type="linear",
         warmup_steps=spec["warmup_steps"], weight_decay=WEIGHT_DECAY, max_grad_norm=1.0, logging_steps=1,
         save_strategy="no", report_to="none", seed=SEED, dataloader_drop_last=True,
-        use_cpu=spec["device"] == "cpu", bf16=spec["device"] == "cuda")
+        use_cpu=spec["device"] == "cpu", bf16=spec["device"] == "cuda", dataloader_num_workers=spec["num_workers"])
     loss = LOSSES[spec["loss"]][1](model)
     clock = _clock()
     InOrder(model=model, args=args, train_dataset=data, loss=loss).train()
@@ -364,6 +365,7 @@ def summarize(spec: dict[str, Any], rounds: list[dict[str, Any]]) -> dict[str, A
             "pairs_per_step": spec["batch_size"] * (spec["negatives"] + 1), "steps": spec["steps"],
             "warmup_steps": spec["warmup_steps"], "learning_rate": spec["learning_rate"], "max_length": MAX_LENGTH,
             "heldout_queries": spec["heldout_queries"], "candidates_per_query": CANDIDATES, "rounds": len(rounds),
+            "num_workers": spec["num_workers"],
             "sentence_transformers_version": theirs.get("sentence_transformers"),
             "loss_difference_step0": differences["vembed"][0],
             "max_loss_difference": max(differences["vembed"]),
@@ -428,6 +430,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loss", choices=sorted(LOSSES), default="bce")
     parser.add_argument("--length-chunks", type=int, default=1,
                         help="N > 1: also run vembed with length_chunks N (length-sorted groups of pairs)")
+    # Loader workers, the same number for both tools. vembed tokenizes in its collate function (a worker's job, beside
+    # the step); sentence-transformers' cross-encoder collator passes texts on and its loss tokenizes inside the step.
+    parser.add_argument("--num-workers", type=int, default=0, help="DataLoader workers, for both tools")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: bf16 autocast on both sides")
     parser.add_argument("--smoke", action="store_true", help="tiny random BERT, 24 lists, one round, in-process, with a length_chunks run")
     parser.add_argument("--tiny", action="store_true",
@@ -449,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="rerank-vs-st-") as work:  # model folders: never into results
         spec = {**prepare(Path(work), lists, heldout, args.negatives, batch, args.smoke or args.tiny,
                                 args.minilm_shapes), "loss": args.loss,
-                "device": args.device, "learning_rate": args.lr}
+                "device": args.device, "learning_rate": args.lr, "num_workers": args.num_workers}
         names = runs_of(max(2, args.length_chunks) if args.smoke else args.length_chunks)
         for round_ in range(rounds):
             order = list(names)[round_ % len(names):] + list(names)[:round_ % len(names)]  # A B C, B C A, ...
@@ -461,8 +466,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{[round(x, 5) for x in runs[name]['losses'][:4]]}", flush=True)
             results.append(runs)
     summary = summarize(spec, results)
-    name = "rerank_vs_st" + ("" if args.loss == "bce" else f"_{args.loss}") + ("" if args.device == "cpu" else
-                                                                                f"_{args.device}")
+    name = ("rerank_vs_st" + ("" if args.loss == "bce" else f"_{args.loss}")
+            + ("" if args.device == "cpu" else f"_{args.device}")
+            + ("" if args.num_workers == 0 else f"_{args.num_workers}workers"))
     (out / f"{name}.json").write_text(json.dumps(summary, indent=2))
     plot(summary, out / f"{name}.png")
     for tool, run in summary["runs"].items():
