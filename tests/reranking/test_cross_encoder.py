@@ -173,3 +173,35 @@ def test_lora_trains_the_score_head_in_full_and_saves_a_merged_cross_encoder(rer
     ours = CrossEncoderAdapter.load(result.final_model_dir).score([q for q, _ in PAIRS], [d for _, d in PAIRS])
     theirs = CrossEncoder(str(result.final_model_dir), device="cpu").predict(PAIRS, convert_to_tensor=True).float()
     assert torch.allclose(ours, theirs.cpu(), atol=1e-5, rtol=0), (ours, theirs)
+
+
+def test_loader_workers_tokenize_the_same_batches_as_the_training_process(rerank_recipe, tmp_path, monkeypatch):
+    """configs/reranker_minilm.yaml sets data.num_workers: the pairs are tokenized in the loader's workers (the
+    collate function), beside the step; the run must take the same steps as with the loader in the process."""
+    import os
+
+    from vembed.reranking import data
+    from vembed.training.loop import Trainer
+
+    collated_in = tmp_path / "collated_in.txt"
+    collate = data.collate_lists
+
+    def recording_collate(adapter, lists):  # which process tokenized each batch (workers are forked: it is theirs)
+        with open(collated_in, "a") as log:
+            log.write(f"{os.getpid()}\n")
+        return collate(adapter, lists)
+
+    monkeypatch.setattr(data, "collate_lists", recording_collate)
+
+    def losses(workers: int, name: str) -> list[float]:
+        raw = dict(rerank_recipe, output_dir=str(tmp_path / name), data={**rerank_recipe["data"], "num_workers": workers})
+        history = Trainer(recipe_from_dict(raw)).run().metrics["loss_history"]
+        return [record["loss"] for record in history]
+
+    in_process = losses(0, "in-process")
+    assert set(collated_in.read_text().split()) == {str(os.getpid())}
+    collated_in.unlink()
+    in_workers = losses(2, "workers")
+    assert str(os.getpid()) not in collated_in.read_text().split()  # tokenized beside the step, not in it
+    assert len(in_process) == 2 and len(set(in_process)) == 2  # two different batches, each logged
+    assert in_workers == in_process
