@@ -194,7 +194,8 @@ def test_loader_workers_tokenize_the_same_batches_as_the_training_process(rerank
     monkeypatch.setattr(data, "collate_lists", recording_collate)
 
     def losses(workers: int, name: str) -> list[float]:
-        raw = dict(rerank_recipe, output_dir=str(tmp_path / name), data={**rerank_recipe["data"], "num_workers": workers})
+        raw = dict(rerank_recipe, output_dir=str(tmp_path / name),
+                   data={**rerank_recipe["data"], "num_workers": workers})
         history = Trainer(recipe_from_dict(raw)).run().metrics["loss_history"]
         return [record["loss"] for record in history]
 
