@@ -175,9 +175,12 @@ def test_lora_trains_the_score_head_in_full_and_saves_a_merged_cross_encoder(rer
     assert torch.allclose(ours, theirs.cpu(), atol=1e-5, rtol=0), (ours, theirs)
 
 
-def test_loader_workers_tokenize_the_same_batches_as_the_training_process(rerank_recipe, tmp_path, monkeypatch):
-    """configs/reranker_minilm.yaml sets data.num_workers: the pairs are tokenized in the loader's workers (the
-    collate function), beside the step; the run must take the same steps as with the loader in the process."""
+@pytest.mark.parametrize("recipe_fixture", ["rerank_recipe", "qwen_rerank_recipe"])
+def test_loader_workers_tokenize_the_same_batches_as_the_training_process(recipe_fixture, request, tmp_path,
+                                                                          monkeypatch):
+    """configs/reranker_minilm.yaml and qwen3_vl_reranker.yaml set data.num_workers: the pairs are tokenized (and
+    images read) in the loader's workers (the collate function), beside the step; the run must take the same steps as
+    with the loader in the process."""
     import os
 
     from vembed.reranking import data
@@ -192,6 +195,7 @@ def test_loader_workers_tokenize_the_same_batches_as_the_training_process(rerank
         return collate(adapter, lists)
 
     monkeypatch.setattr(data, "collate_lists", recording_collate)
+    rerank_recipe = request.getfixturevalue(recipe_fixture)
 
     def losses(workers: int, name: str) -> list[float]:
         raw = dict(rerank_recipe, output_dir=str(tmp_path / name),
@@ -204,5 +208,5 @@ def test_loader_workers_tokenize_the_same_batches_as_the_training_process(rerank
     collated_in.unlink()
     in_workers = losses(2, "workers")
     assert str(os.getpid()) not in collated_in.read_text().split()  # tokenized beside the step, not in it
-    assert len(in_process) == 2 and len(set(in_process)) == 2  # two different batches, each logged
+    assert len(in_process) >= 2 and len(set(in_process)) == len(in_process)  # different batches, each logged
     assert in_workers == in_process
