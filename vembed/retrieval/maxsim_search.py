@@ -24,7 +24,7 @@ from vembed.models.encoding import encode_sides, unwrapped
 from vembed.models.maxsim import MAX_BLOCK_ELEMENTS, maxsim
 from vembed.models.token_vectors import token_mask
 from vembed.retrieval import SCORINGS
-from vembed.retrieval.scoring import SCORE_CHUNK_ELEMENTS, TopK
+from vembed.retrieval.scoring import SCORE_CHUNK_ELEMENTS, TopK, block_top_k, exact_scores
 from vembed.retrieval.search import Scoring
 
 if TYPE_CHECKING:
@@ -180,7 +180,8 @@ def maxsim_top_k(queries: torch.Tensor, block: PackedTokens, k: int, *, doc_offs
     `normalize` is ignored: token vectors are unit vectors already). `doc_offset` is added to the indices.
 
     Documents are unpacked `chunk_elements` at a time and queries taken in chunks that keep `maxsim`'s similarity
-    block near its bound; non-finite scores rank last; equal scores keep the lower corpus position first."""
+    block near its bound; scores by `scoring.exact_scores` (equal documents score equally in any block), ranked by
+    `scoring.block_top_k` (non-finite scores last, equal scores by corpus position, ties past k's slack included)."""
     if queries.dim() != 3 or queries.shape[2] != block.dim:
         raise ValueError(f"token vectors must be (n, tokens, {block.dim}), got {tuple(queries.shape)}")
     if k < 1:
@@ -199,11 +200,8 @@ def maxsim_top_k(queries: torch.Tensor, block: PackedTokens, k: int, *, doc_offs
         d_stop = min(d_start + doc_chunk, n_d)
         documents = block.padded(d_start, d_stop, device)
         for part, q_start in enumerate(range(0, n_q, query_chunk)):
-            scores = maxsim(queries[q_start : q_start + query_chunk], documents)
-            scores = torch.nan_to_num(scores, nan=-torch.inf)
-            # As search.top_k: a few extra, so that exact ties at the boundary reach the position ordering.
-            values, where = scores.topk(min(d_stop - d_start, k + 8), dim=1)
-            best[part] = best[part].merge(TopK(values, where + (doc_offset + d_start)))
+            scores = exact_scores(_maxsim_in_float64, queries[q_start : q_start + query_chunk], documents)
+            best[part] = best[part].merge(block_top_k(scores, k, doc_offset=doc_offset + d_start))
         del documents
     return TopK(torch.cat([b.scores for b in best]), torch.cat([b.indices for b in best]))
 
@@ -213,7 +211,13 @@ def maxsim_pairs(queries: torch.Tensor, block: PackedTokens, rows: torch.Tensor)
     if len(rows) == 0:
         return queries.new_zeros(0)
     documents = block.select(rows, device=queries.device)
-    return torch.stack([maxsim(queries[i : i + 1].float(), documents[i : i + 1])[0, 0] for i in range(len(rows))])
+    return torch.stack([exact_scores(_maxsim_in_float64, queries[i : i + 1], documents[i : i + 1])[0, 0]
+                        for i in range(len(rows))])
+
+
+def _maxsim_in_float64(queries: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
+    """`maxsim` for `exact_scores`: its float64 similarity block takes twice the bytes, so half the elements."""
+    return maxsim(queries, documents, max_block_elements=MAX_BLOCK_ELEMENTS // 2)
 
 
 SCORINGS.register(MULTI_VECTOR)(Scoring(top_k=maxsim_top_k, pair_scores=maxsim_pairs, encode_share=encode_token_share,
