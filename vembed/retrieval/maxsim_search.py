@@ -13,7 +13,7 @@ folder, in-run corpus evaluation and `vembed mine` search token vectors as they 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +38,7 @@ DOCUMENTS_PER_BLOCK = 1 << 12
 # Documents unpacked to float32 at once while a block is scored (their padded token vectors, in elements).
 UNPACKED_ELEMENTS = 1 << 24
 MULTI_VECTOR = "multi_vector"
+_PAIRS_AT_ONCE = 4096  # (query, document) pairs whose query vectors are gathered at once when pairs are scored
 
 
 @dataclass(eq=False)  # compared by identity: tensors have no one truth value
@@ -215,6 +216,44 @@ def maxsim_pairs(queries: torch.Tensor, block: PackedTokens, rows: torch.Tensor)
                         for i in range(len(rows))])
 
 
+def maxsim_pair_scorer(adapter: "EmbeddingAdapter", *, batch_size: int = 64,
+                       accelerator: Any = None) -> "Callable[[Sequence[Any], Sequence[Any]], torch.Tensor]":
+    """`score(queries, documents)`: the `(n,)` MaxSim of each pair (texts, or Sides for image documents), as a
+    reranker's `score` gives logits, so a late-interaction model reorders a first stage's candidates (PyLate's
+    `rank.rerank`). Each distinct query and document is encoded once; documents are pooled as the index pools them
+    (`document_pool_factor`) and scored as search scores them (`exact_scores`)."""
+    from vembed.data.records import Side
+
+    def as_side(part: Any, role: str) -> "Side":
+        return part if isinstance(part, Side) else Side(text=part, role=role)
+
+    def score(queries: Sequence[Any], documents: Sequence[Any]) -> torch.Tensor:
+        query_rows, distinct_queries = _distinct(queries)
+        document_rows, distinct_documents = _distinct(documents)
+        kwargs = dict(batch_size=batch_size, accelerator=accelerator)
+        query_vectors = encode_sides(adapter, [as_side(q, "query") for q in distinct_queries], **kwargs)
+        packed = encode_token_share(adapter, [as_side(d, "document") for d in distinct_documents], **kwargs)
+        pairs = range(0, len(query_rows), _PAIRS_AT_ONCE)  # the pairs' query vectors, a chunk at a time
+        return torch.cat([maxsim_pairs(query_vectors[query_rows[i : i + _PAIRS_AT_ONCE]], packed,
+                                       document_rows[i : i + _PAIRS_AT_ONCE]) for i in pairs]) \
+            if len(query_rows) else torch.zeros(0)
+
+    return score
+
+
+def _distinct(parts: Sequence[Any]) -> tuple[torch.Tensor, list[Any]]:
+    """Each part's row among the distinct parts (texts by value, Sides by identity), and those parts in order."""
+    rows: dict[Any, int] = {}
+    distinct = []
+    for part in parts:
+        key = part if isinstance(part, str) else id(part)
+        if key not in rows:
+            rows[key] = len(distinct)
+            distinct.append(part)
+    return torch.tensor([rows[part if isinstance(part, str) else id(part)] for part in parts], dtype=torch.long), \
+        distinct
+
+
 def _maxsim_in_float64(queries: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
     """`maxsim` for `exact_scores`: its float64 similarity block takes twice the bytes, so half the elements."""
     return maxsim(queries, documents, max_block_elements=MAX_BLOCK_ELEMENTS // 2)
@@ -223,5 +262,5 @@ def _maxsim_in_float64(queries: torch.Tensor, documents: torch.Tensor) -> torch.
 SCORINGS.register(MULTI_VECTOR)(Scoring(top_k=maxsim_top_k, pair_scores=maxsim_pairs, encode_share=encode_token_share,
                                         documents_per_block=DOCUMENTS_PER_BLOCK, stored=PackedTokens, faiss=False))
 
-__all__ = ["PackedTokens", "encode_token_share", "maxsim_pairs", "maxsim_top_k", "pack_documents", "pool_factor_key",
+__all__ = ["PackedTokens", "encode_token_share", "maxsim_pair_scorer", "maxsim_pairs", "maxsim_top_k", "pack_documents", "pool_factor_key",
            "pool_tokens", "set_pool_factor"]
