@@ -1,5 +1,5 @@
-"""The `vembed` command: train | eval | search | rerank | fuse | export | plan | bench | extract | mine | data | demo |
-demo-vision."""
+"""The `vembed` command: train | eval | search | rerank | fuse | predict | export | plan | bench | extract | mine |
+data | demo | demo-vision."""
 
 from __future__ import annotations
 
@@ -100,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         launch,
         mine,
         plan,
+        predict,
         rerank,
         search,
     )
@@ -118,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module, help_text in (
             ("search", search, "search a corpus folder with a saved model (or bm25) and write the run file"),
             ("rerank", rerank, "reorder a run's candidates with a reranker (or a ColBERT) and write the run file"),
-            ("fuse", fuse, "fuse run files into one (reciprocal rank fusion, weighted sums, ...; ranx)")):
+            ("fuse", fuse, "fuse run files into one (reciprocal rank fusion, weighted sums, ...; ranx)"),
+            ("predict", predict, "classify images with a saved image classifier and write the top classes as CSV")):
         command = sub.add_parser(name, help=help_text, description=module.__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(command)

@@ -49,7 +49,8 @@ def _pytrec_means(qrels: dict, run: dict) -> dict[str, float]:
     found = pytrec_eval.RelevanceEvaluator(qrels, {"ndcg_cut.10", "recall.1,10,100", "map_cut.100"}).evaluate(run)
     names = {"ndcg@10": "ndcg_cut_10", "recall@1": "recall_1", "recall@10": "recall_10", "recall@100": "recall_100",
              "map@100": "map_cut_100"}
-    return {ours: sum(found.get(q, {}).get(theirs, 0.0) for q in judged) / len(judged) for ours, theirs in names.items()}
+    return {ours: sum(found.get(q, {}).get(theirs, 0.0) for q in judged) / len(judged)
+            for ours, theirs in names.items()}
 
 
 def test_embedder_search_writes_the_brute_force_top_k_and_eval_of_the_file_equals_pytrec_eval(models, tmp_path,
@@ -88,7 +89,7 @@ def test_embedder_search_writes_the_brute_force_top_k_and_eval_of_the_file_equal
     rows = tmp_path / "dense.jsonl"
     assert main(["search", str(root / "embedder"), str(corpus), "--out", str(rows), "--top-k", "5"]) == 0
     hits = [json.loads(line) for line in rows.read_text().splitlines()]
-    assert [(h["query_id"], h["doc_id"], h["rank"]) for h in hits] == [(l[0], l[2], int(l[3])) for l in lines]
+    assert [(h["query_id"], h["doc_id"], h["rank"]) for h in hits] == [(t[0], t[2], int(t[3])) for t in lines]
     first = hits[0]
     assert first["query"] == split.queries.sides[split.queries.index[first["query_id"]]].text
     assert first["document"] == split.corpus.sides[split.corpus.index[first["doc_id"]]].text
@@ -250,6 +251,45 @@ def test_rrf_of_two_small_runs_by_hand(tmp_path):
     assert fused["q"] == pytest.approx({"d3": 1 / 63 + 1 / 61, "d1": 1 / 61, "d4": 1 / 62}, abs=1e-12)
     assert fused["r"] == pytest.approx({"d1": 1 / 61}, abs=1e-12)  # a query only one run holds
     assert [line.split()[2] for line in out.read_text().splitlines()[:3]] == ["d3", "d1", "d4"]
+
+
+def test_the_python_api_searches_and_ranks_as_the_commands_do(models, tmp_path):
+    import vembed
+    from vembed.api import Embedder, Reranker
+    from vembed.data.corpus import load_corpus_split
+    from vembed.evaluation.runs import read_run
+
+    root, corpus = models
+    split = load_corpus_split(corpus, "test")
+    queries = [q for q in split.queries.ids if any(g > 0 for g in split.qrels[q].values())]
+    texts = [split.queries.sides[split.queries.index[q]].text for q in queries]
+    documents = [side.text for side in split.corpus.sides]
+    for name in ("embedder", "colbert"):
+        run_file = tmp_path / f"{name}.trec"
+        assert main(["search", str(root / name), str(corpus), "--out", str(run_file), "--top-k", "4"]) == 0
+        model = vembed.load(str(root / name), device="cpu")
+        assert type(model) is Embedder
+        found = model.search(texts, documents, top_k=4)
+        run = read_run(run_file)
+        for query, hits in zip(queries, found):
+            assert [split.corpus.ids[hit["corpus_id"]] for hit in hits] == list(run[query]), name
+            assert [hit["score"] for hit in hits] == pytest.approx(list(run[query].values()), abs=1e-5), name
+
+    first = write_first_stage_run(split, tmp_path / "first.trec")
+    out = tmp_path / "reranked.trec"
+    assert main(["rerank", str(root / "reranker"), str(corpus), "--run", str(first), "--out", str(out)]) == 0
+    reranker = vembed.load(str(root / "reranker"), device="cpu")
+    assert isinstance(reranker, Reranker)
+    reranked = read_run(out)
+    for query, hits in reranked.items():
+        candidates = list(read_run(first)[query])
+        text = split.queries.sides[split.queries.index[query]].text
+        ranked = reranker.rank(text, [split.corpus.sides[split.corpus.index[d]].text for d in candidates],
+                               return_documents=True)
+        assert [candidates[r["corpus_id"]] for r in ranked] == list(hits)  # the command's order
+        assert [r["score"] for r in ranked] == pytest.approx(list(hits.values()), abs=1e-6)
+        assert ranked[0]["text"] == split.corpus.sides[split.corpus.index[list(hits)[0]]].text
+    assert len(reranker.rank("a red square", documents[:5], top_k=2)) == 2
 
 
 @pytest.mark.parametrize("case, label", [

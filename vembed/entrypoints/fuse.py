@@ -26,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--norm", choices=NORMS, default="min-max",
                         help="how each run's scores are normalised per query before they are combined (default "
                              "min-max; rank-based methods such as rrf ignore scores)")
-    parser.add_argument("--top-k", "--top_k", type=int, help="keep each query's best K of the fused list (default: all)")
+    parser.add_argument("--top-k", "--top_k", type=int,
+                        help="keep each query's best K of the fused list (default: all)")
     parser.add_argument("--tag", default=None, help="the run's name in its last column (default: the method)")
     parser.add_argument("--corpus", help="a corpus folder: print the metrics of each run and of the fused one on "
                                          "--split (and write JSONL rows with texts)")

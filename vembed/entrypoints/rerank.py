@@ -14,8 +14,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from vembed.entrypoints.search import DEFAULT_TOP_K, add_run_output_arguments, check_run_output, default_tag, \
-    output_format
+from vembed.entrypoints.search import (
+    DEFAULT_TOP_K,
+    add_run_output_arguments,
+    check_run_output,
+    default_tag,
+    output_format,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
