@@ -333,3 +333,41 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(models, tmp_path, caps
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     if case == "out-exists":
         assert out.read_text() == "precious\n"
+
+
+def test_a_reranker_trained_from_a_corpus_folder_with_no_file_written_by_hand(models, tmp_path, tiny_tokenizer_dir):
+    """search (BM25) -> mine (the embedder) -> train the reranker -> rerank -> eval the run: every file a command's,
+    and the reranked run's figures are pytrec_eval's on the written file."""
+    import argparse
+
+    import yaml
+
+    from vembed.data.corpus import load_corpus_split
+    from vembed.entrypoints.train import run as train
+    from vembed.evaluation.runs import read_run
+
+    root, corpus = models
+    dev, negatives = tmp_path / "first_stage_dev.trec", tmp_path / "negatives.jsonl"
+    assert main(["search", "bm25", str(corpus), "--split", "dev", "--out", str(dev)]) == 0
+    assert main(["mine", str(root / "embedder"), str(corpus), "--split", "train", "--out", str(negatives),
+                 "--num-negatives", "3", "--range-min", "0", "--max-score-ratio", "none", "--no-cache"]) == 0
+    recipe = {"model_type": "cross_encoder", "loss_type": "rerank_bce", "model_config": TINY_BERT,
+              "tokenizer_name": tiny_tokenizer_dir, "max_length": 32,
+              "data": {"train": str(corpus), "hard_negatives": str(negatives), "num_hard_negatives": 3,
+                       "validation": str(corpus), "qrels_splits": {"validation": "dev"},
+                       "first_stage_run": str(dev)},
+              "output_dir": str(tmp_path / "reranker"), "batch_size": 4, "learning_rate": 1e-3, "max_steps": 4,
+              "logging_steps": 1, "save_steps": 100, "seed": 0, "eval_before_training": False}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    assert train(argparse.Namespace(recipe=str(tmp_path / "recipe.yaml"), config_override=[], debug=False)) == 0
+    test_run, reranked = tmp_path / "first_stage_test.trec", tmp_path / "reranked_test.trec"
+    assert main(["search", "bm25", str(corpus), "--split", "test", "--out", str(test_run)]) == 0
+    assert main(["rerank", str(tmp_path / "reranker" / "final"), str(corpus), "--run", str(test_run),
+                 "--out", str(reranked), "--top-k", "20"]) == 0
+    metrics_file = tmp_path / "metrics.json"
+    assert main(["eval", str(reranked), str(corpus), "--split", "test", "--output", str(metrics_file)]) == 0
+    split = load_corpus_split(corpus, "test")
+    metrics = json.loads(metrics_file.read_text())
+    for name, value in _pytrec_means(split.qrels, read_run(reranked)).items():
+        assert metrics[f"corpus/{name}"] == pytest.approx(value, abs=1e-6), name
+    assert set(read_run(reranked)) == {q for q in read_run(test_run) if q in split.qrels}
