@@ -386,10 +386,13 @@ def launch_in_process(launch_args: list[str], num_processes: int | None = None) 
         rank, failure, line = _root_failure(error.failures)
         code = failure.exitcode if failure.exitcode > 0 else 1
         of = f" of {num_processes}" if num_processes else ""
-        if code == PREEMPTED_EXIT_CODE:  # every rank stopped after the same step: no rank failed
+        if any(failed.exitcode == PREEMPTED_EXIT_CODE for failed in error.failures.values()):
+            # Every rank stopped after the same step and the checkpoint was verified before any left; a rank the agent
+            # then stopped on its way out (SIGTERM once another had exited) failed nothing.
             if line is not None:
                 print(line, file=sys.stderr)
-        elif line is not None:
+            return PREEMPTED_EXIT_CODE
+        if line is not None:
             print(f"{line} [rank {rank}{of} failed first; the other ranks were stopped]", file=sys.stderr)
         elif failure.exitcode < 0:
             print(f"launch error: rank {rank}{of} was killed by {failure.signal_name()} (out of memory?); the other "

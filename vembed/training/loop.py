@@ -599,7 +599,7 @@ class Trainer:
         acc.wait_for_everyone()
         full_state = gather_full_state_dict(acc, self.model) if self.plan.sharded else None
         final_dir = save_final_model(acc, self.output_dir, self.adapter, recipe, full_state,
-                                     self.checkpoints.last_good)
+                                     self.checkpoints.last_good, loss=self.objective.loss)
         if self.eval_examples:
             metrics["validation"] = self.evaluate(self.eval_examples)
         if self.test_examples:
