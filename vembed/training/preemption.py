@@ -27,7 +27,7 @@ class Preempted(VembedError):
     exit_code = PREEMPTED_EXIT_CODE
 
     def __init__(self, step: int, signal_name: str, checkpoint: Path, resumes_by_itself: bool):
-        how = "the same command (the recipe has resume_from: auto)" if resumes_by_itself else \
+        how = "the same command (resume_from is auto already)" if resumes_by_itself else \
             f"the same command plus {RESUME_FLAG}"
         super().__init__(f"preempted at step {step} ({signal_name}); checkpoint {checkpoint} verified; resume with: "
                          f"{how}; exit code {PREEMPTED_EXIT_CODE}")
