@@ -133,7 +133,8 @@ def test_arcface_final_reloads_with_the_centres_of_its_last_step(digits, tmp_pat
 
     model = vembed.load(str(final), device="cpu")
     assert torch.equal(model.loss.module.loss.W, centres)  # step 5's, not checkpoint-4's
-    assert model.class_names == list(trainer.task.train_data.names) and sorted(model.class_names) == ["one", "two", "zero"]
+    assert model.class_names == list(trainer.task.train_data.names)
+    assert sorted(model.class_names) == ["one", "two", "zero"]
     data = read_labelled_images(str(digits / "validation" / "labels.csv"), "data.validation")
     images = [data.image(i) for i in range(len(data))]
     scores = model.class_scores(images=images)

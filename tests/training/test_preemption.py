@@ -98,6 +98,25 @@ def test_a_signal_mid_epoch_stops_after_the_step_with_a_verified_checkpoint_and_
     assert [entry["step"] for entry in history] == list(range(1, 10))
 
 
+def test_a_streamed_run_with_workers_and_accumulation_stops_and_resumes_bitwise(tiny_clip_recipe, dummy_data_dir,
+                                                                               tmp_path):
+    """The stream's position goes into the stop's checkpoint; a signal during a micro-batch that only accumulates
+    stops after the optimizer step; DataLoader workers forked while the handler is installed keep SIGTERM's default."""
+    pytest.importorskip("webdataset")
+    from streams import tar_shards
+
+    data = dict(tiny_clip_recipe["data"], train=tar_shards(dummy_data_dir, tmp_path / "shards"), num_workers=2,
+                shuffle_buffer=8, validation=None, test=None, streaming=True)
+    raw = _with_dropout(dict(tiny_clip_recipe, data=data, batch_size=4, max_steps=6, save_steps=None,
+                             gradient_accumulation_steps=2, save_total_limit=1))
+    reference = _tensors(_run(dict(raw, output_dir=str(tmp_path / "reference"))))
+    with _signalling_at(3, signal.SIGTERM), pytest.raises(Preempted, match="preempted at step 3 "):
+        _run(raw)
+    saved = TrainerState.from_file(Path(raw["output_dir"]) / "checkpoint-3" / "trainer_state.json")
+    assert saved.batches_in_epoch == 6 and saved.stream["ranks"][0]["positions"]
+    _assert_bitwise_equal(_tensors(_run(dict(raw, resume_from="auto"))), reference)
+
+
 def test_a_signal_at_the_last_step_lets_the_run_finish(run_raw, capsys):
     with _signalling_at(9, signal.SIGTERM):
         trainer = _run(run_raw)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from vembed.entrypoints.launch import AGENT_SIGNALS, _environment, forwarding_stop_signals, launch_in_process
+from vembed.entrypoints.launch import AGENT_SIGNALS, forwarding_stop_signals, launch_in_process, process_environment
 from vembed.training.launch_promise import (
     ACCELERATE_LAUNCH,
     EXPECTED_WORLD_SIZE_ENV,
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     promised = promise_of_accelerate_launch(argv).num_processes
     if promised is not None:
         env.update({EXPECTED_WORLD_SIZE_ENV: str(promised), LAUNCHER_ENV: ACCELERATE_LAUNCH})
-    with _environment(env), forwarding_stop_signals():
+    with process_environment(env), forwarding_stop_signals():
         return launch_in_process(argv, promised)
 
 

@@ -271,12 +271,12 @@ def start(launch_args: list[str], num_processes: int, config: Path, command_name
     one_process = one_plain_process_env(launch_args)
     if one_process is not None:
         print(f"launching {num_processes} process(es) with {config} (in this process)", file=sys.stderr)
-        with _environment({**one_process, **promise}):
+        with process_environment({**one_process, **promise}):
             return here()
     print(f"launching {num_processes} process(es) with {config}", file=sys.stderr)
     # The ranks inherit the promise and this process's id (each rank dies with it: stop_with_launcher); this process's
     # own environment is given back after, so a caller in Python (a test, a notebook) launches again unchanged.
-    with _environment({**os.environ, **promise, LAUNCHER_PID_ENV: str(os.getpid()), **AGENT_SIGNALS}), \
+    with process_environment({**os.environ, **promise, LAUNCHER_PID_ENV: str(os.getpid()), **AGENT_SIGNALS}), \
             forwarding_stop_signals():
         return launch_in_process(launch_args, num_processes)
 
@@ -345,7 +345,7 @@ def one_plain_process_env(launch_args: list[str]) -> dict[str, str] | None:
 
 
 @contextlib.contextmanager
-def _environment(env: dict[str, str]):
+def process_environment(env: dict[str, str]):
     """This process's environment replaced by `env` while training runs in it, and restored after. The OpenMP thread
     count the launcher would give the process (OMP_NUM_THREADS) is read when torch loads, so it is set on torch too."""
     import torch
