@@ -260,7 +260,7 @@ def test_zero3_on_two_ranks_trains_and_evaluates_as_one_process(digits, tmp_path
     saved = saved_model_metrics(zero3, digits)
     for key in keys:
         assert saved[key] == pytest.approx(launched["validation"][key], abs=1e-9), key
-    if arcface:  # final/ holds the encoder only; the centres are in the checkpoints (step 2's: the last one)
+    if arcface:  # the checkpoint holds step 2's centres (final/loss.safetensors the last step's)
         from vembed.components import recipe_from_dict
         from vembed.training.loop import Trainer
 
