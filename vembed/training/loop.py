@@ -536,7 +536,7 @@ class Trainer:
         bad_norm = torch.zeros((), device=acc.device) if norm is None else (
             ~torch.isfinite(torch.as_tensor(norm, device=acc.device))).float()
         # A stop signal (preemption.py) rides on the same reduction: one collective per step tells every rank both.
-        stop = torch.tensor(float(self.stop_requests.requested), device=acc.device)
+        stop = torch.full((), float(self.stop_requests.requested), device=acc.device)
         flags = torch.stack([torch.as_tensor(self._nonfinite_loss, device=acc.device).float(), bad_norm, stop])
         self._nonfinite_loss = 0.0
         if acc.num_processes > 1:
