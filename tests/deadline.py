@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 
 TIMEOUT_SCALE = float(os.environ.get("VEMBED_TEST_TIMEOUT_SCALE", "1"))
-STACK_SIGNAL = signal.SIGUSR1  # processes that registered faulthandler for it dump their stacks (see `ranks.py`)
+# Processes that registered faulthandler for it dump their stacks (see `ranks.py`); not SIGUSR1, which a training run
+# takes as a request to stop after its step (vembed/training/preemption.py).
+STACK_SIGNAL = signal.SIGUSR2
 TAIL_LINES = 40
 
 

@@ -80,10 +80,13 @@ def train_in_this_process(recipe: Path) -> None:
 
 
 def final_weights(out: Path) -> dict[str, torch.Tensor]:
-    """The exported model's tensors (`out/final/*.safetensors`): full weights, whatever the launch sharded."""
+    """The exported model's tensors (`out/final/*.safetensors`): full weights, whatever the launch sharded. A loss's
+    state saved beside them (ArcFace's centres: loss.safetensors) is not the model's; tests compare it on its own."""
     from safetensors.torch import load_file
 
-    files = sorted((out / "final").glob("*.safetensors"))
+    from vembed.losses.saved_state import LOSS_STATE_FILE
+
+    files = sorted(path for path in (out / "final").glob("*.safetensors") if path.name != LOSS_STATE_FILE)
     assert files, f"no weights in {out / 'final'}"
     weights: dict[str, torch.Tensor] = {}
     for file in files:

@@ -17,6 +17,7 @@ from vembed.models.encoding import encode_sides
 if TYPE_CHECKING:
     from PIL import Image
 
+    from vembed.losses.saved_state import SavedLoss
     from vembed.models.base import EmbeddingAdapter
 
 ImageInput = Union[str, os.PathLike, "Image.Image"]
@@ -35,9 +36,14 @@ class Embedder:
     >>> scores = q @ d.T                                    # cosine similarities
     """
 
-    def __init__(self, adapter: "EmbeddingAdapter", device: str | torch.device | None = None):
+    def __init__(self, adapter: "EmbeddingAdapter", device: str | torch.device | None = None,
+                 loss: "SavedLoss | None" = None):
         self.device = torch.device(device or _default_device())
         self.adapter = adapter.to(self.device).eval()
+        # The trained state of the loss, when the run saved one beside the model (ArcFace's class centres).
+        self.loss = loss
+        if loss is not None and loss.module is not None:
+            loss.module.to(self.device)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, device: str | torch.device | None = None, *,
@@ -47,9 +53,11 @@ class Embedder:
         `device`: where to run (default: cuda when available, else cpu). `trust_remote_code`: let the folder run
         Python code it ships (models trained with `trust_remote_code: true` may need it); never on the folder's say.
         """
+        from vembed.losses.saved_state import load_saved_loss
         from vembed.models.base import load_adapter
 
-        return cls(load_adapter(Path(path), trust_remote_code=trust_remote_code), device=device)
+        return cls(load_adapter(Path(path), trust_remote_code=trust_remote_code), device=device,
+                   loss=load_saved_loss(path))
 
     @property
     def embedding_dim(self) -> int:
@@ -91,6 +99,30 @@ class Embedder:
         if normalize:
             embeddings = F.normalize(embeddings, dim=-1)
         return embeddings.cpu()
+
+    def class_scores(self, texts: str | Sequence[str] | None = None,
+                     images: ImageInput | Sequence[ImageInput] | None = None, batch_size: int = 32) -> torch.Tensor:
+        """`(n, classes)` CPU float32: each item against each training class of a model whose loss kept a state per
+        class, saved with it (`loss.safetensors`; sub-center ArcFace: the cosine to the class's nearest centre).
+        Columns follow `class_names`."""
+        module = self.loss.module if self.loss is not None else None
+        if module is None or not hasattr(module, "class_scores"):
+            raise ValueError("this model was saved without a loss state that scores classes; class scores come with "
+                             "models trained with loss_type: subcenter_arcface (their final/ holds loss.safetensors)")
+        embeddings = self.encode(texts, images, batch_size=batch_size, normalize=False)
+        return module.class_scores(embeddings.to(self.device)).float().cpu()
+
+    def classify(self, texts: str | Sequence[str] | None = None,
+                 images: ImageInput | Sequence[ImageInput] | None = None, batch_size: int = 32) -> list[Any]:
+        """The best-scoring training class of each item (`class_scores`): its name, or its id when none was saved."""
+        best = self.class_scores(texts, images, batch_size=batch_size).argmax(dim=1).tolist()
+        names = self.class_names
+        return [names[index] for index in best] if names else best
+
+    @property
+    def class_names(self) -> list[str] | None:
+        """The training classes by id, as saved with the loss state (None without one)."""
+        return self.loss.class_names if self.loss is not None else None
 
     @property
     def multi_vector(self) -> bool:
@@ -243,6 +275,7 @@ class Reranker:
 def load_model(path: str | os.PathLike, device: str | torch.device | None = None, *,
                trust_remote_code: bool = False) -> "Embedder | Classifier | Reranker":
     """The saved model at `path` as what it is for: a `Reranker`, a `Classifier` (a class head) or an `Embedder`."""
+    from vembed.losses.saved_state import load_saved_loss
     from vembed.models.base import load_adapter
     from vembed.reranking import load_reranker, saved_reranker_type
 
@@ -250,7 +283,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device | None = None
         return Reranker(load_reranker(path, trust_remote_code=trust_remote_code), device=device)
     adapter = load_adapter(Path(path), trust_remote_code=trust_remote_code)
     kind = Classifier if getattr(adapter, "classifier", None) is not None else Embedder
-    return kind(adapter, device=device)
+    return kind(adapter, device=device, loss=load_saved_loss(path))
 
 
 def _corpus_items(corpus: Sequence[Any]) -> tuple[list[str] | None, list[Any] | None]:

@@ -529,11 +529,19 @@ def _load_section(model: Mapping[str, Any], flavour: Flavour, path: str, source_
     else:
         usage = [f"embeddings = model.encode(texts={EXAMPLE_TEXTS!r})  # {shape}"
                  if "text" in adapter.modalities else "embeddings = model.encode(images=['photo.jpg'])"]
+    loss_state = model.get("loss_state") or {}
+    if loss_state.get("class_scores"):
+        usage += ["scores = model.class_scores(images=['photo.jpg'])  # (1, classes): cosine to each class's "
+                  "nearest trained centre", "labels = model.classify(images=['photo.jpg'])  # the best class's name"]
     lines += ["With vembed (`pip install vembed`):", "", "```python", "import vembed",
               f"model = vembed.load({path!r})", *usage]
     if images and "text" in adapter.modalities and not _multi_vector(model):
         lines.append("# images: model.encode(images=['photo.jpg']) (paths or PIL images)")
     lines.append("```")
+    if loss_state:
+        lines += ["", f"The trained state of the loss ({loss_state.get('loss')}: its class centres, learnable "
+                  f"temperature or bias) is saved beside the weights in `{loss_state.get('file')}`; `vembed.load` "
+                  "restores it. Plain transformers and a sentence-transformers export leave it out."]
     example = _transformers_example(model, path)
     lines += ["", "With plain transformers:", ""]
     if example:

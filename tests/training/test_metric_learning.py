@@ -114,6 +114,48 @@ def test_arcface_centres_are_trained_checkpointed_and_resumed(digits, tmp_path):
         assert torch.equal(final[name], value), name
 
 
+def test_arcface_final_reloads_with_the_centres_of_its_last_step(digits, tmp_path):
+    """final/ used to hold the model only: the centres of the steps after the last checkpoint existed nowhere. Now
+    loss.safetensors holds them, `vembed.load` restores them, and the reloaded model scores and classifies with them
+    as the trained loss does; the model card says so."""
+    import vembed
+    from vembed.components import recipe_from_dict
+    from vembed.data.labelled import read_labelled_images
+    from vembed.training.loop import Trainer
+
+    raw = recipe(digits, tmp_path / "run", loss_type="subcenter_arcface", scale=16.0, sub_centers=2, max_steps=5,
+                 save_steps=2)
+    trainer = Trainer(recipe_from_dict(raw))
+    trainer.run()
+    centres = trainer.objective.loss.loss.W.detach()
+    final = tmp_path / "run" / "final"
+    assert (final / "loss.safetensors").is_file()
+
+    model = vembed.load(str(final), device="cpu")
+    assert torch.equal(model.loss.module.loss.W, centres)  # step 5's, not checkpoint-4's
+    assert model.class_names == list(trainer.task.train_data.names)
+    assert sorted(model.class_names) == ["one", "two", "zero"]
+    data = read_labelled_images(str(digits / "validation" / "labels.csv"), "data.validation")
+    images = [data.image(i) for i in range(len(data))]
+    scores = model.class_scores(images=images)
+    with torch.no_grad():
+        expected = trainer.objective.loss.class_scores(model.encode(images=images, normalize=False))
+    assert scores.shape == (len(images), 3)
+    assert torch.allclose(scores, expected, atol=1e-6)
+    assert model.classify(images=images) == [model.class_names[i] for i in expected.argmax(1).tolist()]
+    card = (final / "README.md").read_text()
+    assert "`loss.safetensors`; `vembed.load` restores it" in card and "model.class_scores(images=" in card
+
+
+def test_a_pair_based_loss_saves_no_loss_state(digits, tmp_path):
+    import vembed
+
+    assert train(recipe(digits, tmp_path / "run", max_steps=2), tmp_path / "recipe.yaml") == 0
+    assert not (tmp_path / "run" / "final" / "loss.safetensors").exists()
+    with pytest.raises(ValueError, match="saved without a loss state"):
+        vembed.load(str(tmp_path / "run" / "final"), device="cpu").class_scores(images=[])
+
+
 @pytest.mark.parametrize("case,message", [
     ("no_label_column", r"train.csv: has no 'label' column .*labelled images need 'image' and 'label'"),
     ("single_image_class", r"train.csv: 1 class\(es\) have a single image \('two'\); loss_type supcon needs two or "
@@ -218,7 +260,7 @@ def test_zero3_on_two_ranks_trains_and_evaluates_as_one_process(digits, tmp_path
     saved = saved_model_metrics(zero3, digits)
     for key in keys:
         assert saved[key] == pytest.approx(launched["validation"][key], abs=1e-9), key
-    if arcface:  # final/ holds the encoder only; the centres are in the checkpoints (step 2's: the last one)
+    if arcface:  # the checkpoint holds step 2's centres (final/loss.safetensors the last step's)
         from vembed.components import recipe_from_dict
         from vembed.training.loop import Trainer
 

@@ -9,6 +9,9 @@ second interpreter importing them again cost ~2 s of every start. When that laun
 instead, in the environment accelerate would have given it, with the recipe already checked: no second interpreter at
 all (~2.5 s of torch and transformers imports saved). `vembed eval --accelerate_config` launches through the same
 functions (plan_launch, accelerate_arguments, start).
+
+SIGTERM and SIGUSR1 sent to the launcher are passed on to the ranks, which stop after their step with a verified
+checkpoint (vembed/training/preemption.py); the launcher then exits with their code, 75.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from vembed.entrypoints.train import add_arguments as add_train_arguments
 from vembed.errors import LaunchError
 from vembed.resources import accelerate_configs, package_root
 from vembed.training.launch_promise import EXPECTED_WORLD_SIZE_ENV, LAUNCHER_ENV, LAUNCHER_PID_ENV
+from vembed.training.preemption import PREEMPTED_EXIT_CODE, STOP_SIGNALS
 from vembed.training.threads import USER_THREADS_ENV
 
 # Shipped inside the package, so an installed vembed finds them from any directory (the clone's accelerate_configs/
@@ -267,13 +271,49 @@ def start(launch_args: list[str], num_processes: int, config: Path, command_name
     one_process = one_plain_process_env(launch_args)
     if one_process is not None:
         print(f"launching {num_processes} process(es) with {config} (in this process)", file=sys.stderr)
-        with _environment({**one_process, **promise}):
+        with process_environment({**one_process, **promise}):
             return here()
     print(f"launching {num_processes} process(es) with {config}", file=sys.stderr)
     # The ranks inherit the promise and this process's id (each rank dies with it: stop_with_launcher); this process's
     # own environment is given back after, so a caller in Python (a test, a notebook) launches again unchanged.
-    with _environment({**os.environ, **promise, LAUNCHER_PID_ENV: str(os.getpid())}):
+    with process_environment({**os.environ, **promise, LAUNCHER_PID_ENV: str(os.getpid()), **AGENT_SIGNALS}), \
+            forwarding_stop_signals():
         return launch_in_process(launch_args, num_processes)
+
+
+# The signals torch's elastic agent handles (torch >= 2.9 reads the list from torchrun's --signals_to_handle, whose
+# environment form this is): its default less the stop signals, which `forwarding_stop_signals` passes on instead.
+# The agent would answer SIGTERM by sending it on with a 30 s deadline, then SIGKILL, and raising (the ranks' exit
+# codes lost); SIGUSR1 it leaves at its default action, which kills the launcher and so (PR_SET_PDEATHSIG) the ranks.
+AGENT_SIGNALS = {"PET_SIGNALS_TO_HANDLE": "SIGINT,SIGHUP,SIGQUIT"}
+
+
+@contextlib.contextmanager
+def forwarding_stop_signals():
+    """While the ranks run: SIGTERM and SIGUSR1 sent to this launcher go on to each of its child processes (the ranks,
+    in their own sessions: a signal to the launcher's process group does not reach them), and the launcher keeps
+    waiting for their exit codes. Needs the main thread; elsewhere nothing changes."""
+    import signal
+    import threading
+
+    import psutil
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    launcher = psutil.Process()
+
+    def forward(signum, frame) -> None:
+        for child in launcher.children():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.send_signal(signum)
+
+    previous = {stop: signal.signal(stop, forward) for stop in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for stop, handler in previous.items():
+            signal.signal(stop, handler if handler is not None else signal.SIG_DFL)
 
 
 def one_plain_process_env(launch_args: list[str]) -> dict[str, str] | None:
@@ -305,7 +345,7 @@ def one_plain_process_env(launch_args: list[str]) -> dict[str, str] | None:
 
 
 @contextlib.contextmanager
-def _environment(env: dict[str, str]):
+def process_environment(env: dict[str, str]):
     """This process's environment replaced by `env` while training runs in it, and restored after. The OpenMP thread
     count the launcher would give the process (OMP_NUM_THREADS) is read when torch loads, so it is set on torch too."""
     import torch
@@ -346,6 +386,12 @@ def launch_in_process(launch_args: list[str], num_processes: int | None = None) 
         rank, failure, line = _root_failure(error.failures)
         code = failure.exitcode if failure.exitcode > 0 else 1
         of = f" of {num_processes}" if num_processes else ""
+        if any(failed.exitcode == PREEMPTED_EXIT_CODE for failed in error.failures.values()):
+            # Every rank stopped after the same step and the checkpoint was verified before any left; a rank the agent
+            # then stopped on its way out (SIGTERM once another had exited) failed nothing.
+            if line is not None:
+                print(line, file=sys.stderr)
+            return PREEMPTED_EXIT_CODE
         if line is not None:
             print(f"{line} [rank {rank}{of} failed first; the other ranks were stopped]", file=sys.stderr)
         elif failure.exitcode < 0:

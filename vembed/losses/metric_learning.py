@@ -55,6 +55,7 @@ class MetricLoss(nn.Module):
     needs_positives: ClassVar[bool] = True
     loss: nn.Module
     settings: dict[str, Any]  # what it was built with (config)
+    class_names: list[str] | None = None  # the training classes by id, when a task sets them (saved with the state)
 
     @classmethod
     def from_recipe(cls, recipe: "Recipe", *, num_classes: int | None = None,
@@ -79,6 +80,12 @@ class MetricLoss(nn.Module):
     @property
     def config(self) -> dict[str, Any]:
         return {"name": type(self).__name__, **self.settings}
+
+    def class_scores(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """`(n, classes)` scores of embeddings against the loss's trained classes; only losses that hold a state per
+        class (ArcFace's centres) have them."""
+        raise ValueError(f"{type(self).__name__} holds nothing per class (its positives are other images of the "
+                         "class); class scores need a loss with class centres (subcenter_arcface)")
 
 
 class SupConSettings(MetricLossSettings):
@@ -141,7 +148,8 @@ class SubCenterArcFaceSettings(MetricLossSettings):
 class SubCenterArcFaceLoss(MetricLoss):
     """Sub-center ArcFace (Deng et al. 2020): softmax over classes on cos(angle to the nearest of a class's centres),
     with an angular margin on the true class. The centres, `loss.loss.W` (embedding_dim, classes × sub_centers), are
-    trained with the model: in the optimizer, in checkpoints, not in the exported model."""
+    trained with the model: in the optimizer, in checkpoints, and in final/ (`loss.safetensors`, which `vembed.load`
+    restores: `class_scores`), not in a sentence-transformers export."""
 
     Settings: ClassVar[type[SubCenterArcFaceSettings]] = SubCenterArcFaceSettings
     needs_positives = False  # each image is pulled towards its class's centres, not towards other images
@@ -167,6 +175,12 @@ class SubCenterArcFaceLoss(MetricLoss):
             raise TypeError("subcenter_arcface needs the embedding_dim of the model it trains")
         return cls(num_classes, embedding_dim, margin=settings.margin, scale=settings.scale,
                    sub_centers=settings.sub_centers)
+
+    def class_scores(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """Each embedding's cosine to the nearest centre of each class, `(n, classes)`: what the loss's softmax reads
+        (before margin and scale), so its argmax is the class the trained centres give."""
+        with torch.no_grad():
+            return self.loss.get_cosine(embeddings.float().to(self.loss.W.device))
 
 
 __all__ = ["MetricLoss", "NTXentLoss", "SubCenterArcFaceLoss", "SupConLoss"]

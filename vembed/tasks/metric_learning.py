@@ -146,6 +146,7 @@ class MetricLearningTask(Task):
         adapter = self.build_adapter()
         loss = loss_class(recipe).from_recipe(recipe, num_classes=len(self.train_data.names),
                                               embedding_dim=adapter.embedding_dim)
+        loss.class_names = list(self.train_data.names)  # saved with a loss's class centres: their names, by id
         return MetricLearningObjective(adapter, loss)
 
     def batch_lines(self, world_size: int) -> list[tuple[str, str]]:

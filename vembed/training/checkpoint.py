@@ -238,6 +238,21 @@ class CheckpointManager:
         self.last_good = final
         return final
 
+    def save_verified(self, state: TrainerState) -> Path:
+        """`save`, then every file read back against the manifest (by the main process) before the run relies on it:
+        the checkpoint a stopped run leaves must be one its resume accepts. Collective."""
+        acc = self.accelerator
+        path = self.save(state)
+        problem = [checkpoint_problem(path) if acc.is_main_process else None]
+        if acc.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            broadcast_object_list(problem)
+        if problem[0] is not None:
+            raise CheckpointError(f"{path} was written but does not verify: {problem[0]}; the last complete "
+                                  "checkpoint before it is the one to resume from")
+        return path
+
     def _writing(self, what: str, partial: Path, directory: Path | None = None):
         return writing_checkpoint_files(what, directory or self.output_dir, self.last_good, partial)
 

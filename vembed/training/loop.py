@@ -33,6 +33,7 @@ from vembed.training.run_outputs import (
     write_metrics_before_training,
 )
 from vembed.training.log_meter import LogMeter
+from vembed.training.preemption import Preempted, StopRequests
 from vembed.training.throughput import ThroughputMeter
 
 if TYPE_CHECKING:
@@ -96,6 +97,8 @@ class Trainer:
         self.accelerator = accelerator
         self.resume_path = self._resolve_resume()  # verified now: a damaged or foreign checkpoint stops the launch
         self._nonfinite_loss: torch.Tensor | float = 0.0  # micro-batches since the last step whose loss was NaN/Inf
+        self.stop_requests = StopRequests()  # SIGTERM/SIGUSR1 while `run` trains (preemption.py)
+        self._stop_agreed = False  # some rank had a stop request at the last optimizer step: every rank stops
 
     def _resolve_resume(self) -> Path | None:
         """The checkpoint to resume from, verified by the main process (it reads every byte once) and shared."""
@@ -260,7 +263,8 @@ class Trainer:
 
         lock = RunLock(self.output_dir).acquire() if self.accelerator.is_main_process else None
         try:
-            return self._run()
+            with self.stop_requests:
+                return self._run()
         finally:
             if lock is not None:
                 lock.release()  # also removes an output_dir this launch created and left empty
@@ -296,6 +300,8 @@ class Trainer:
         finally:
             progress.close()  # also on errors, so the message is not glued to a half-drawn bar
             self._profiler.close()
+        if self.stop_requests.requested:
+            acc.print(f"note: {self.stop_requests.signal_name} arrived at the last step; the run finishes")
         return self._finish(state, metrics)
 
     def _start_or_resume(self) -> tuple[TrainerState, dict[str, Any]]:
@@ -390,8 +396,21 @@ class Trainer:
             self._log(state, meter, progress)
             self._check_decode_failures()
         done = state.global_step >= self.total_steps
+        if self._stop_agreed and not done:
+            self._stop_after_step(state)
         self._maybe_evaluate_and_save(state, end_of_epoch=False, done=done)
         return done
+
+    def _stop_after_step(self, state: TrainerState) -> None:
+        """A stop signal reached some rank: every rank is here after the same step. One checkpoint of it, verified, then
+        the run ends with `Preempted` (exit code 75). An evaluation due at this step is skipped: the grace period a
+        cluster gives (30 s by Kubernetes' default) is for the checkpoint."""
+        if self.stream is not None:
+            state.stream = self.stream.state()  # collective: every rank's position in the stream
+        path = self.checkpoints.save_verified(state)
+        self._last_saved_step = state.global_step
+        name = self.stop_requests.signal_name or "a stop signal on another rank"
+        raise Preempted(state.global_step, name, path, resumes_by_itself=self.recipe.resume_from == "auto")
 
     def _train_streamed(self, state: TrainerState, progress) -> None:
         """`_train` for streamed data (vembed/training/streamed.py): an epoch is one pass over the shards, ended on
@@ -516,11 +535,14 @@ class Trainer:
             norm = norm.full_tensor()
         bad_norm = torch.zeros((), device=acc.device) if norm is None else (
             ~torch.isfinite(torch.as_tensor(norm, device=acc.device))).float()
-        flags = torch.stack([torch.as_tensor(self._nonfinite_loss, device=acc.device).float(), bad_norm])
+        # A stop signal (preemption.py) rides on the same reduction: one collective per step tells every rank both.
+        stop = torch.full((), float(self.stop_requests.requested), device=acc.device)
+        flags = torch.stack([torch.as_tensor(self._nonfinite_loss, device=acc.device).float(), bad_norm, stop])
         self._nonfinite_loss = 0.0
         if acc.num_processes > 1:
             flags = acc.reduce(flags, "sum")
-        bad_loss, bad_gradients = flags.tolist()
+        bad_loss, bad_gradients, stops = flags.tolist()
+        self._stop_agreed = stops > 0
         if bad_loss or bad_gradients:
             what = "the loss" if bad_loss else "the gradients"
             last = self.checkpoints.last_good or "none saved yet"
@@ -577,7 +599,7 @@ class Trainer:
         acc.wait_for_everyone()
         full_state = gather_full_state_dict(acc, self.model) if self.plan.sharded else None
         final_dir = save_final_model(acc, self.output_dir, self.adapter, recipe, full_state,
-                                     self.checkpoints.last_good)
+                                     self.checkpoints.last_good, loss=self.objective.loss)
         if self.eval_examples:
             metrics["validation"] = self.evaluate(self.eval_examples)
         if self.test_examples:

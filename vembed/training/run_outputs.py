@@ -40,10 +40,13 @@ def write_metrics_before_training(output_dir: Path, metrics: dict[str, Any]) -> 
 
 
 def save_final_model(accelerator: "Accelerator", output_dir: Path, adapter: Any, recipe: "Recipe",
-                     full_state: "dict[str, torch.Tensor] | None", last_good: Path | None) -> Path:
+                     full_state: "dict[str, torch.Tensor] | None", last_good: Path | None,
+                     loss: "torch.nn.Module | None" = None) -> Path:
     """final/: the full weights, written under a temporary name and renamed. `full_state`: the objective's state dict
     gathered by every rank together when the run was sharded (rank 0 alone would wait forever), else None and
-    `adapter` is saved as it is. Every rank calls it; the main process writes."""
+    `adapter` is saved as it is. A `loss` with trainable state of its own (ArcFace's centres) is saved beside the
+    model (vembed/losses/saved_state.py). Every rank calls it; the main process writes."""
+    from vembed.losses.saved_state import has_trainable_state, loss_tensors, save_loss_state
     from vembed.training.deepspeed import unsharded_construction
 
     final_dir = output_dir / FINAL_DIR
@@ -55,6 +58,8 @@ def save_final_model(accelerator: "Accelerator", output_dir: Path, adapter: Any,
                 adapter = adapter_with_weights(recipe, full_state)
         with writing_checkpoint_files("the final model", output_dir, last_good, tmp):
             adapter.save(tmp)
+            if loss is not None and has_trainable_state(loss):
+                save_loss_state(tmp, loss, recipe.loss_type, loss_tensors(loss, full_state))
         shutil.rmtree(final_dir, ignore_errors=True)
         tmp.rename(final_dir)
     accelerator.wait_for_everyone()
@@ -102,6 +107,18 @@ def write_plots(output_dir: Path, metrics: dict[str, Any], task: "Task") -> list
     return [path for path in (loss_curve, *task.plots(metrics, output_dir)) if path is not None]
 
 
+def loss_state_facts(final_dir: Path) -> dict[str, Any] | None:
+    """What the card says of the loss state saved beside the weights (None: there is none)."""
+    from vembed.losses.saved_state import LOSS_STATE_FILE, load_saved_loss
+
+    saved = load_saved_loss(final_dir)
+    if saved is None:
+        return None
+    return {"file": LOSS_STATE_FILE, "loss": saved.config.get("name", saved.loss_type),
+            "class_scores": saved.module is not None and hasattr(saved.module, "class_scores"),
+            "classes": len(saved.class_names) if saved.class_names else None}
+
+
 def write_model_card(final_dir: Path, output_dir: Path, metrics: dict[str, Any], plots: list[Path], *,
                      recipe: "Recipe", task: "Task", train_data: dict[str, Any], launch: dict[str, Any],
                      warn=print) -> None:
@@ -115,6 +132,7 @@ def write_model_card(final_dir: Path, output_dir: Path, metrics: dict[str, Any],
         card = build_card(recipe.to_dict(), adapter_info=read_adapter_file(final_dir), launch=launch,
                           data={split: report for split, report in data.items() if report},
                           metrics=metrics, plots=[path.name for path in plots])
+        card["model"]["loss_state"] = loss_state_facts(final_dir)
         write_card(final_dir, card, plots_from=output_dir, load_path=str(final_dir))
     except OSError:
         raise  # a full disk: writing_checkpoint_files reports it, as for the weights
