@@ -43,6 +43,19 @@ def test_jsonl_rows_carry_both_texts_and_an_image_documents_path(tmp_path):
     assert json.loads(bare.read_text()) == {"query_id": "q1", "doc_id": "d1", "rank": 1, "score": 1.0}
 
 
+def test_jsonl_keeps_text_as_written_names_every_image_and_leaves_unknown_ids_empty(tmp_path):
+    split = _split()
+    split.corpus.sides[0] = Side(text="café über")
+    split.corpus.sides[2] = Side(image=["p1.png", "p2.png"])
+    path = write_run(tmp_path / "run.jsonl", {"q1": {"d1": 2.0, "d10": 1.0}, "q9": {"d1": 0.5}}, format="jsonl",
+                     split=split)
+    text = path.read_text(encoding="utf-8")
+    assert "café über" in text  # readable, not \u escapes
+    rows = [json.loads(line) for line in text.splitlines()]
+    assert [row["document"] for row in rows] == ["café über", "p1.png, p2.png", "café über"]
+    assert rows[2]["query"] is None  # a query the split does not hold
+
+
 @pytest.mark.parametrize("tag, format", [("two words", "trec"), ("", "trec"), ("x", "xml")])
 def test_a_bad_tag_or_format_writes_nothing(tmp_path, tag, format):
     with pytest.raises(ValueError):
