@@ -209,11 +209,12 @@ class IndexSize:
         """The whole corpus's size, on every process, when each process was shown only its own share."""
         if accelerator is None or accelerator.num_processes == 1:
             return self
-        counts = torch.tensor(self._counts(), dtype=torch.long, device=accelerator.device)
+        counts = torch.tensor(self.counts(), dtype=torch.long, device=accelerator.device)
         totals = accelerator.gather(counts).view(accelerator.num_processes, -1).sum(dim=0)
         return IndexSize(*totals.tolist())
 
-    def _counts(self) -> list[int]:
+    def counts(self) -> list[int]:
+        """(documents, vectors, bytes, unpooled vectors, unpooled bytes): the fields, in order."""
         return [self.documents, self.vectors, self.nbytes, self.unpooled_vectors, self.unpooled_nbytes]
 
     def metrics(self) -> dict[str, float]:
