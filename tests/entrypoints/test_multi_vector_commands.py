@@ -95,6 +95,22 @@ def test_mine_writes_negatives_scored_by_maxsim(saved, tmp_path, capsys):
     assert "search: exact (torch, MaxSim)" in printed and "5 block(s) encoded" in printed  # faiss auto: not used
 
 
+def test_mine_reports_the_index_size_a_pool_factor_gives_also_from_its_cache(saved, tmp_path, capsys):
+    """The same promise as `vembed eval`'s: mining prints what its index holds; the second run reads every block
+    from the cache, which keeps each block's unpooled count."""
+    counts = _document_token_counts(saved)
+    pooled = sum(max(1, n // 3) for n in counts)
+    out = tmp_path / "negatives.jsonl"
+    for reused in ("0 reused", "5 reused"):
+        assert main(["mine", str(saved / "model"), str(saved / "corpus"), "--out", str(out), "--range-min", "1",
+                     "--range-max", "10", "--max-score-ratio", "none", "--num-negatives", "2", "--pool-factor", "3",
+                     "--documents-per-block", "8", "--overwrite"]) == 0
+        printed = capsys.readouterr().out
+        assert reused in printed
+        assert f"index: {pooled:,} token vectors of {len(counts)} documents" in printed
+        assert f"pooled by 3 from {sum(counts):,} token vectors" in printed
+
+
 @pytest.mark.parametrize("command, expected", [
     (["eval", "{model}", "{pairs}", "--output", "{out}"],
      "model_dir: vembed eval of pair files scores one vector per side, and this model gives token vectors "

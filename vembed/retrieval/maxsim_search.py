@@ -46,7 +46,7 @@ MULTI_VECTOR = "multi_vector"
 class PackedTokens:
     """The token vectors of a block of documents without padding: `vectors` `(total tokens, dim)`, document after
     document, and `lengths` `(n_documents,)`, each document's number of vectors (0: a document with no token).
-    `unpooled`: how many token vectors the documents had before `pool_tokens` (None: not pooled; not cached)."""
+    `unpooled`: how many token vectors the documents had before `pool_tokens` (None: not pooled)."""
 
     vectors: torch.Tensor
     lengths: torch.Tensor
@@ -114,11 +114,15 @@ class PackedTokens:
 
     def state(self) -> dict[str, torch.Tensor]:
         """What a cache file holds (plain tensors: loaded with torch.load(weights_only=True))."""
-        return {"vectors": self.vectors.detach().cpu().contiguous(), "lengths": self.lengths.cpu().contiguous()}
+        state = {"vectors": self.vectors.detach().cpu().contiguous(), "lengths": self.lengths.cpu().contiguous()}
+        if self.unpooled is not None:  # so a block read back reports the index size it was pooled from
+            state["unpooled"] = torch.tensor(self.unpooled)
+        return state
 
     @classmethod
     def from_state(cls, state: dict[str, torch.Tensor]) -> "PackedTokens":
-        return cls(state["vectors"], state["lengths"])
+        unpooled = state.get("unpooled")
+        return cls(state["vectors"], state["lengths"], None if unpooled is None else int(unpooled))
 
 
 def pool_tokens(vectors: torch.Tensor, pool_factor: int) -> torch.Tensor:
