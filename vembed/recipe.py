@@ -439,9 +439,12 @@ class Recipe(_Strict):
     # Unset: 8, or the per-device batch if that is smaller.
     gradient_cache_chunk_size: int | None = Field(default=None, gt=0)
     # Length-aware encoding: each text side of a step runs as this many length-sorted forwards, each padded only to
-    # its own longest text; embeddings go back in batch order before the loss (same batch, loss and gradients up to
-    # float rounding). 1: one forward padded to the batch's longest text. Helps where lengths are uneven; adapters
-    # whose pooling depends on padding (siglip) and qwen_vl ignore it. Under GradCache each chunk is cut to its longest.
+    # its own longest text; embeddings go back in batch order before the loss (same batch). With dropout off, the
+    # padded step's loss and gradients up to float rounding; with dropout on (released encoders' default), the chunks
+    # draw their masks in another order: another draw of the same distribution, not the padded step (deterministic
+    # given the seed; resumes bitwise). 1: one forward padded to the batch's longest text. Helps where lengths are
+    # uneven; adapters whose pooling depends on padding (siglip) and qwen_vl ignore it. Under GradCache each chunk
+    # is cut to its longest.
     length_chunks: int = Field(default=1, ge=1)
     # torch.compile each encoder tower the adapter names (`compiled_modules`), in place: same weights and state dict,
     # the first steps (and each new input shape) pay the compilation. Tested equal to eager in one process, with

@@ -13,7 +13,7 @@ from corpora import make_corpus_folder
 
 from vembed.data.corpus import load_corpus_split
 from vembed.evaluation.corpus import Cutoffs, evaluate_corpus
-from vembed.retrieval.maxsim_search import STORED_DTYPE, PackedTokens, maxsim_top_k, pool_tokens
+from vembed.retrieval.maxsim_search import STORED_DTYPE, IndexSize, PackedTokens, maxsim_top_k, pool_tokens
 from vembed.retrieval.search import SCORINGS, search_corpus
 
 CUTOFFS = Cutoffs(ndcg=(1, 3, 10), recall=(1, 10, 100), map=(5, 100), mrr=(10,))
@@ -220,22 +220,27 @@ def _search_on_ranks(tokenizer_dir: str, folder: str, out_file: str) -> None:
     accelerator = Accelerator(cpu=True)
     assert accelerator.num_processes == 2
     split = load_corpus_split(folder, "train")
+    index = IndexSize()
     found = search_corpus(_colbert(tokenizer_dir), split.queries.sides, split.corpus.sides, 10,
-                          accelerator=accelerator, batch_size=4, documents_per_block=4)
+                          accelerator=accelerator, batch_size=4, documents_per_block=4, on_block=index.add)
+    total = index.across(accelerator)  # a collective: every rank calls it
     if accelerator.is_main_process:
-        torch.save({"scores": found.scores, "indices": found.indices}, out_file)
+        torch.save({"scores": found.scores, "indices": found.indices, "index": torch.tensor(total.counts())}, out_file)
 
 
 def test_two_ranks_each_scoring_a_share_of_each_block_find_what_one_process_finds(mask_tokenizer_dir, split,
                                                                                    tmp_path):
     from ranks import run_on_ranks
 
+    index = IndexSize()
     expected = search_corpus(_colbert(mask_tokenizer_dir), split.queries.sides, split.corpus.sides, 10,
-                             batch_size=4, documents_per_block=8)
+                             batch_size=4, documents_per_block=8, on_block=index.add)
     out = tmp_path / "found.pt"
     run_on_ranks(_search_on_ranks, mask_tokenizer_dir, str(split.folder), str(out), world=2, timeout=240)
     found = torch.load(out, weights_only=True)
     assert torch.equal(found["indices"], expected.indices)
+    # each rank saw its share of the blocks; summed, the index size one process reports (vembed eval's index/...)
+    assert found["index"].tolist() == index.counts() and index.documents == len(split.corpus)
     torch.testing.assert_close(found["scores"], expected.scores, atol=1e-6, rtol=0)
 
 

@@ -186,3 +186,81 @@ def test_two_ranks_with_length_chunks_equal_one_process_on_the_whole_batch(uneve
     ddp = torch.load(tmp_path / "ddp.pt", weights_only=True)
     one, _, _ = _step(dict(uneven_texts, batch_size=BATCH), list(range(BATCH)))  # one padded forward per side
     assert _relative(ddp, one) <= 1e-5
+
+
+# --- with dropout on: what holds (README, recipe.py's `length_chunks`) ---------------------------------------------
+# A chunk draws its dropout masks from the run's generator in its own order, so a chunked step is not the padded
+# step: it is another draw of the same distribution. What holds instead is pinned here.
+
+DROPOUT = {"hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1}
+
+
+def _with_dropout(raw: dict, negatives: bool = True) -> dict:
+    """`raw` with BERT's released dropout (0.1 on hidden states and attention probabilities); without the hard
+    negatives when asked (a pair batch: query then positive side, as GradCache encodes them)."""
+    raw = dict(raw, model_config={**raw["model_config"], **DROPOUT})
+    if not negatives:
+        path = Path(raw["data"]["train"])
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        pairs = path.with_name("pairs_only.jsonl")
+        pairs.write_text("\n".join(json.dumps({"query": r["query"], "positive": r["positive"]}) for r in rows))
+        raw["data"] = {"train": str(pairs)}
+    return raw
+
+
+def _train_step(raw: dict) -> tuple[dict[str, torch.Tensor], float]:
+    """Gradients and loss of the first training step on the first batch, nothing drawn before it but the seed."""
+    from accelerate.utils import send_to_device
+
+    from vembed.training.loop import Trainer
+
+    trainer = Trainer(recipe_from_dict(raw))
+    trainer.build()
+    batch = send_to_device(trainer.loader.collate_fn([trainer.dataset[i] for i in range(BATCH)]),
+                           trainer.accelerator.device)
+    loss = trainer.train_step(batch)
+    objective = trainer.accelerator.unwrap_model(trainer.model)
+    return {n: p.grad.detach().clone() for n, p in objective.named_parameters() if p.grad is not None}, loss.item()
+
+
+def test_with_dropout_a_chunked_step_is_another_draw_and_the_same_one_every_time(uneven_texts):
+    raw = _with_dropout(uneven_texts)
+    padded, padded_loss = _train_step(raw)
+    chunked, chunked_loss = _train_step(dict(raw, length_chunks=3))
+    again, again_loss = _train_step(dict(raw, length_chunks=3))
+    assert chunked_loss == again_loss and all(torch.equal(again[n], g) for n, g in chunked.items())  # given the seed
+    assert _relative(chunked, padded) > 1e-3, "chunks drew the padded forward's masks: update the docs' claim"
+    no_dropout, _ = _train_step(dict(uneven_texts, length_chunks=3))
+    assert _relative(chunked, no_dropout) > 1e-3, "dropout is not on in this test"
+
+
+def test_with_dropout_gradient_cache_by_length_replays_each_chunk_masks_exactly(uneven_texts):
+    """GradCache re-encodes each chunk under the RNG state of its first forward, so with dropout on its gradient is
+    that of the loss it reports: equal (1e-5) to a plain step that draws the same masks, i.e. `length_chunks` cutting
+    the same length-sorted chunks in the same order (2 chunks of 4 rows here, query side then positive side)."""
+    raw = _with_dropout(uneven_texts, negatives=False)
+    plain, plain_loss = _train_step(dict(raw, length_chunks=2))
+    cached, cached_loss = _train_step(dict(raw, length_chunks=2, use_gradient_cache=True,
+                                           gradient_cache_chunk_size=BATCH // 2))
+    assert abs(cached_loss - plain_loss) <= 1e-5 * abs(plain_loss)
+    assert _relative(cached, plain) <= 1e-5
+
+
+def test_with_dropout_a_chunked_run_resumes_to_the_same_weights(uneven_texts, tmp_path):
+    from interrupts import stop_after_checkpoint
+    from safetensors.torch import load_file
+
+    from vembed.training.loop import Trainer
+
+    raw = dict(_with_dropout(uneven_texts), length_chunks=3, max_steps=4, epochs=2, save_steps=2, logging_steps=1)
+
+    def final_weights(out: Path) -> dict[str, torch.Tensor]:
+        Trainer(recipe_from_dict(dict(raw, output_dir=str(out), resume_from="auto"))).run()
+        return {f"{f.name}:{k}": v for f in sorted((out / "final").rglob("*.safetensors"))
+                for k, v in load_file(str(f)).items()}
+
+    expected = final_weights(tmp_path / "straight")
+    stop_after_checkpoint(lambda: Trainer(recipe_from_dict(dict(raw, output_dir=str(tmp_path / "cut")))).run(), 2)
+    resumed = final_weights(tmp_path / "cut")
+    assert expected.keys() == resumed.keys() and expected
+    assert all(torch.equal(resumed[k], v) for k, v in expected.items())

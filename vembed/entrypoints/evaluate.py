@@ -41,7 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split", help="a corpus folder's qrels split (qrels/<split>.tsv; default: test)")
     parser.add_argument("--pool-factor", "--pool_factor", type=int, default=None,
                         help="corpus folder, multi_vector model: pool each document's token vectors about this many "
-                             "to one (hierarchical clustering; default: the model's document_pool_factor, 1 = none)")
+                             "to one (hierarchical clustering; default: the model's document_pool_factor, 1 = none); "
+                             "the index's token vectors and bytes, pooled and not, are printed and in the metrics "
+                             "(index/...)")
     parser.add_argument("--first-stage", "--first_stage", metavar="EMBEDDER_DIR|RUN_FILE",
                         help="with a reranker as MODEL_DIR: the first stage whose candidates it reorders, an "
                              "embedding model folder (searched over the corpus) or a TREC run file")
@@ -182,7 +184,7 @@ def _evaluate_corpus(args: argparse.Namespace, accelerator: "Accelerator") -> di
     from vembed.errors import RecipeError
     from vembed.evaluation.corpus import evaluate_corpus
     from vembed.models.foreign import load_embedding_model
-    from vembed.retrieval.maxsim_search import set_pool_factor
+    from vembed.retrieval.maxsim_search import MULTI_VECTOR, IndexSize, pool_factor_of, set_pool_factor
 
     for flag, value in (("--mrl-dims", args.mrl_dims), ("--column", args.column)):
         if value:
@@ -193,8 +195,16 @@ def _evaluate_corpus(args: argparse.Namespace, accelerator: "Accelerator") -> di
     adapter = load_embedding_model(args.model_dir, trust_remote_code=args.trust_remote_code)
     set_pool_factor(adapter, args.pool_factor)
     split = source.load()
-    return evaluate_corpus(adapter.to(accelerator.device), split, batch_size=args.batch_size,
-                           max_queries=args.max_samples, show_progress=True, accelerator=accelerator)
+    index = IndexSize() if adapter.embedding_kind == MULTI_VECTOR else None
+    metrics = evaluate_corpus(adapter.to(accelerator.device), split, batch_size=args.batch_size,
+                              max_queries=args.max_samples, show_progress=True, accelerator=accelerator,
+                              on_block=index.add if index is not None else None)
+    if index is not None:  # what --pool-factor promises, measured on the index this search built
+        index = index.across(accelerator)
+        metrics.update(index.metrics())
+        if accelerator.is_main_process:
+            print(index.describe(pool_factor_of(adapter)), file=sys.stderr)
+    return metrics
 
 
 def _check_reranking(args: argparse.Namespace, corpus: bool) -> None:

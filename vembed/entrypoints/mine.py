@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         from vembed.files import check_replaceable
         from vembed.models.foreign import load_embedding_model, model_folder
         from vembed.retrieval.cache import EmbeddingCache, cache_key, check_cache_folder
-        from vembed.retrieval.maxsim_search import pool_factor_key, set_pool_factor
+        from vembed.retrieval.maxsim_search import pool_factor_key, pool_factor_of, set_pool_factor
         from vembed.retrieval.mining import faiss_available, mine_hard_negatives, write_jsonl_atomic
         from vembed.retrieval.search import scoring_of
 
@@ -162,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
                   f"negatives left and were left out; search: "
                   f"{'faiss' if use_faiss else 'exact (torch' + (', MaxSim)' if not scoring.faiss else ')')}{where}; "
                   f"{accelerator.num_processes} process(es)")
+            if "index" in stats.extra:  # token vectors: the size --pool-factor promises to shrink
+                print(stats.extra["index"].describe(pool_factor_of(adapter)))
         accelerator.wait_for_everyone()
         accelerator.end_training()  # tears the process group down together (gloo can abort otherwise)
         return 0

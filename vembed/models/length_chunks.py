@@ -1,15 +1,20 @@
 """Length-aware encoding: a side's texts run through the encoder in length-sorted chunks, each padded only to its own
 longest row, and the embeddings are put back in batch order before the loss.
 
-The contrastive batch, the loss and the gradients are those of one padded forward (up to float rounding): padding
-columns that no row attends change nothing an adapter computes when it pools from the attention mask or at the EOS
-token (`EmbeddingAdapter.length_chunking`). SigLIP pools the last *position* of text padded to max_length, so it stays
-out. Only the shared text/image layout (vembed/models/batch.py) is chunked; a side with images keeps its order and
-has only the columns no row attends cut.
+The contrastive batch, the loss and the gradients are those of one padded forward (up to float rounding) when dropout
+is off: padding columns that no row attends change nothing an adapter computes when it pools from the attention mask
+or at the EOS token (`EmbeddingAdapter.length_chunking`). SigLIP pools the last *position* of text padded to
+max_length, so it stays out. Only the shared text/image layout (vembed/models/batch.py) is chunked; a side with images
+keeps its order and has only the columns no row attends cut.
+
+With dropout on, each chunk draws its masks from the run's generator in its own order, so a text gets other masks than
+in the padded forward: another draw of the same distribution, deterministic given the seed. Masks that follow each text
+whatever its chunk are possible (a hash of a row seed and the position) but cost unfused attention and a hook per
+architecture (measured in bench/keyed_dropout_cost.py).
 
 Written here rather than taken from a library: sentence-transformers sorts a whole dataset by length at encode time
 (inference only), and the backends' unpadded attention (flash-attention varlen, SDPA on jagged tensors) is GPU-only
-and model-specific; this keeps training exact for every adapter that opts in.
+and model-specific; this keeps training exact (dropout off) for every adapter that opts in.
 """
 
 from __future__ import annotations

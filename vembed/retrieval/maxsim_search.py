@@ -28,6 +28,8 @@ from vembed.retrieval.scoring import SCORE_CHUNK_ELEMENTS, TopK, block_top_k, ex
 from vembed.retrieval.search import Scoring
 
 if TYPE_CHECKING:
+    from accelerate import Accelerator
+
     from vembed.data.records import Side
     from vembed.models.base import EmbeddingAdapter
 
@@ -44,10 +46,12 @@ _PAIRS_AT_ONCE = 4096  # (query, document) pairs whose query vectors are gathere
 @dataclass(eq=False)  # compared by identity: tensors have no one truth value
 class PackedTokens:
     """The token vectors of a block of documents without padding: `vectors` `(total tokens, dim)`, document after
-    document, and `lengths` `(n_documents,)`, each document's number of vectors (0: a document with no token)."""
+    document, and `lengths` `(n_documents,)`, each document's number of vectors (0: a document with no token).
+    `unpooled`: how many token vectors the documents had before `pool_tokens` (None: not pooled)."""
 
     vectors: torch.Tensor
     lengths: torch.Tensor
+    unpooled: int | None = None
 
     def __post_init__(self) -> None:
         if self.lengths.dim() != 1 or int(self.lengths.sum()) != len(self.vectors):
@@ -78,6 +82,13 @@ class PackedTokens:
         """Bytes of the stored vectors and lengths: the index size of the block."""
         return self.vectors.numel() * self.vectors.element_size() + self.lengths.numel() * self.lengths.element_size()
 
+    @property
+    def unpooled_nbytes(self) -> int:
+        """Bytes the block would take without pooling: what `document_pool_factor` saves is the difference."""
+        if self.unpooled is None:
+            return self.nbytes
+        return self.nbytes + (self.unpooled - len(self.vectors)) * self.dim * self.vectors.element_size()
+
     def _offsets(self) -> torch.Tensor:
         return torch.cat([self.lengths.new_zeros(1), self.lengths.cumsum(0)])
 
@@ -100,15 +111,19 @@ class PackedTokens:
             torch.zeros(0, 0, self.dim, device=device)
 
     def to(self, device: torch.device | str) -> "PackedTokens":
-        return PackedTokens(self.vectors.to(device), self.lengths)
+        return PackedTokens(self.vectors.to(device), self.lengths, self.unpooled)
 
     def state(self) -> dict[str, torch.Tensor]:
         """What a cache file holds (plain tensors: loaded with torch.load(weights_only=True))."""
-        return {"vectors": self.vectors.detach().cpu().contiguous(), "lengths": self.lengths.cpu().contiguous()}
+        state = {"vectors": self.vectors.detach().cpu().contiguous(), "lengths": self.lengths.cpu().contiguous()}
+        if self.unpooled is not None:  # so a block read back reports the index size it was pooled from
+            state["unpooled"] = torch.tensor(self.unpooled)
+        return state
 
     @classmethod
     def from_state(cls, state: dict[str, torch.Tensor]) -> "PackedTokens":
-        return cls(state["vectors"], state["lengths"])
+        unpooled = state.get("unpooled")
+        return cls(state["vectors"], state["lengths"], None if unpooled is None else int(unpooled))
 
 
 def pool_tokens(vectors: torch.Tensor, pool_factor: int) -> torch.Tensor:
@@ -172,7 +187,59 @@ def pack_documents(padded: torch.Tensor, pool_factor: int = 1) -> PackedTokens:
     if pool_factor <= 1:
         return PackedTokens.pack(padded)
     kept = token_mask(padded)
-    return PackedTokens.pack([pool_tokens(doc[mask], pool_factor) for doc, mask in zip(padded, kept)])
+    packed = PackedTokens.pack([pool_tokens(doc[mask], pool_factor) for doc, mask in zip(padded, kept)])
+    packed.unpooled = int(kept.sum())
+    return packed
+
+
+@dataclass
+class IndexSize:
+    """What a search stored of the corpus, summed over the blocks it was shown (`add`) and over processes
+    (`across`): documents, token vectors and bytes, before and after `document_pool_factor`."""
+
+    documents: int = 0
+    vectors: int = 0
+    nbytes: int = 0
+    unpooled_vectors: int = 0
+    unpooled_nbytes: int = 0
+
+    def add(self, block: PackedTokens) -> None:
+        self.documents += len(block)
+        self.vectors += len(block.vectors)
+        self.nbytes += block.nbytes
+        self.unpooled_vectors += len(block.vectors) if block.unpooled is None else block.unpooled
+        self.unpooled_nbytes += block.unpooled_nbytes
+
+    def across(self, accelerator: "Accelerator | None") -> "IndexSize":
+        """The whole corpus's size, on every process, when each process was shown only its own share."""
+        if accelerator is None or accelerator.num_processes == 1:
+            return self
+        counts = torch.tensor(self.counts(), dtype=torch.long, device=accelerator.device)
+        totals = accelerator.gather(counts).view(accelerator.num_processes, -1).sum(dim=0)
+        return IndexSize(*totals.tolist())
+
+    def counts(self) -> list[int]:
+        """(documents, vectors, bytes, unpooled vectors, unpooled bytes): the fields, in order."""
+        return [self.documents, self.vectors, self.nbytes, self.unpooled_vectors, self.unpooled_nbytes]
+
+    def metrics(self) -> dict[str, float]:
+        """`index/...` keys for the metrics JSON: what is stored, and what would be without pooling."""
+        return {"index/token_vectors": float(self.vectors), "index/bytes": float(self.nbytes),
+                "index/token_vectors_unpooled": float(self.unpooled_vectors),
+                "index/bytes_unpooled": float(self.unpooled_nbytes)}
+
+    def describe(self, pool_factor: int) -> str:
+        """One line for people: the stored index and, when pooled, its share of the unpooled one."""
+        stored = f"index: {self.vectors:,} token vectors of {self.documents:,} documents, {_mib(self.nbytes)} (float16)"
+        if pool_factor <= 1:
+            return f"{stored}, not pooled"
+        ratio = self.nbytes / self.unpooled_nbytes if self.unpooled_nbytes else 1.0
+        return (f"{stored}; pooled by {pool_factor} from {self.unpooled_vectors:,} token vectors, "
+                f"{_mib(self.unpooled_nbytes)}: {ratio:.2f}x the bytes")
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
 
 
 def maxsim_top_k(queries: torch.Tensor, block: PackedTokens, k: int, *, doc_offset: int = 0,
@@ -262,5 +329,5 @@ def _maxsim_in_float64(queries: torch.Tensor, documents: torch.Tensor) -> torch.
 SCORINGS.register(MULTI_VECTOR)(Scoring(top_k=maxsim_top_k, pair_scores=maxsim_pairs, encode_share=encode_token_share,
                                         documents_per_block=DOCUMENTS_PER_BLOCK, stored=PackedTokens, faiss=False))
 
-__all__ = ["PackedTokens", "encode_token_share", "maxsim_pair_scorer", "maxsim_pairs", "maxsim_top_k", "pack_documents",
-           "pool_factor_key", "pool_tokens", "set_pool_factor"]
+__all__ = ["IndexSize", "PackedTokens", "encode_token_share", "maxsim_pair_scorer", "maxsim_pairs", "maxsim_top_k",
+           "pack_documents", "pool_factor_key", "pool_tokens", "set_pool_factor"]

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from vembed.errors import RecipeError
 from vembed.files import replace_atomically
 from vembed.models.encoding import encode_sides
+from vembed.retrieval.maxsim_search import IndexSize, PackedTokens
 from vembed.retrieval.scoring import TopK, top_k
 from vembed.retrieval.search import Scoring, document_blocks, scoring_of, search
 
@@ -252,20 +253,25 @@ def mine_hard_negatives(
     mined = select_negatives(found, [relevant[q] for q in judged], lowest.tolist(), settings, stats)
     stats.blocks_reused = cache.reused if cache is not None else 0
     stats.blocks_encoded = counted.blocks - stats.blocks_reused
+    if scoring.stored is PackedTokens:  # token vectors: what the index holds, all processes' shares
+        stats.extra["index"] = counted.index.across(accelerator)
     scores_of = {(int(q), int(d)): float(s) for q, d, s in zip(pair_row, pair_doc, pair_scores)}
     rows = training_rows(split, judged, relevant, mined, scores_of)
     return rows, stats
 
 
 class _Counted:
-    """Blocks passed through, counted (this process's shares: encoded or read from the cache)."""
+    """Blocks passed through, counted (this process's shares: encoded or read from the cache), and the index size of
+    packed token vectors (`index`: what `--pool-factor` promises to shrink)."""
 
     def __init__(self, blocks: Iterable[tuple[int, Any]]):
-        self.inner, self.blocks = blocks, 0
+        self.inner, self.blocks, self.index = blocks, 0, IndexSize()
 
     def __iter__(self) -> Iterator[tuple[int, Any]]:
         for item in self.inner:
             self.blocks += 1
+            if isinstance(item[1], PackedTokens):
+                self.index.add(item[1])
             yield item
             del item  # one block held at a time
 

@@ -114,6 +114,14 @@ def document_blocks(
         yield start + first, emb
 
 
+def _shown_to(on_block: Callable[[Any], None], blocks: Iterable[tuple[int, Any]]) -> Iterator[tuple[int, Any]]:
+    """`blocks`, each passed to `on_block` first; dropped before the next is made (one block held at a time)."""
+    for offset, block in blocks:
+        on_block(block)
+        yield offset, block
+        del block
+
+
 def _on_every_process(flag: bool, accelerator: "Accelerator | None") -> bool:
     if accelerator is None or accelerator.num_processes == 1:
         return flag
@@ -152,13 +160,17 @@ def search_corpus(
     documents_per_block: int | None = None,
     forward: "Callable[[dict[str, Any]], torch.Tensor] | None" = None,
     show_progress: bool = False,
+    on_block: Callable[[Any], None] | None = None,
 ) -> TopK:
     """Encode `queries` (shared by every process) and the corpus (each process its share), and return each query's
     `k` best documents by the score of the adapter's embedding kind (cosine, or MaxSim for token vectors: `Scoring`).
-    The same on one process and on many."""
+    The same on one process and on many. `on_block(block)` sees each block of this process's share before it is
+    scored (e.g. `maxsim_search.IndexSize.add`, to report what the index holds)."""
     kwargs = dict(batch_size=batch_size, accelerator=accelerator, forward=forward)
     query_emb = encode_sides(adapter, queries, desc="queries", show_progress=show_progress, **kwargs)
     blocks = document_blocks(adapter, documents, documents_per_block=documents_per_block,
                              show_progress=show_progress, **kwargs)
+    if on_block is not None:
+        blocks = _shown_to(on_block, blocks)
     return search(query_emb, blocks, min(k, max(1, len(documents))), accelerator=accelerator,
                   score_block=scoring_of(adapter).top_k)
