@@ -343,6 +343,12 @@ class CorpusPairs:
     def score_shapes(self) -> tuple[int, int, int]:
         return len(self), 0, 0
 
+    def first_score(self, shape: str) -> Any:
+        from vembed.data.rows import ScoreCell
+
+        # a corpus folder has no score column: its pairs are judgements
+        return ScoreCell(self.split.folder, None, None) if shape == "none" and len(self) else None
+
     def __getitem__(self, index: Any) -> Any:
         from dataclasses import replace
 

@@ -18,7 +18,7 @@ MAX_BAD_ROWS_SHOWN = 5
 
 @dataclass
 class BadRow:
-    """One skipped row: `row` is the 1-based record number in `file` (a JSONL file's line number, a CSV's data row)."""
+    """One skipped row: `row` is its number in `file` as every data message gives it (reader.row_number)."""
 
     file: str
     row: int
