@@ -229,7 +229,19 @@ def test_unset_split_and_unparsable_file(tmp_path):
     bad.write_text('{"query": "a", "positive": "b"}\n\n{not json\n')
     with pytest.raises(DataError, match="cannot read as json: line 3 is not valid JSON") as err:
         load_examples(DataConfig(train=str(bad)), "train")
-    assert (err.value.file, err.value.row) == (str(bad), 3)
+    assert (err.value.file, err.value.row) == (str(bad), 2)  # the 2nd record: rows are records, blank lines are not
+
+
+def test_a_jsonl_row_is_named_by_its_record_number_whatever_blank_lines_precede_it(tmp_path):
+    """One numbering for every message about a row: a row skipped by the checks and a line that does not parse."""
+    path = tmp_path / "pairs.jsonl"
+    path.write_text('\n{"query": "a", "positive": "b"}\n\n{"query": "", "positive": "c"}\n'
+                    + "".join(f'{{"query": "q{i}", "positive": "p{i}"}}\n' for i in range(8)))
+    _, report = load_examples(DataConfig(train=str(path), max_bad_fraction=0.5), "train")
+    assert [(bad.row, bad.reason) for bad in report.bad_rows] == [(2, "empty_query")]
+    path.write_text(path.read_text().replace('{"query": "", "positive": "c"}', "{broken"))
+    with pytest.raises(DataError, match=r"pairs.jsonl, row 2: cannot read as json: line 4 is not valid JSON"):
+        load_examples(DataConfig(train=str(path)), "train")
 
 
 @pytest.mark.parametrize("layout", ["array", "columns", "lines with blanks"])
