@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vembed.data.reader import row_number
 from vembed.data.records import Side
 from vembed.errors import DataError, RecipeError
 from vembed.files import replace_atomically
@@ -122,19 +123,22 @@ class CorpusSplit:
 
 
 def _jsonl(path: Path) -> Iterator[tuple[int, dict]]:
+    """(row number, object) of each non-blank line: rows are numbered as every data message numbers them
+    (reader.row_number: blank lines are no rows); a line that does not parse says its line too."""
     with open(path, encoding="utf-8") as handle:
+        position = 0
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
+            number, position = row_number(position), position + 1
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise DataError(f"not JSON ({err.msg}); each line must be one JSON object", str(path),
-                                line_number) from None
+                raise DataError(f"line {line_number} is not JSON ({err.msg}); each line must be one JSON object",
+                                str(path), number) from None
             if not isinstance(row, dict):
-                raise DataError(f"is {type(row).__name__}, not a JSON object with _id and text", str(path),
-                                line_number)
-            yield line_number, row
+                raise DataError(f"is {type(row).__name__}, not a JSON object with _id and text", str(path), number)
+            yield number, row
 
 
 def _side(row: dict, path: Path, line_number: int, image_base: Path, role: str, with_title: bool) -> Side:
@@ -165,6 +169,7 @@ def read_items(path: str | os.PathLike, role: str, image_root: str | os.PathLike
     ids: list[str] = []
     sides: list[Side] = []
     index: dict[str, int] = {}
+    rows: dict[str, int] = {}  # id -> its row, for the error naming a repeated id
     for line_number, row in _jsonl(path):
         if "_id" not in row:
             raise DataError("has no '_id'; every row of a corpus folder needs one", str(path), line_number)
@@ -172,9 +177,9 @@ def read_items(path: str | os.PathLike, role: str, image_root: str | os.PathLike
         if wanted is not None and item_id not in wanted:
             continue
         if item_id in index:
-            raise DataError(f"_id {item_id!r} repeats row {index[item_id] + 1}'s id; ids must be unique", str(path),
+            raise DataError(f"_id {item_id!r} repeats row {rows[item_id]}'s id; ids must be unique", str(path),
                             line_number)
-        index[item_id] = len(ids)
+        index[item_id], rows[item_id] = len(ids), line_number
         ids.append(item_id)
         sides.append(_side(row, path, line_number, image_base, role, with_title=role == "document"))
     if not ids and wanted is None:
@@ -183,28 +188,37 @@ def read_items(path: str | os.PathLike, role: str, image_root: str | os.PathLike
 
 
 def read_qrels(path: str | os.PathLike) -> dict[str, dict[str, int]]:
-    """`query-id corpus-id score` rows of a TSV file (a header line is recognised and skipped) as nested dicts."""
+    """`query-id corpus-id score` rows of a TSV file (a header line is recognised and skipped) as nested dicts. Rows
+    are numbered as every data message numbers them (reader.row_number): the header and blank lines are no rows."""
     path = Path(path)
     qrels: dict[str, dict[str, int]] = {}
     with open(path, encoding="utf-8", newline="") as handle:
+        position = 0
         for line_number, cells in enumerate(csv.reader(handle, delimiter="\t"), start=1):
             if not cells or not "".join(cells).strip():
                 continue
+            if line_number == 1 and len(cells) in (3, 4) and not _is_number(cells[-1]):
+                continue  # the header
+            number, position = row_number(position), position + 1
             if len(cells) == 4:  # TREC qrels: query 0 document grade
                 cells = [cells[0], cells[2], cells[3]]
             if len(cells) != 3:
                 raise DataError(f"has {len(cells)} columns; a qrels row is query-id, corpus-id, score", str(path),
-                                line_number)
-            try:
-                grade = int(float(cells[2]))
-            except ValueError:
-                if line_number == 1:
-                    continue  # the header
-                raise DataError(f"score {cells[2]!r} is not a number", str(path), line_number) from None
-            qrels.setdefault(cells[0].strip(), {})[cells[1].strip()] = grade
+                                number)
+            if not _is_number(cells[2]):
+                raise DataError(f"score {cells[2]!r} is not a number", str(path), number)
+            qrels.setdefault(cells[0].strip(), {})[cells[1].strip()] = int(float(cells[2]))
     if not qrels:
         raise DataError("holds no judgements", str(path))
     return qrels
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def load_corpus_split(folder: str | os.PathLike, split: str, image_root: str | os.PathLike | None = None,
