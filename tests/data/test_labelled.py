@@ -297,3 +297,41 @@ def test_max_bad_fraction_after_decoding_counts_the_rows_read_at_the_boundary(di
                 data.check_bad_fraction(limit)
         else:
             data.check_bad_fraction(limit)
+
+
+# --- label ranges at their boundary: the last class is one, one past it is not -------------------------------------
+@pytest.mark.parametrize("label, refused", [(2, False), (3, True), (-1, True)])
+def test_a_classlabel_id_at_the_edge_of_its_names(digits, tmp_path, label, refused):
+    """A Parquet file whose schema declares a ClassLabel of CLASSES (as `datasets` writes it) but written by another
+    tool: nothing stopped an id past the names from being stored."""
+    import json
+
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=CLASSES)})
+    kind = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    cells = [{"bytes": image, "path": None} for image in _digit_bytes(digits)[:3]]
+    table = pa.table({"image": pa.array(cells, type=kind), "label": pa.array([0, 1, label], pa.int64())})
+    path = tmp_path / "ids.parquet"
+    pq.write_table(table.replace_schema_metadata({"huggingface": json.dumps({"info": {"features":
+                                                                                      features.to_dict()}})}), path)
+    if refused:
+        with pytest.raises(DataError, match=rf"ids.parquet, row 3: label {label} is outside the classes 0..2 of "
+                                            "column 'label'"):
+            read_labelled_images(str(path), "data.train")
+    else:
+        assert read_labelled_images(str(path), "data.train").labels == [0, 1, 2]
+
+
+@pytest.mark.parametrize("label, refused", [("2", False), ("3", True)])
+def test_an_integer_csv_label_at_the_edge_of_num_labels(digits, tmp_path, label, refused):
+    file = _labelled_csv(tmp_path, digits, ["0", "1", label])
+    read = lambda: read_labelled_images(str(file), "data.train", image_root=str(digits / "tree"),  # noqa: E731
+                                        num_labels=3)
+    if refused:
+        with pytest.raises(DataError, match=rf"labelled.csv, row 3: label {label} is outside the classes 0..2"):
+            read()
+    else:
+        assert read().labels == [0, 1, 2]

@@ -73,11 +73,12 @@ def test_scores_outside_the_declared_range_stop_naming_the_row(tmp_path, write):
 
 
 @pytest.mark.parametrize("write", [_jsonl, _parquet], ids=["jsonl", "parquet"])
-def test_a_teacher_score_list_of_the_wrong_length_stops_naming_the_row(tmp_path, write):
+@pytest.mark.parametrize("count", [2, 4], ids=["fewer", "more"])  # one short of 1 + 2 negatives and one over
+def test_a_teacher_score_list_of_the_wrong_length_stops_naming_the_row(tmp_path, write, count):
     rows = [dict(row) for row in CANDIDATES]
-    rows[1]["score"] = [1.0, 2.0]
+    rows[1]["score"] = [1.0, 2.0, 3.0, 4.0][:count]
     path = write(tmp_path / f"w.{'jsonl' if write is _jsonl else 'parquet'}", rows)
-    with pytest.raises(DataError, match=r"row 2: .*a list of 2 teacher scores for a row with 2 hard negatives"):
+    with pytest.raises(DataError, match=rf"row 2: .*a list of {count} teacher scores for a row with 2 hard negatives"):
         load_rows(DataConfig(train=str(path)), "train")
 
 

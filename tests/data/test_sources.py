@@ -167,6 +167,28 @@ def test_too_many_bad_rows_raise_naming_file_row_and_fix(tmp_path, json_reading)
     assert f"{path}, row 9" in message
 
 
+def test_the_report_names_the_first_bad_rows_up_to_its_limit(tmp_path):
+    from vembed.data.reports import MAX_BAD_ROWS_SHOWN
+
+    bad = MAX_BAD_ROWS_SHOWN + 2
+    rows = [{"query": "", "positive": "p"}] * bad + [{"query": "q", "positive": "p"}] * bad
+    path = _jsonl(tmp_path / "pairs.jsonl", rows)
+    _, report = load_examples(DataConfig(train=str(path), max_bad_fraction=0.5), "train")
+    assert [bad.row for bad in report.bad_rows] == list(range(1, MAX_BAD_ROWS_SHOWN + 1))
+    assert report.skipped == {"empty_query": bad}
+
+
+@pytest.mark.parametrize("limit, stops", [(0.24, True), (0.25, False), (0.26, False)])
+def test_max_bad_fraction_is_the_share_of_rows_read_at_its_boundary(tmp_path, limit, stops):
+    """1 bad row of 4 read is 25 % (33 % of the 3 kept): 0.25 passes, 0.24 stops."""
+    path = _jsonl(tmp_path / "pairs.jsonl", [{"query": "q", "positive": "p"}] * 3 + [{"query": "", "positive": "p"}])
+    if stops:
+        with pytest.raises(DataError, match=r"pairs.jsonl, row 4: 1 of 4 rows of data.train are unusable"):
+            load_examples(DataConfig(train=str(path), max_bad_fraction=limit), "train")
+    else:
+        assert len(load_examples(DataConfig(train=str(path), max_bad_fraction=limit), "train")[0]) == 3
+
+
 def test_a_split_whose_rows_are_all_bad_raises(tmp_path):
     path = _jsonl(tmp_path / "pairs.jsonl", [{"query": "q", "positive": ""}])
     with pytest.raises(DataError, match="no usable rows"):

@@ -18,15 +18,16 @@ MAX_BAD_ROWS_SHOWN = 5
 
 @dataclass
 class BadRow:
-    """One skipped row: `row` is its number in `file` as every data message gives it (reader.row_number)."""
+    """One skipped row: `row` is its number in `file` as every data message gives it (reader.row_number); None when
+    a whole file is lost (a stream's broken shard)."""
 
     file: str
-    row: int
+    row: int | None
     reason: str  # a key of SKIP_FIXES
     detail: str
 
     def __str__(self) -> str:
-        return f"{self.file}, row {self.row}: {self.detail}"
+        return f"{self.file}" + (f", row {self.row}" if self.row is not None else "") + f": {self.detail}"
 
 
 @dataclass
@@ -54,11 +55,6 @@ class DataReport:
     @property
     def num_skipped(self) -> int:
         return sum(self.skipped.values())
-
-    def skip(self, file: str, row: int, reason: str, detail: str) -> None:
-        self.skipped[reason] = self.skipped.get(reason, 0) + 1
-        if len(self.bad_rows) < MAX_BAD_ROWS_SHOWN:
-            self.bad_rows.append(BadRow(file, row, reason, detail))
 
     def summary(self) -> str:
         files = f"{len(self.files)} files" if len(self.files) != 1 else self.files[0]
