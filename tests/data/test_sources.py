@@ -189,6 +189,19 @@ def test_max_bad_fraction_is_the_share_of_rows_read_at_its_boundary(tmp_path, li
         assert len(load_examples(DataConfig(train=str(path), max_bad_fraction=limit), "train")[0]) == 3
 
 
+def test_the_unusable_share_is_over_the_rows_read_with_records_found_bad_later():
+    """What data.max_bad_fraction limits at load and in training (images that do not decode): skipped rows plus those
+    found later, over every row read (kept, skipped, and those short of negatives), named sources summed."""
+    from vembed.data.reports import DataReport, SourcesReport, unusable_share
+
+    report = DataReport(split="train", files=["a.jsonl"], total=20, kept=16, skipped={"empty_query": 2}, short=2)
+    assert unusable_share(report) == pytest.approx(2 / 20, abs=1e-12)
+    assert unusable_share(report, 3) == pytest.approx(5 / 20, abs=1e-12)  # not 5 / 18 (kept + skipped) nor 5 / 16
+    other = DataReport(split="train", files=["b.jsonl"], total=5, kept=5, source="b")
+    both = SourcesReport("train", {"a": report, "b": other})
+    assert both.total == 25 and unusable_share(both, 3) == pytest.approx(5 / 25, abs=1e-12)
+
+
 def test_a_split_whose_rows_are_all_bad_raises(tmp_path):
     path = _jsonl(tmp_path / "pairs.jsonl", [{"query": "q", "positive": ""}])
     with pytest.raises(DataError, match="no usable rows"):

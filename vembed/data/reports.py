@@ -94,11 +94,22 @@ class SourcesReport:
     def kept(self) -> int:
         return sum(report.kept for report in self.sources.values())
 
+    @property
+    def total(self) -> int:
+        return sum(report.total for report in self.sources.values())
+
     def summary(self) -> str:
         return "; ".join(report.summary() for report in self.sources.values())
 
     def to_dict(self) -> dict[str, Any]:
         return {"split": self.split, "sources": {name: report.to_dict() for name, report in self.sources.items()}}
+
+
+def unusable_share(report: "DataReport | SourcesReport", found_later: float = 0.0) -> float:
+    """What data.max_bad_fraction limits: the share of the rows read that are unusable, those skipped when read plus
+    `found_later` records found unusable since (images that do not decode). Rows left out for too few hard negatives
+    are read but not bad (see DataReport.short)."""
+    return (report.num_skipped + found_later) / max(report.total, 1)
 
 
 def check_bad_fraction(report: DataReport, max_bad_fraction: float) -> None:
@@ -119,7 +130,7 @@ def check_bad_fraction(report: DataReport, max_bad_fraction: float) -> None:
             file=first.file,
             row=first.row,
         )
-    fraction = report.num_skipped / report.total
+    fraction = unusable_share(report)
     if fraction > max_bad_fraction:
         raise DataError(
             f"{report.num_skipped} of {report.total} rows of {report.key} are unusable ({counts}; "
