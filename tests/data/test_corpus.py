@@ -76,9 +76,10 @@ def test_qrels_rows_are_counted_under_the_header(tmp_path):
     qrels = root / "qrels" / "test.tsv"
     lines = qrels.read_text().splitlines()
     assert lines[0].split("\t")[-1] == "score"  # a header, then 4 judgements
-    qrels.write_text("\n".join(lines[:3] + ["q2\td2\thigh"] + lines[3:]) + "\n")
-    with pytest.raises(DataError, match=r"test.tsv, row 3: score 'high' is not a number"):
-        load_corpus_split(root, "test")
+    for score in ("high", "nan"):
+        qrels.write_text("\n".join(lines[:3] + [f"q2\td2\t{score}"] + lines[3:]) + "\n")
+        with pytest.raises(DataError, match=rf"test.tsv, row 3: score '{score}' is not a number"):
+            load_corpus_split(root, "test")
     qrels.write_text("\n".join(lines[1:]) + "\n")  # no header: the first line is row 1
     assert load_corpus_split(root, "test").qrels["q1"] == {"d1": 2, "d2": 0}
 

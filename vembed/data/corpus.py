@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -197,7 +198,7 @@ def read_qrels(path: str | os.PathLike) -> dict[str, dict[str, int]]:
         for line_number, cells in enumerate(csv.reader(handle, delimiter="\t"), start=1):
             if not cells or not "".join(cells).strip():
                 continue
-            if line_number == 1 and len(cells) in (3, 4) and not _is_number(cells[-1]):
+            if line_number == 1 and len(cells) in (3, 4) and _grade(cells[-1]) is None:
                 continue  # the header
             number, position = row_number(position), position + 1
             if len(cells) == 4:  # TREC qrels: query 0 document grade
@@ -205,20 +206,22 @@ def read_qrels(path: str | os.PathLike) -> dict[str, dict[str, int]]:
             if len(cells) != 3:
                 raise DataError(f"has {len(cells)} columns; a qrels row is query-id, corpus-id, score", str(path),
                                 number)
-            if not _is_number(cells[2]):
+            grade = _grade(cells[2])
+            if grade is None:
                 raise DataError(f"score {cells[2]!r} is not a number", str(path), number)
-            qrels.setdefault(cells[0].strip(), {})[cells[1].strip()] = int(float(cells[2]))
+            qrels.setdefault(cells[0].strip(), {})[cells[1].strip()] = grade
     if not qrels:
         raise DataError("holds no judgements", str(path))
     return qrels
 
 
-def _is_number(text: str) -> bool:
+def _grade(text: str) -> int | None:
+    """A qrels score cell as an integer grade; None when it is not a finite number (a header's `score`, NaN)."""
     try:
-        float(text)
+        number = float(text)
     except ValueError:
-        return False
-    return True
+        return None
+    return int(number) if math.isfinite(number) else None
 
 
 def load_corpus_split(folder: str | os.PathLike, split: str, image_root: str | os.PathLike | None = None,
