@@ -74,9 +74,9 @@ def test_csv_score_cells_that_are_empty_or_nan_name_the_first_data_row_under_the
 def test_a_file_without_the_score_column_is_named(tmp_path):
     scored = write_jsonl(tmp_path / "a.jsonl", PAIRS)
     unscored = write_jsonl(tmp_path / "b.jsonl", [{"query": "q", "positive": "p"}, {"query": "r", "positive": "s"}])
-    message = _refused("cosent", scored, unscored)
-    assert message.startswith(f"data error: {unscored}: has no column 'score' (data.columns.score)")
-    assert "loss_type cosent needs one number per pair" in message and "data.columns.score=<column>" in message
+    assert _refused("cosent", scored, unscored) == (
+        f"data error: {unscored}: has no column 'score' (data.columns.score); loss_type cosent needs one number per "
+        "pair: give the file one, or map yours with data.columns.score=<column>")
 
 
 def test_a_renamed_score_column_is_looked_for_under_its_name(tmp_path):
@@ -125,6 +125,17 @@ def test_margins_and_lists_mixed_name_the_first_row_of_the_rarer_shape(tmp_path)
 def test_every_record_with_the_score_a_loss_needs_passes(tmp_path, loss_type, score):
     path = write_jsonl(tmp_path / "ok.jsonl", [dict(row, score=score) for row in PAIRS])
     _check(loss_type, path)
+
+
+@pytest.mark.parametrize("negatives", [0, 1])  # margin_mse needs 1: one short of it, and exactly it
+def test_a_loss_that_needs_hard_negatives_refuses_records_without_enough(tmp_path, negatives):
+    path = write_jsonl(tmp_path / "n.jsonl", [dict(row, negatives=row["negatives"][:negatives]) for row in PAIRS])
+    if negatives:
+        _check("margin_mse", path)
+        return
+    assert _refused("margin_mse", path) == ("data error: loss_type margin_mse needs at least 1 hard negative per "
+                                            "pair; the training records keep 0 (data.columns.negatives, "
+                                            "data.num_hard_negatives)")
 
 
 def test_a_loss_without_scores_ignores_a_missing_score_column(tmp_path):

@@ -24,7 +24,7 @@ def check_loss_inputs(loss: "type[EmbeddingLoss]", recipe: "Recipe", rows: "Pair
         raise DataError(f"loss_type {recipe.loss_type} needs at least {loss.min_negatives} hard negative per pair; "
                         f"the training records keep {negatives} (data.columns.negatives, data.num_hard_negatives)")
     needs = loss.needs_scores
-    if needs is None or not len(rows):
+    if needs is None:
         return
     none, numbers, lists = rows.score_shapes()
     counts = {"none": none, "number": numbers, "list": lists}
@@ -50,7 +50,7 @@ def _refuse(rows: "PairRows | CorpusPairs", shapes: tuple[str, ...], counts: dic
     """A `DataError` naming the file and row of the first record whose score is of one of `shapes` (a missing
     score first), or the file when it has no score column; nothing when no record's is."""
     for shape in shapes:
-        place = rows.first_score(shape) if counts[shape] else None
+        place = rows.first_score(shape)
         if place is None:
             continue
         if place.row is None:
