@@ -111,13 +111,17 @@ def test_a_missing_teacher_score_list_names_the_row(tmp_path):
                                                    "score")
 
 
-def test_margins_and_lists_mixed_name_the_first_row_of_the_rarer_shape(tmp_path):
-    rows = [dict(row, score=[1.0, 0.5]) for row in PAIRS]
-    rows[2]["score"] = 0.5
+@pytest.mark.parametrize("margins, row, has", [
+    ([2], 3, "has one number"),  # 1 margin among 3 lists: the margin is the odd one out
+    ([0, 1, 3], 3, "has a list of teacher scores"),  # 3 margins, 1 list (row 3): the list is
+    ([1, 2], 2, "has one number"),  # 2 and 2: a tie names the first margin
+])
+def test_margins_and_lists_mixed_name_the_first_row_of_the_rarer_shape(tmp_path, margins, row, has):
+    rows = [dict(row, score=0.5 if i in margins else [1.0, 0.5]) for i, row in enumerate(PAIRS)]
     path = write_jsonl(tmp_path / "mixed.jsonl", rows)
     message = _refused("margin_mse", path)
-    assert message.startswith(f"data error: {path}, row 3: data.columns.score ('score') has one number")
-    assert "0 have no score, 1 a number, 3 a list" in message
+    assert message.startswith(f"data error: {path}, row {row}: data.columns.score ('score') {has}; ")
+    assert f"0 have no score, {len(margins)} a number, {4 - len(margins)} a list" in message
 
 
 @pytest.mark.parametrize("loss_type, score", [("cosent", 1.0), ("distill_kl", [1.0, 0.5]),
