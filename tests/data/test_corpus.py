@@ -52,9 +52,36 @@ def test_duplicate_ids_missing_split_and_broken_lines_are_named(tmp_path):
     with pytest.raises(DataError, match=r"corpus.jsonl, row 4: _id 'd2' repeats row 2"):
         load_corpus_split(root, "test")
     with open(root / "corpus.jsonl", "w") as handle:
-        handle.write('{"_id": "d1", "text": "x"}\n{broken\n')
-    with pytest.raises(DataError, match=r"row 2: not JSON"):
+        handle.write('{"_id": "d1", "text": "x"}\n\n{broken\n')
+    with pytest.raises(DataError, match=r"corpus.jsonl, row 2: line 3 is not JSON"):  # rows: blank lines are none
         load_corpus_split(root, "test")
+    with open(root / "corpus.jsonl", "w") as handle:
+        handle.write('\n{"_id": "d1", "text": "x"}\n\n{"_id": "d2", "text": "y"}\n{"_id": "d1", "text": "z"}\n')
+    with pytest.raises(DataError, match=r"corpus.jsonl, row 3: _id 'd1' repeats row 1's id"):
+        load_corpus_split(root, "test")
+
+
+@pytest.mark.parametrize("columns", [2, 5])  # a qrels row has 3 columns (4 in TREC's layout): one fewer, one more
+def test_a_qrels_row_of_another_width_is_named(tmp_path, columns):
+    root = _folder(tmp_path)
+    qrels = root / "qrels" / "test.tsv"
+    qrels.write_text(qrels.read_text() + "\t".join(["q1", "0", "d3", "1", "x"][:columns]) + "\n")
+    rows = len(qrels.read_text().splitlines()) - 1  # its header line is not a row
+    with pytest.raises(DataError, match=rf"test.tsv, row {rows}: has {columns} columns; a qrels row is query-id"):
+        load_corpus_split(root, "test")
+
+
+def test_qrels_rows_are_counted_under_the_header(tmp_path):
+    root = _folder(tmp_path)
+    qrels = root / "qrels" / "test.tsv"
+    lines = qrels.read_text().splitlines()
+    assert lines[0].split("\t")[-1] == "score"  # a header, then 4 judgements
+    for score in ("high", "nan"):
+        qrels.write_text("\n".join(lines[:3] + [f"q2\td2\t{score}"] + lines[3:]) + "\n")
+        with pytest.raises(DataError, match=rf"test.tsv, row 3: score '{score}' is not a number"):
+            load_corpus_split(root, "test")
+    qrels.write_text("\n".join(lines[1:]) + "\n")  # no header: the first line is row 1
+    assert load_corpus_split(root, "test").qrels["q1"] == {"d1": 2, "d2": 0}
 
 
 # --- training pairs of a corpus folder -----------------------------------------------------------------------------

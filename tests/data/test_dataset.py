@@ -83,8 +83,9 @@ def test_skipped_records_are_named_a_few_times_then_only_counted(tmp_path, caplo
 
 
 def test_too_few_negatives_for_the_dataset_is_an_error():
-    with pytest.raises(DataError, match="needs 3"):
+    with pytest.raises(DataError, match="pairs.jsonl, row 1: record has 2 hard negatives, the dataset needs 3"):
         PairDataset([_example(0, None)], num_negatives=3)
+    assert len(PairDataset([_example(0, None)], num_negatives=2).examples[0].negatives) == 2  # exactly enough
 
 
 def test_load_image_converts_modes_and_names_bad_files(tmp_path):

@@ -57,6 +57,18 @@ def test_too_many_corrupt_shards_stop_naming_the_index(tmp_path):
     assert "index.json" in str(info.value)
 
 
+@pytest.mark.parametrize("limit, stops", [(0.24, True), (0.25, False), (0.26, False)])
+def test_max_bad_fraction_of_shards_at_its_boundary(tmp_path, limit, stops):
+    """1 unreadable shard of the 4 listed is 25 %: a limit of 0.25 passes, 0.24 stops."""
+    _write(tmp_path / "s", [2, 2, 2, 2])
+    (tmp_path / "s" / shard_name(3)).unlink()
+    if stops:
+        with pytest.raises(DataError, match="1 of 4 shards are unreadable"):
+            EmbeddingShardDataset(str(tmp_path / "s"), max_bad_fraction=limit)
+    else:
+        assert len(EmbeddingShardDataset(str(tmp_path / "s"), max_bad_fraction=limit)) == 6
+
+
 def test_not_a_shard_directory_names_the_key(tmp_path):
     with pytest.raises(RecipeError, match="data.validation.*vembed extract"):
         read_index(str(tmp_path), "data.validation")

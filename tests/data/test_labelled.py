@@ -100,14 +100,14 @@ def _digit_bytes(digits: Path) -> list[bytes]:
 
 @pytest.mark.parametrize("case,message", [
     ("not_images", r"saved: 2 of 6 rows have no image file or no readable image .*max_bad_fraction=0.05.*first: "
-                   r"row 0: column 'image': embedded bytes are not an image"),
-    ("missing_files", r"table.parquet: 2 of 6 rows .*first: row 1: column 'image': image not found: "
+                   r"row 1: column 'image': embedded bytes are not an image"),
+    ("missing_files", r"table.parquet: 2 of 6 rows .*first: row 2: column 'image': image not found: "
                       r".*saved/gone\.png"),
     ("no_label_column", r"saved: has no 'label' column \(columns: image, kind\); labelled images need 'image' "
                         r"and 'label' \(data.columns.label\)"),
-    ("unlabelled_row", r"saved, row 2: label -1 is outside the classes 0..2 of column 'label' \(its ClassLabel "
+    ("unlabelled_row", r"saved, row 3: label -1 is outside the classes 0..2 of column 'label' \(its ClassLabel "
                        r"names\)"),
-    ("label_range", r"saved, row 1: label 7 is outside the classes 0..2; fix the label or the number of classes"),
+    ("label_range", r"saved, row 2: label 7 is outside the classes 0..2; fix the label or the number of classes"),
 ])
 def test_bad_datasets_cells_stop_the_read_naming_the_row(digits, tmp_path, case, message):
     import datasets
@@ -140,10 +140,10 @@ def test_a_few_bad_cells_are_skipped_and_counted_below_max_bad_fraction(digits, 
              + [{"bytes": image, "path": None} for image in good[1:4]])
     file = write_parquet(tmp_path / "table.parquet", cells, [0, 1, 0, 0, 0])
     data = read_labelled_images(str(file), "data.train", image_root=str(digits / "tree"), max_bad_fraction=0.25)
-    assert len(data) == 4 and data.num_skipped == 1 and data.skipped[0]["row"] == 0
+    assert len(data) == 4 and data.num_skipped == 1 and data.skipped[0]["row"] == 1
     # a {path} cell is a file (relative to data.image_root, as in a CSV); integer labels are ids
     assert data.paths[0] == str(digits / "tree" / "one" / one) and data.labels == [1, 0, 0, 0]
-    assert "skipped 1 row(s), first row 0: column 'image': embedded bytes are not an image" in data.summary()
+    assert "skipped 1 row(s), first row 1: column 'image': embedded bytes are not an image" in data.summary()
 
 
 def _vit_processor():
@@ -197,11 +197,11 @@ def test_images_that_only_the_cache_build_finds_broken_are_skipped_and_counted(d
     recipe = recipe_from_dict(raw)
     adapter = model_class(recipe).from_recipe(recipe)
     data = with_image_cache(read_labelled_images(str(tmp_path / "saved"), "data.train"), adapter, recipe)
-    assert len(data) == 3 and data.num_skipped == 1 and data.skipped[0]["row"] == 0
+    assert len(data) == 3 and data.num_skipped == 1 and data.skipped[0]["row"] == 1
     assert "cannot decode" in data.skipped[0]["reason"] and data.labels == [1, 2, 0]
     strict = recipe_from_dict({**raw, "data": {**raw["data"], "max_bad_fraction": 0.05}})
     with pytest.raises(DataError, match=r"saved: 1 of 4 rows have no image file or no readable image \(found "
-                                        r"decoding every image for the image cache\).*first: row 0: cannot decode"):
+                                        r"decoding every image for the image cache\).*first: row 1: cannot decode"):
         with_image_cache(read_labelled_images(str(tmp_path / "saved"), "data.train"), adapter, strict)
 
 
@@ -223,3 +223,115 @@ def test_an_embedded_image_opened_lazily_decodes_to_the_file_s_pixels(digits):
     first = data.image(0)
     raw = Image.open(io.BytesIO(_digit_bytes(digits)[0]))
     assert np.array_equal(np.asarray(load_image(first)), np.asarray(load_image(raw)))
+
+
+# --- rows numbered as pair files number them: data rows from 1, a CSV's header not counted ---------------------------
+def _labelled_csv(tmp_path: Path, digits: Path, labels: list[str], images: list[str] | None = None) -> Path:
+    """A CSV of image paths (relative to the digits tree) and labels; one row per label."""
+    zero = sorted(p.name for p in (digits / "tree" / "zero").iterdir())
+    images = images if images is not None else [f"zero/{zero[i % len(zero)]}" for i in range(len(labels))]
+    file = tmp_path / "labelled.csv"
+    file.write_text("image,label\n" + "".join(f"{image},{label}\n" for image, label in zip(images, labels)))
+    return file
+
+
+def test_a_csv_label_outside_the_classes_names_its_data_row(digits, tmp_path):
+    file = _labelled_csv(tmp_path, digits, ["0", "1", "2", "7"])  # the 4th data row (the file's 5th line)
+    with pytest.raises(DataError, match=r"labelled.csv, row 4: label 7 is outside the classes 0..2"):
+        read_labelled_images(str(file), "data.train", image_root=str(digits / "tree"), num_labels=3)
+
+
+def test_a_csv_label_of_no_training_class_names_its_data_row(digits, tmp_path):
+    file = _labelled_csv(tmp_path, digits, ["zero", "one", "two"])
+    with pytest.raises(DataError, match=r"labelled.csv, row 2: label 'one' is not one of the training classes"):
+        read_labelled_images(str(file), "data.train", image_root=str(digits / "tree"), names=["zero", "two"])
+
+
+def test_a_csv_row_without_its_image_is_counted_under_its_data_row(digits, tmp_path):
+    file = _labelled_csv(tmp_path, digits, ["0", "1", "0", "1"])
+    file.write_text(file.read_text().replace("zero/", "gone/", 1))  # the first data row's image is not there
+    data = read_labelled_images(str(file), "data.train", image_root=str(digits / "tree"), max_bad_fraction=0.25)
+    assert data.skipped[0]["row"] == 1 and "first row 1: image not found" in data.summary()
+
+
+def test_images_found_broken_later_are_counted_under_their_own_rows(digits, tmp_path):
+    """Decoding every image (the image cache) moves an image to `skipped` under the row it was read from, not its
+    position among the images kept."""
+    zero = sorted(p.name for p in (digits / "tree" / "zero").iterdir())
+    images = ["gone.png", f"zero/{zero[0]}", f"zero/{zero[1]}", f"zero/{zero[2]}"]
+    file = _labelled_csv(tmp_path, digits, ["0", "0", "0", "0"], images)
+    data = read_labelled_images(str(file), "data.train", image_root=str(digits / "tree"), max_bad_fraction=0.5)
+    data.without({str(digits / "tree" / "zero" / zero[1]): "cannot decode"})
+    assert data.skipped == [{"row": 1, "reason": f"image not found: {digits / 'tree' / 'gone.png'}"},
+                            {"row": 3, "reason": "cannot decode"}]
+    assert len(data) == 2 and data.labels == [0, 0]
+    saved = read_labelled_images(str(digits / "saved"), "data.train")  # embedded images: the same numbering
+    saved.without({saved.paths[2]: "cannot decode"})
+    assert saved.skipped == [{"row": 3, "reason": "cannot decode"}]
+
+
+# --- data.max_bad_fraction over the rows read, at its boundary ------------------------------------------------------
+@pytest.mark.parametrize("limit, stops", [(0.24, True), (0.25, False), (0.26, False)])
+def test_max_bad_fraction_is_the_share_of_rows_read_at_the_boundary(digits, tmp_path, limit, stops):
+    """1 of 4 rows skipped is 25% of the rows read (33% of the 3 kept): a limit of 0.25 passes, 0.24 stops."""
+    zero = sorted(p.name for p in (digits / "tree" / "zero").iterdir())
+    file = _labelled_csv(tmp_path, digits, ["0", "0", "0", "0"], ["gone.png"] + [f"zero/{name}" for name in zero[:3]])
+    read = lambda: read_labelled_images(str(file), "data.train", image_root=str(digits / "tree"),  # noqa: E731
+                                        max_bad_fraction=limit)
+    if stops:
+        with pytest.raises(DataError, match=r"labelled.csv: 1 of 4 rows have no image file .* first: row 1: image "
+                                            r"not found"):
+            read()
+    else:
+        assert len(read()) == 3
+
+
+@pytest.mark.parametrize("limit, stops", [(0.24, True), (0.25, False)])
+def test_max_bad_fraction_after_decoding_counts_the_rows_read_at_the_boundary(digits, limit, stops):
+    """Images found broken when decoded (image cache) count over the rows read too: 1 of 4, whatever the layout."""
+    for path in (digits / "tree", digits / "saved"):
+        data = read_labelled_images(str(path), "data.train")  # 12 images, none skipped yet
+        data.without({key: "cannot decode" for key in data.paths[:3]})
+        if stops:
+            with pytest.raises(DataError, match=r"3 of 12 rows have no image file or no readable image"):
+                data.check_bad_fraction(limit)
+        else:
+            data.check_bad_fraction(limit)
+
+
+# --- label ranges at their boundary: the last class is one, one past it is not -------------------------------------
+@pytest.mark.parametrize("label, refused", [(2, False), (3, True), (-1, True)])
+def test_a_classlabel_id_at_the_edge_of_its_names(digits, tmp_path, label, refused):
+    """A Parquet file whose schema declares a ClassLabel of CLASSES (as `datasets` writes it) but written by another
+    tool: nothing stopped an id past the names from being stored."""
+    import json
+
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=CLASSES)})
+    kind = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    cells = [{"bytes": image, "path": None} for image in _digit_bytes(digits)[:3]]
+    table = pa.table({"image": pa.array(cells, type=kind), "label": pa.array([0, 1, label], pa.int64())})
+    path = tmp_path / "ids.parquet"
+    pq.write_table(table.replace_schema_metadata({"huggingface": json.dumps({"info": {"features":
+                                                                                      features.to_dict()}})}), path)
+    if refused:
+        with pytest.raises(DataError, match=rf"ids.parquet, row 3: label {label} is outside the classes 0..2 of "
+                                            "column 'label'"):
+            read_labelled_images(str(path), "data.train")
+    else:
+        assert read_labelled_images(str(path), "data.train").labels == [0, 1, 2]
+
+
+@pytest.mark.parametrize("label, refused", [("2", False), ("3", True)])
+def test_an_integer_csv_label_at_the_edge_of_num_labels(digits, tmp_path, label, refused):
+    file = _labelled_csv(tmp_path, digits, ["0", "1", label])
+    read = lambda: read_labelled_images(str(file), "data.train", image_root=str(digits / "tree"),  # noqa: E731
+                                        num_labels=3)
+    if refused:
+        with pytest.raises(DataError, match=rf"labelled.csv, row 3: label {label} is outside the classes 0..2"):
+            read()
+    else:
+        assert read().labels == [0, 1, 2]

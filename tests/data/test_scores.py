@@ -73,11 +73,12 @@ def test_scores_outside_the_declared_range_stop_naming_the_row(tmp_path, write):
 
 
 @pytest.mark.parametrize("write", [_jsonl, _parquet], ids=["jsonl", "parquet"])
-def test_a_teacher_score_list_of_the_wrong_length_stops_naming_the_row(tmp_path, write):
+@pytest.mark.parametrize("count", [2, 4], ids=["fewer", "more"])  # one short of 1 + 2 negatives and one over
+def test_a_teacher_score_list_of_the_wrong_length_stops_naming_the_row(tmp_path, write, count):
     rows = [dict(row) for row in CANDIDATES]
-    rows[1]["score"] = [1.0, 2.0]
+    rows[1]["score"] = [1.0, 2.0, 3.0, 4.0][:count]
     path = write(tmp_path / f"w.{'jsonl' if write is _jsonl else 'parquet'}", rows)
-    with pytest.raises(DataError, match=r"row 2: .*a list of 2 teacher scores for a row with 2 hard negatives"):
+    with pytest.raises(DataError, match=rf"row 2: .*a list of {count} teacher scores for a row with 2 hard negatives"):
         load_rows(DataConfig(train=str(path)), "train")
 
 
@@ -118,15 +119,16 @@ def test_a_documents_list_without_scores_is_contrastive_pairs_and_data_columns_m
 
 
 @pytest.mark.parametrize("write", [_jsonl, _parquet, _csv], ids=["jsonl", "parquet", "csv"])
-def test_scores_of_another_length_than_the_documents_stop_naming_the_file_and_row(tmp_path, write):
+@pytest.mark.parametrize("count", [2, 4], ids=["fewer", "more"])  # one short of the documents and one over
+def test_scores_of_another_length_than_the_documents_stop_naming_the_file_and_row(tmp_path, write, count):
     rows = [dict(row) for row in LISTS]
-    rows[2]["scores"] = [1.0, 2.0, 3.0, 4.0]
+    rows[2]["scores"] = [1.0, 2.0, 3.0, 4.0][:count]
     path = write(tmp_path / f"w.{write.__name__.rsplit('_', 1)[-1]}", rows)
     with pytest.raises(DataError) as found:
         load_rows(DataConfig(train=str(path)), "train")
     message = str(found.value)
-    assert str(path) in message and "row 3" in message
-    assert "4 teacher scores for 3 documents" in message and "\n" not in message
+    assert message.startswith(f"data error: {path}, row 3: data.columns.score ('scores'): {count} teacher scores for "
+                              "3 documents") and "\n" not in message
 
 
 def test_a_documents_list_beside_a_negatives_column_is_refused(tmp_path):

@@ -167,6 +167,41 @@ def test_too_many_bad_rows_raise_naming_file_row_and_fix(tmp_path, json_reading)
     assert f"{path}, row 9" in message
 
 
+def test_the_report_names_the_first_bad_rows_up_to_its_limit(tmp_path):
+    from vembed.data.reports import MAX_BAD_ROWS_SHOWN
+
+    bad = MAX_BAD_ROWS_SHOWN + 2
+    rows = [{"query": "", "positive": "p"}] * bad + [{"query": "q", "positive": "p"}] * bad
+    path = _jsonl(tmp_path / "pairs.jsonl", rows)
+    _, report = load_examples(DataConfig(train=str(path), max_bad_fraction=0.5), "train")
+    assert [bad.row for bad in report.bad_rows] == list(range(1, MAX_BAD_ROWS_SHOWN + 1))
+    assert report.skipped == {"empty_query": bad}
+
+
+@pytest.mark.parametrize("limit, stops", [(0.24, True), (0.25, False), (0.26, False)])
+def test_max_bad_fraction_is_the_share_of_rows_read_at_its_boundary(tmp_path, limit, stops):
+    """1 bad row of 4 read is 25 % (33 % of the 3 kept): 0.25 passes, 0.24 stops."""
+    path = _jsonl(tmp_path / "pairs.jsonl", [{"query": "q", "positive": "p"}] * 3 + [{"query": "", "positive": "p"}])
+    if stops:
+        with pytest.raises(DataError, match=r"pairs.jsonl, row 4: 1 of 4 rows of data.train are unusable"):
+            load_examples(DataConfig(train=str(path), max_bad_fraction=limit), "train")
+    else:
+        assert len(load_examples(DataConfig(train=str(path), max_bad_fraction=limit), "train")[0]) == 3
+
+
+def test_the_unusable_share_is_over_the_rows_read_with_records_found_bad_later():
+    """What data.max_bad_fraction limits at load and in training (images that do not decode): skipped rows plus those
+    found later, over every row read (kept, skipped, and those short of negatives), named sources summed."""
+    from vembed.data.reports import DataReport, SourcesReport, unusable_share
+
+    report = DataReport(split="train", files=["a.jsonl"], total=20, kept=16, skipped={"empty_query": 2}, short=2)
+    assert unusable_share(report) == pytest.approx(2 / 20, abs=1e-12)
+    assert unusable_share(report, 3) == pytest.approx(5 / 20, abs=1e-12)  # not 5 / 18 (kept + skipped) nor 5 / 16
+    other = DataReport(split="train", files=["b.jsonl"], total=5, kept=5, source="b")
+    both = SourcesReport("train", {"a": report, "b": other})
+    assert both.total == 25 and unusable_share(both, 3) == pytest.approx(5 / 25, abs=1e-12)
+
+
 def test_a_split_whose_rows_are_all_bad_raises(tmp_path):
     path = _jsonl(tmp_path / "pairs.jsonl", [{"query": "q", "positive": ""}])
     with pytest.raises(DataError, match="no usable rows"):
@@ -229,7 +264,19 @@ def test_unset_split_and_unparsable_file(tmp_path):
     bad.write_text('{"query": "a", "positive": "b"}\n\n{not json\n')
     with pytest.raises(DataError, match="cannot read as json: line 3 is not valid JSON") as err:
         load_examples(DataConfig(train=str(bad)), "train")
-    assert (err.value.file, err.value.row) == (str(bad), 3)
+    assert (err.value.file, err.value.row) == (str(bad), 2)  # the 2nd record: rows are records, blank lines are not
+
+
+def test_a_jsonl_row_is_named_by_its_record_number_whatever_blank_lines_precede_it(tmp_path):
+    """One numbering for every message about a row: a row skipped by the checks and a line that does not parse."""
+    path = tmp_path / "pairs.jsonl"
+    path.write_text('\n{"query": "a", "positive": "b"}\n\n{"query": "", "positive": "c"}\n'
+                    + "".join(f'{{"query": "q{i}", "positive": "p{i}"}}\n' for i in range(8)))
+    _, report = load_examples(DataConfig(train=str(path), max_bad_fraction=0.5), "train")
+    assert [(bad.row, bad.reason) for bad in report.bad_rows] == [(2, "empty_query")]
+    path.write_text(path.read_text().replace('{"query": "", "positive": "c"}', "{broken"))
+    with pytest.raises(DataError, match=r"pairs.jsonl, row 2: cannot read as json: line 4 is not valid JSON"):
+        load_examples(DataConfig(train=str(path)), "train")
 
 
 @pytest.mark.parametrize("layout", ["array", "columns", "lines with blanks"])

@@ -73,9 +73,10 @@ def test_a_streamed_lists_file_gives_the_examples_of_the_map_style_read(tmp_path
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "tar"])
-def test_a_score_list_of_another_length_is_a_counted_skip_in_the_map_style_words(tmp_path, kind):
+@pytest.mark.parametrize("count", [2, 4], ids=["fewer", "more"])  # one short of the documents and one over
+def test_a_score_list_of_another_length_is_a_counted_skip_in_the_map_style_words(tmp_path, kind, count):
     rows = [dict(row) for row in LISTS]
-    rows[2]["scores"] = [1.0, 2.0, 3.0, 4.0]
+    rows[2]["scores"] = [1.0, 2.0, 3.0, 4.0][:count]
     with pytest.raises(DataError) as mapped:
         load_rows(DataConfig(train=str(_jsonl(tmp_path / "rows.jsonl", rows))), "train")
     train = WRITERS[kind](tmp_path / f"w.{kind}", rows)
@@ -89,7 +90,8 @@ def test_a_score_list_of_another_length_is_a_counted_skip_in_the_map_style_words
     with pytest.raises(DataError) as stopped:  # 1 of 8 is over max_bad_fraction: the run stops, one line
         report.check_bad_fraction(0.05, epoch_done=True)
     message = str(stopped.value)
-    assert f"{train}, row 3:" in message and "4 teacher scores for 3 documents" in message and "\n" not in message
+    assert f"{train}, row 3:" in message and f"{count} teacher scores for 3 documents" in message
+    assert "\n" not in message
 
 
 def test_a_documents_list_beside_negatives_is_refused_first_and_skipped_later(tmp_path):

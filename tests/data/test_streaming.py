@@ -4,6 +4,7 @@ column mapping of tar samples, the shard index, and the recipe checks."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -203,8 +204,9 @@ def test_a_broken_shard_counts_every_sample_it_should_have_held(tmp_path):
     report = StreamReport(split="train", files=stream.files, planned_samples=100)
     report.merge_positions(0, [end])
     assert (report.total, report.kept) == (100, 68)
-    with pytest.raises(DataError, match=r"32 of 100 samples .*32 bad_shard; 32.0% > data.max_bad_fraction=0.05"):
+    with pytest.raises(DataError, match=r"32 of 100 samples .*32 bad_shard; 32.0% > data.max_bad_fraction=0.05") as err:
         report.check_bad_fraction(0.05, epoch_done=True)  # one skip per shard would have been 2 %: passed
+    assert re.match(rf"data error: {shards}/b-[13]\.tar: 32 of 100", str(err.value))  # a shard is named, no row 0
 
     (shards / "sizes.json").unlink()  # sizes unknown: the unreadable one counts as 1, and the report says so
     stream = _stream(str(shards / "b-*.tar"), batch_size=1, shuffle_buffer=1)
@@ -408,3 +410,38 @@ def test_a_dual_encoders_stream_skips_samples_that_would_leave_a_tower_idle(tmp_
     task.train_rows = None  # streamed
     assert MODELS.get("clip").modalities_per_record == {"text", "image"}
     assert task.every_step_uses_every_parameter()  # so DDP is built without the search
+
+
+@pytest.mark.parametrize("limit, stops", [(0.05, True), (0.1, False), (0.11, False)])
+def test_max_bad_fraction_of_a_stream_at_its_boundary(limit, stops):
+    """The map-style rule per epoch: 10 of 100 samples read is 10 %, so 0.1 passes and 0.05 stops; before the epoch
+    ends, 10 skips of a planned 100 stop only a limit below 10 % (at 0.1 the epoch can still pass)."""
+    from vembed.data.streaming import StreamReport
+
+    report = StreamReport(split="train", files=["x.tar"], planned_samples=100)
+    position = SlotPosition(0, drawn=100)
+    for row in range(10):
+        position.skip("x.tar", row + 1, "bad_image", "sample k: cannot decode image")
+    report.merge_positions(0, [position])
+    for epoch_done in (False, True):
+        if stops:
+            with pytest.raises(DataError, match=rf"10 of 100 samples .*data.max_bad_fraction={limit}"):
+                report.check_bad_fraction(limit, epoch_done=epoch_done)
+        else:
+            report.check_bad_fraction(limit, epoch_done=epoch_done)
+
+
+def test_a_stream_report_keeps_the_first_bad_rows_of_every_slot_up_to_the_limit():
+    from vembed.data.reports import MAX_BAD_ROWS_SHOWN
+    from vembed.data.streaming import StreamReport
+
+    slots = [SlotPosition(slot, drawn=20) for slot in range(2)]
+    for slot in slots:
+        for row in range(MAX_BAD_ROWS_SHOWN + 2):
+            slot.skip(f"s{slot.slot}.tar", row + 1, "bad_image", "cannot decode image")
+    assert [len(slot.bad_rows) for slot in slots] == [MAX_BAD_ROWS_SHOWN] * 2
+    report = StreamReport(split="train", files=["s0.tar", "s1.tar"])
+    report.merge_positions(0, slots)
+    shown = [(bad.file, bad.row) for bad in report.bad_rows]
+    assert shown == [("s0.tar", row + 1) for row in range(MAX_BAD_ROWS_SHOWN)]
+    assert report.skipped == {"bad_image": 2 * (MAX_BAD_ROWS_SHOWN + 2)}

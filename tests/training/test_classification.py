@@ -285,9 +285,9 @@ def test_a_datasets_folder_trains_and_a_second_launch_reads_the_image_cache(digi
 
 @pytest.mark.parametrize("case,message", [
     ("num_labels", r"num_labels: is 5 but .*saved has 3 classes; set num_labels: 3"),
-    ("not_images", r"saved: 2 of 36 rows have no image file or no readable image .*first: row 0: column 'image': "
+    ("not_images", r"saved: 2 of 36 rows have no image file or no readable image .*first: row 1: column 'image': "
                    r"embedded bytes are not an image"),
-    ("broken_image", r"saved: 1 of 36 rows .*\(found decoding every image for the image cache\).*first: row 3: "
+    ("broken_image", r"saved: 1 of 36 rows .*\(found decoding every image for the image cache\).*first: row 4: "
                      r"cannot decode"),
     ("no_label_column", r"saved: has no 'label' column \(columns: image, kind\)"),
 ])

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from vembed.data.reader import as_list
+from vembed.data.reader import as_list, row_number
 from vembed.errors import DataError
 
 SCORES = "scores"  # the shape's score column, read when the file has no data.columns.score column
@@ -130,7 +130,8 @@ class _Splitter:
 
     def __call__(self, batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
         read = [name for name in (self.names.documents, self.names.score) if name]
-        rows = [pairs_of(dict(zip(read, cells)), self.names, self.builder, self.columns, self.file, index + 1)
+        rows = [pairs_of(dict(zip(read, cells)), self.names, self.builder, self.columns, self.file,
+                         row_number(index))
                 for index, *cells in zip(indices, *(batch[name] for name in read))]
         return {name: [row[name] for row in rows] for name in self.names.pair_columns(self.columns)}
 

@@ -35,6 +35,18 @@ CHECKS_VERSION = 3  # bump when the rules change: cached verdicts of older rules
 FIELDS = ("reason", "negatives", "modalities", "negative_modalities", "max_images", "scores", "score_low",
           "score_high")
 NO_SCORE, ONE_SCORE = 0, -1  # `scores` per row: no score, one number; n > 0: a list of n
+SCORE_SHAPES = ("none", "number", "list")  # the names of those three cases, as losses ask for them
+
+
+def has_score_shape(scores: np.ndarray, shape: str) -> np.ndarray:
+    """Which rows' `scores` (RowChecks.scores) are of `shape`, one of SCORE_SHAPES."""
+    if shape == "none":
+        return scores == NO_SCORE
+    if shape == "number":
+        return scores == ONE_SCORE
+    if shape == "list":
+        return scores > 0
+    raise ValueError(f"score shape {shape!r} is not one of {SCORE_SHAPES}")
 
 
 @dataclass

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vembed.data.reader import row_number
 from vembed.data.records import Side
 from vembed.errors import DataError, RecipeError
 from vembed.files import replace_atomically
@@ -122,19 +124,22 @@ class CorpusSplit:
 
 
 def _jsonl(path: Path) -> Iterator[tuple[int, dict]]:
+    """(row number, object) of each non-blank line: rows are numbered as every data message numbers them
+    (reader.row_number: blank lines are no rows); a line that does not parse says its line too."""
     with open(path, encoding="utf-8") as handle:
+        position = 0
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
+            number, position = row_number(position), position + 1
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise DataError(f"not JSON ({err.msg}); each line must be one JSON object", str(path),
-                                line_number) from None
+                raise DataError(f"line {line_number} is not JSON ({err.msg}); each line must be one JSON object",
+                                str(path), number) from None
             if not isinstance(row, dict):
-                raise DataError(f"is {type(row).__name__}, not a JSON object with _id and text", str(path),
-                                line_number)
-            yield line_number, row
+                raise DataError(f"is {type(row).__name__}, not a JSON object with _id and text", str(path), number)
+            yield number, row
 
 
 def _side(row: dict, path: Path, line_number: int, image_base: Path, role: str, with_title: bool) -> Side:
@@ -165,6 +170,7 @@ def read_items(path: str | os.PathLike, role: str, image_root: str | os.PathLike
     ids: list[str] = []
     sides: list[Side] = []
     index: dict[str, int] = {}
+    rows: dict[str, int] = {}  # id -> its row, for the error naming a repeated id
     for line_number, row in _jsonl(path):
         if "_id" not in row:
             raise DataError("has no '_id'; every row of a corpus folder needs one", str(path), line_number)
@@ -172,9 +178,9 @@ def read_items(path: str | os.PathLike, role: str, image_root: str | os.PathLike
         if wanted is not None and item_id not in wanted:
             continue
         if item_id in index:
-            raise DataError(f"_id {item_id!r} repeats row {index[item_id] + 1}'s id; ids must be unique", str(path),
+            raise DataError(f"_id {item_id!r} repeats row {rows[item_id]}'s id; ids must be unique", str(path),
                             line_number)
-        index[item_id] = len(ids)
+        index[item_id], rows[item_id] = len(ids), line_number
         ids.append(item_id)
         sides.append(_side(row, path, line_number, image_base, role, with_title=role == "document"))
     if not ids and wanted is None:
@@ -183,28 +189,39 @@ def read_items(path: str | os.PathLike, role: str, image_root: str | os.PathLike
 
 
 def read_qrels(path: str | os.PathLike) -> dict[str, dict[str, int]]:
-    """`query-id corpus-id score` rows of a TSV file (a header line is recognised and skipped) as nested dicts."""
+    """`query-id corpus-id score` rows of a TSV file (a header line is recognised and skipped) as nested dicts. Rows
+    are numbered as every data message numbers them (reader.row_number): the header and blank lines are no rows."""
     path = Path(path)
     qrels: dict[str, dict[str, int]] = {}
     with open(path, encoding="utf-8", newline="") as handle:
+        position = 0
         for line_number, cells in enumerate(csv.reader(handle, delimiter="\t"), start=1):
             if not cells or not "".join(cells).strip():
                 continue
+            if line_number == 1 and len(cells) in (3, 4) and _grade(cells[-1]) is None:
+                continue  # the header
+            number, position = row_number(position), position + 1
             if len(cells) == 4:  # TREC qrels: query 0 document grade
                 cells = [cells[0], cells[2], cells[3]]
             if len(cells) != 3:
                 raise DataError(f"has {len(cells)} columns; a qrels row is query-id, corpus-id, score", str(path),
-                                line_number)
-            try:
-                grade = int(float(cells[2]))
-            except ValueError:
-                if line_number == 1:
-                    continue  # the header
-                raise DataError(f"score {cells[2]!r} is not a number", str(path), line_number) from None
+                                number)
+            grade = _grade(cells[2])
+            if grade is None:
+                raise DataError(f"score {cells[2]!r} is not a number", str(path), number)
             qrels.setdefault(cells[0].strip(), {})[cells[1].strip()] = grade
     if not qrels:
         raise DataError("holds no judgements", str(path))
     return qrels
+
+
+def _grade(text: str) -> int | None:
+    """A qrels score cell as an integer grade; None when it is not a finite number (a header's `score`, NaN)."""
+    try:
+        number = float(text)
+    except ValueError:
+        return None
+    return int(number) if math.isfinite(number) else None
 
 
 def load_corpus_split(folder: str | os.PathLike, split: str, image_root: str | os.PathLike | None = None,
@@ -342,6 +359,12 @@ class CorpusPairs:
 
     def score_shapes(self) -> tuple[int, int, int]:
         return len(self), 0, 0
+
+    def first_score(self, shape: str) -> Any:
+        from vembed.data.rows import ScoreCell
+
+        # a corpus folder has no score column: its pairs are judgements
+        return ScoreCell(self.split.folder, None, None) if shape == "none" and len(self) else None
 
     def __getitem__(self, index: Any) -> Any:
         from dataclasses import replace

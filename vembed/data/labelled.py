@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vembed.data.images import IMAGE_EXTENSIONS, load_image
+from vembed.data.reader import row_number
 from vembed.errors import DataError, RecipeError
 
 if TYPE_CHECKING:
@@ -31,7 +32,8 @@ IMAGE_COLUMN = "image"
 
 @dataclass
 class EmbeddedImages:
-    """Images stored in a `datasets` table's Image column: `rows` maps an image's key (`<source>#<row>`) to its row.
+    """Images stored in a `datasets` table's Image column: `rows` maps an image's key (`<source>#<position>`) to its
+    position in the table.
     `files` are the files the table is read from: their size and modification time key the image cache."""
 
     source: str
@@ -48,7 +50,7 @@ class EmbeddedImages:
             return Image.open(io.BytesIO(self.table[row][IMAGE_COLUMN]["bytes"]))
         except Exception as err:  # noqa: BLE001 - PIL raises several types for bad data
             raise DataError(f"image column {IMAGE_COLUMN!r}: cannot decode the embedded image: {err}",
-                            file=self.source, row=row) from None
+                            file=self.source, row=row_number(row)) from None
 
     def stamp(self) -> str:
         parts = []
@@ -64,14 +66,16 @@ class EmbeddedImages:
 @dataclass
 class LabelledImages:
     """Images, their label ids and what was skipped; `names` are the classes in id order. `paths` are the images'
-    keys: a file path, or `<source>#<row>` for an image embedded in a table (`embedded`). With `cache` (the training
-    images resized once, vembed/data/image_cache.py), `image(i)` gives the cached pixels."""
+    keys: a file path, or `<source>#<position>` for an image embedded in a table (`embedded`). `rows`: each image's
+    row in a table (reader.row_number), as `skipped` names them; empty for an ImageFolder tree. With `cache` (the
+    training images resized once, vembed/data/image_cache.py), `image(i)` gives the cached pixels."""
 
     source: str
     paths: list[str] = field(default_factory=list)
     labels: list[int] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
-    skipped: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[dict[str, Any]] = field(default_factory=list)  # {"row": its row, or None in a tree; "reason"}
+    rows: list[int] = field(default_factory=list)
     num_rows: int | None = None  # rows of a table read (unset: paths + skipped)
     embedded: EmbeddedImages | None = None
     cache: "ImageCache | None" = None
@@ -109,33 +113,45 @@ class LabelledImages:
         """The first `limit` images (data.eval_max_samples); all when unset."""
         if limit is None:
             return self
-        return replace(self, paths=self.paths[:limit], labels=self.labels[:limit])
+        return replace(self, paths=self.paths[:limit], labels=self.labels[:limit], rows=self.rows[:limit])
 
     def without(self, bad: dict[str, str]) -> "LabelledImages":
         """Images whose key is in `bad` (key -> why) moved to `skipped`, in place (found decoding every image)."""
         keep = [i for i, key in enumerate(self.paths) if key not in bad]
         for i, key in enumerate(self.paths):
             if key in bad:
-                row = self.embedded.rows[key] if self.embedded is not None and key in self.embedded.rows else i
-                self.skipped.append({"row": row, "reason": bad[key]})
+                self.skipped.append({"row": self.rows[i] if self.rows else None, "reason": bad[key]})
         self.paths, self.labels = [self.paths[i] for i in keep], [self.labels[i] for i in keep]
+        self.rows = [self.rows[i] for i in keep] if self.rows else []
         return self
+
+    def add(self, path: str, label: int, position: int) -> None:
+        """Keep the image of the table row at `position`."""
+        self.paths.append(path)
+        self.labels.append(label)
+        self.rows.append(row_number(position))
+
+    def skip(self, position: int, reason: str) -> None:
+        """Skip the table row at `position`, saying why."""
+        self.skipped.append({"row": row_number(position), "reason": reason})
 
     def check_bad_fraction(self, max_bad_fraction: float, how: str = "") -> None:
         """data.max_bad_fraction over the rows read: skipped rows above it stop the run, naming the first."""
         total = self.num_rows if self.num_rows is not None else len(self.paths) + self.num_skipped
         if total and self.num_skipped / total > max_bad_fraction:
-            first = self.skipped[0]
             raise DataError(f"{self.num_skipped} of {total} rows have no image file or no readable image{how} "
-                            f"(more than data.max_bad_fraction={max_bad_fraction}); first: row {first['row']}: {first['reason']}; "
+                            f"(more than data.max_bad_fraction={max_bad_fraction}); first: {self._first_skipped()}; "
                             "fix or remove those images (check the paths and data.image_root), or raise "
                             "data.max_bad_fraction", file=self.source)
+
+    def _first_skipped(self) -> str:
+        first = self.skipped[0]
+        return (f"row {first['row']}: " if first["row"] is not None else "") + first["reason"]
 
     def summary(self) -> str:
         text = f"{len(self.paths)} images of {len(set(self.labels))} classes from {self.source}"
         if self.skipped:
-            first = self.skipped[0]
-            text += f"; skipped {len(self.skipped)} row(s), first row {first['row']}: {first['reason']}"
+            text += f"; skipped {len(self.skipped)} row(s), first {self._first_skipped()}"
         return text
 
     def to_dict(self) -> dict[str, Any]:
@@ -214,13 +230,12 @@ def _table(file: Path, request: Request) -> LabelledImages:
     names, ids = _label_ids([str(v).strip() for v in table[request.label_column]], request, str(file))
     root = Path(request.image_root) if request.image_root else file.parent
     data = LabelledImages(str(file), names=names, num_rows=len(table))
-    for row, (image, label) in enumerate(zip(table[IMAGE_COLUMN], ids)):
+    for position, (image, label) in enumerate(zip(table[IMAGE_COLUMN], ids)):
         image_path = root / str(image)
         if not str(image).strip() or not image_path.is_file():
-            data.skipped.append({"row": row, "reason": f"image not found: {image_path}"})
+            data.skip(position, f"image not found: {image_path}")
             continue
-        data.paths.append(str(image_path))
-        data.labels.append(label)
+        data.add(str(image_path), label, position)
     data.check_bad_fraction(request.max_bad_fraction)
     return data
 
@@ -241,11 +256,11 @@ def _datasets_table(path: Path, request: Request) -> LabelledImages:
     values = list(table[request.label_column])
     if declared is not None:  # ids of the feature's names; -1 (no label) or any other outside them is refused
         labels = []
-        for row, value in enumerate(values):
+        for position, value in enumerate(values):
             if value is None or not 0 <= value < len(declared):
                 raise DataError(f"label {value} is outside the classes 0..{len(declared) - 1} of column "
                                 f"{request.label_column!r} (its ClassLabel names); fix the label or drop the row",
-                                file=str(path), row=row)
+                                file=str(path), row=row_number(position))
             labels.append(declared[value])
     else:
         labels = ["" if value is None else str(value).strip() for value in values]
@@ -258,16 +273,15 @@ def _datasets_table(path: Path, request: Request) -> LabelledImages:
     batch_size = 256
     for start in range(0, len(table), batch_size):
         cells = images[start:start + batch_size][IMAGE_COLUMN]
-        for row, cell, label in zip(range(start, start + len(cells)), cells, ids[start:start + len(cells)]):
+        for position, cell, label in zip(range(start, start + len(cells)), cells, ids[start:start + len(cells)]):
             found, reason = _cell_image(cell, root)
             if found is None:
-                data.skipped.append({"row": row, "reason": f"column {IMAGE_COLUMN!r}: {reason}"})
+                data.skip(position, f"column {IMAGE_COLUMN!r}: {reason}")
                 continue
             if found == "":
-                found = f"{path}#{row}"
-                embedded.rows[found] = row
-            data.paths.append(found)
-            data.labels.append(label)
+                found = f"{path}#{position}"
+                embedded.rows[found] = position
+            data.add(found, label, position)
     data.check_bad_fraction(request.max_bad_fraction)
     return data
 
@@ -314,15 +328,15 @@ def _label_ids(labels: list[str], request: Request, file: str,
         names = [str(i) for i in range(max(map(int, found)) + 1)] if integer and found else found
     names, ids = list(names), []
     index = {name: i for i, name in enumerate(names)}
-    for row, label in enumerate(labels):
+    for position, label in enumerate(labels):
         if integer and label not in index:
             if not 0 <= int(label) < len(names):
                 raise DataError(f"label {label} is outside the classes 0..{len(names) - 1}; fix the label or the "
-                                "number of classes (num_labels)", file=file, row=row)
+                                "number of classes (num_labels)", file=file, row=row_number(position))
             label = names[int(label)]
         if label not in index:
             raise DataError(f"label {label!r} is not one of the training classes ({_short(names)})", file=file,
-                            row=row)
+                            row=row_number(position))
         ids.append(index[label])
     return names, ids
 

@@ -45,6 +45,13 @@ class Skipped(Exception):
         self.reason, self.detail = reason, detail
 
 
+def row_number(position: int) -> int:
+    """The row every data message names for the table row at `position` (0-based): data rows counted from 1 in file
+    order, so a CSV's header line is not a row (row 1 is the line under it), nor is a blank line of a JSON Lines
+    file."""
+    return int(position) + 1
+
+
 def is_null(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 

@@ -18,15 +18,16 @@ MAX_BAD_ROWS_SHOWN = 5
 
 @dataclass
 class BadRow:
-    """One skipped row: `row` is the 1-based record number in `file` (a JSONL file's line number, a CSV's data row)."""
+    """One skipped row: `row` is its number in `file` as every data message gives it (reader.row_number); None when
+    a whole file is lost (a stream's broken shard)."""
 
     file: str
-    row: int
+    row: int | None
     reason: str  # a key of SKIP_FIXES
     detail: str
 
     def __str__(self) -> str:
-        return f"{self.file}, row {self.row}: {self.detail}"
+        return f"{self.file}" + (f", row {self.row}" if self.row is not None else "") + f": {self.detail}"
 
 
 @dataclass
@@ -54,11 +55,6 @@ class DataReport:
     @property
     def num_skipped(self) -> int:
         return sum(self.skipped.values())
-
-    def skip(self, file: str, row: int, reason: str, detail: str) -> None:
-        self.skipped[reason] = self.skipped.get(reason, 0) + 1
-        if len(self.bad_rows) < MAX_BAD_ROWS_SHOWN:
-            self.bad_rows.append(BadRow(file, row, reason, detail))
 
     def summary(self) -> str:
         files = f"{len(self.files)} files" if len(self.files) != 1 else self.files[0]
@@ -98,11 +94,22 @@ class SourcesReport:
     def kept(self) -> int:
         return sum(report.kept for report in self.sources.values())
 
+    @property
+    def total(self) -> int:
+        return sum(report.total for report in self.sources.values())
+
     def summary(self) -> str:
         return "; ".join(report.summary() for report in self.sources.values())
 
     def to_dict(self) -> dict[str, Any]:
         return {"split": self.split, "sources": {name: report.to_dict() for name, report in self.sources.items()}}
+
+
+def unusable_share(report: "DataReport | SourcesReport", found_later: float = 0.0) -> float:
+    """What data.max_bad_fraction limits: the share of the rows read that are unusable, those skipped when read plus
+    `found_later` records found unusable since (images that do not decode). Rows left out for too few hard negatives
+    are read but not bad (see DataReport.short)."""
+    return (report.num_skipped + found_later) / max(report.total, 1)
 
 
 def check_bad_fraction(report: DataReport, max_bad_fraction: float) -> None:
@@ -123,7 +130,7 @@ def check_bad_fraction(report: DataReport, max_bad_fraction: float) -> None:
             file=first.file,
             row=first.row,
         )
-    fraction = report.num_skipped / report.total
+    fraction = unusable_share(report)
     if fraction > max_bad_fraction:
         raise DataError(
             f"{report.num_skipped} of {report.total} rows of {report.key} are unusable ({counts}; "

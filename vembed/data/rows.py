@@ -11,16 +11,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from vembed.data.checks import IMAGE, TEXT, RowChecks
-from vembed.data.reader import RowReader, Skipped
+from vembed.data.reader import RowReader, Skipped, row_number
 from vembed.data.records import Example
 from vembed.errors import DataError
 
 MODALITY_BITS = {"text": TEXT, "image": IMAGE}
+
+
+class ScoreCell(NamedTuple):
+    """A record's score cell, for an error naming it: its file, row (`row_number`) and score column; `row` is None
+    when the file has no such column (`column` None: it has none by its kind, as a corpus folder)."""
+
+    file: str
+    row: int | None
+    column: str | None
 
 
 @dataclass
@@ -36,10 +45,10 @@ class TablePart:
 
     def example(self, position: int) -> Example:
         try:
-            example = self.reader.example(self._row(position), position + 1)
+            example = self.reader.example(self._row(position), row_number(position))
         except Skipped as skipped:  # it passed the checks when the run started: the data changed since
             raise DataError(f"{skipped.detail} (it was usable when the run started)", file=self.reader.file,
-                            row=position + 1) from None
+                            row=row_number(position)) from None
         example.keep_negatives(self.num_negatives)
         return example
 
@@ -134,15 +143,25 @@ class PairRows(Sequence):
 
     def score_shapes(self) -> tuple[int, int, int]:
         """How many records have no score, one number, and a list of teacher scores (from the checks)."""
-        from vembed.data.checks import NO_SCORE, ONE_SCORE
+        from vembed.data.checks import SCORE_SHAPES, has_score_shape
 
-        counts = [0, 0, 0]
+        none, numbers, lists = (sum(int(has_score_shape(part.checks.scores, shape).sum()) for part in self.parts)
+                                for shape in SCORE_SHAPES)
+        return none, numbers, lists
+
+    def first_score(self, shape: str) -> "ScoreCell | None":
+        """Where the first record whose score is of `shape` (checks.SCORE_SHAPES) is, in file order; None when no
+        record's is."""
+        from vembed.data.checks import has_score_shape
+
         for part in self.parts:
-            scores = part.checks.scores
-            counts[0] += int((scores == NO_SCORE).sum())
-            counts[1] += int((scores == ONE_SCORE).sum())
-            counts[2] += int((scores > 0).sum())
-        return counts[0], counts[1], counts[2]
+            column = part.reader.columns["score"]
+            if shape == "none" and column not in part.table.column_names:
+                return ScoreCell(part.reader.file, None, column)
+            found = np.flatnonzero(has_score_shape(part.checks.scores, shape))
+            if len(found):
+                return ScoreCell(part.reader.file, row_number(part.rows[found[0]]), column)
+        return None
 
     def most_images_per_side(self) -> tuple[int, int | None]:
         """The most images any side of any record has (negatives a record keeps included) and the first record with

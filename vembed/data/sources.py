@@ -19,7 +19,7 @@ import numpy as np
 
 from vembed.data.node_lock import one_builder_per_node
 from vembed.data.paths import builder_for, resolve_files
-from vembed.data.reader import SKIP_FIXES, RowReader, Skipped, SourceSettings
+from vembed.data.reader import SKIP_FIXES, RowReader, Skipped, SourceSettings, row_number
 from vembed.data.reports import MAX_BAD_ROWS_SHOWN, BadRow, DataReport, SourcesReport, check_bad_fraction
 from vembed.data.tables import json_parts, open_table
 from vembed.errors import DataError, RecipeError
@@ -190,11 +190,11 @@ def check_scores(reader: RowReader, table: Any, checks: "RowChecks",
     if len(bad):
         detail = "not a number"
         try:
-            reader.example(TablePart(reader, table, bad, checks, 0)._row(int(bad[0])), int(bad[0]) + 1)
+            reader.example(TablePart(reader, table, bad, checks, 0)._row(int(bad[0])), row_number(bad[0]))
         except Skipped as skipped:
             detail = skipped.detail
         raise DataError(f"{key}: {detail} ({len(bad)} such rows); {SKIP_FIXES['bad_score']}", file=reader.file,
-                        row=int(bad[0]) + 1)
+                        row=row_number(bad[0]))
     usable = checks.reason == 0
     if score_range is not None:
         low, high = score_range
@@ -205,7 +205,7 @@ def check_scores(reader: RowReader, table: Any, checks: "RowChecks",
             found = checks.score_low[first] if checks.score_low[first] < low else checks.score_high[first]
             raise DataError(f"{key}: score {found:g} is outside data.score_range [{low:g}, {high:g}] "
                             f"({int(outside.sum())} such rows); fix the rows or widen data.score_range",
-                            file=reader.file, row=first + 1)
+                            file=reader.file, row=row_number(first))
     lists = usable & (checks.scores > 0)
     wrong = lists & (checks.scores != checks.negatives + 1)
     if wrong.any():
@@ -213,7 +213,7 @@ def check_scores(reader: RowReader, table: Any, checks: "RowChecks",
         raise DataError(f"{key}: a list of {int(checks.scores[first])} teacher scores for a row with "
                         f"{int(checks.negatives[first])} hard negatives; give one score for the positive and one per "
                         f"negative ({int(checks.negatives[first]) + 1}), in order ({int(wrong.sum())} such rows)",
-                        file=reader.file, row=first + 1)
+                        file=reader.file, row=row_number(first))
 
 
 def _count_skipped(report: "DataReport", reader: RowReader, table: Any, checks: "RowChecks") -> None:
@@ -231,10 +231,10 @@ def _count_skipped(report: "DataReport", reader: RowReader, table: Any, checks: 
     for position in bad[: max(0, MAX_BAD_ROWS_SHOWN - len(report.bad_rows))]:
         reason, detail = REASONS[checks.reason[position]], "unusable row"
         try:
-            reader.example(part._row(int(position)), int(position) + 1)
+            reader.example(part._row(int(position)), row_number(position))
         except Skipped as skipped:
             reason, detail = skipped.reason, skipped.detail
-        report.bad_rows.append(BadRow(reader.file, int(position) + 1, reason, detail))
+        report.bad_rows.append(BadRow(reader.file, row_number(position), reason, detail))
 
 
 

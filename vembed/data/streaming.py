@@ -296,13 +296,13 @@ class SlotPosition:
     lost: int = 0  # samples broken shards should have given (never drawn; also counted as skipped "bad_shard")
     unsized_broken: int = 0  # broken shards of unknown size, each counted as 1 lost
 
-    def skip(self, file: str, row: int, reason: str, detail: str, count: int = 1) -> None:
+    def skip(self, file: str, row: int | None, reason: str, detail: str, count: int = 1) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + count
         if len(self.bad_rows) < MAX_BAD_ROWS_SHOWN:
             self.bad_rows.append(asdict(BadRow(file, row, reason, detail)))
 
     def skip_shard(self, broken: BrokenShard) -> None:
-        self.skip(broken.file, 0, "bad_shard", broken.detail, count=broken.lost)
+        self.skip(broken.file, None, "bad_shard", broken.detail, count=broken.lost)  # a shard, not one of its rows
         self.lost += broken.lost
         self.unsized_broken += not broken.sized
 

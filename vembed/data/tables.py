@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vembed.data.reader import row_number
 from vembed.errors import DataError, did_you_mean
 
 if TYPE_CHECKING:
@@ -84,8 +85,9 @@ def _json_lines(text: str, path: str) -> list[Any]:
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError as err:
+            # the row is the record it would have been (blank lines are no rows); the line says where in the file
             raise DataError(f"cannot read as json: line {number} is not valid JSON ({err.msg})", file=path,
-                            row=number) from err
+                            row=row_number(len(records))) from err
     return records
 
 

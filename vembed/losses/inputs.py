@@ -1,5 +1,6 @@
 """What a loss needs of the training data (a score per pair, teacher score lists, hard negatives), checked against
-the rows' checks before training so a mismatch is one line naming the key, not an error in the first step."""
+the rows' checks before training so a mismatch is one line naming the key, and the file and row of the first record
+that lacks it, not an error in the first step."""
 
 from __future__ import annotations
 
@@ -13,30 +14,49 @@ if TYPE_CHECKING:
     from vembed.losses.base import EmbeddingLoss
     from vembed.recipe import Recipe
 
+HAS = {"none": "has no score", "number": "has one number", "list": "has a list of teacher scores"}  # SCORE_SHAPES
+
 
 def check_loss_inputs(loss: "type[EmbeddingLoss]", recipe: "Recipe", rows: "PairRows | CorpusPairs") -> None:
     """`loss` (the recipe's loss class) against the training rows: hard negatives, and the score column's shape."""
-    column = f"data.columns.score ({recipe.data.columns.score!r})"
     negatives = min(rows.negative_counts(), default=0)
     if negatives < loss.min_negatives:
         raise DataError(f"loss_type {recipe.loss_type} needs at least {loss.min_negatives} hard negative per pair; "
                         f"the training records keep {negatives} (data.columns.negatives, data.num_hard_negatives)")
     needs = loss.needs_scores
-    if needs is None or not len(rows):
+    if needs is None:
         return
     none, numbers, lists = rows.score_shapes()
-    if needs == "pair" and (none or lists):
-        raise DataError(f"loss_type {recipe.loss_type} needs one number per pair in {column}; "
-                        f"{none} records have no score and {lists} a list")
-    if needs == "candidates" and (none or numbers):
-        raise DataError(f"loss_type {recipe.loss_type} needs a list of teacher scores [positive, negatives...] per "
-                        f"pair in {column}; {none} records have no score and {numbers} a single number")
+    counts = {"none": none, "number": numbers, "list": lists}
+    name = recipe.loss_type
+    if needs == "pair":
+        _refuse(rows, ("none", "list"), counts, f"loss_type {name} needs one number per pair")
+    if needs == "candidates":
+        _refuse(rows, ("none", "number"), counts,
+                f"loss_type {name} needs a list of teacher scores [positive, negatives...] per pair")
     if needs == "candidates_or_margin":
-        if none or (numbers and lists):
-            raise DataError(f"loss_type {recipe.loss_type} needs in {column} either a teacher margin per pair (one "
-                            f"hard negative) or a list of teacher scores [positive, negatives...] for every record; "
-                            f"{none} have no score, {numbers} a number, {lists} a list")
+        rarer = ("number",) if numbers <= lists else ("list",)  # mixed: the odd ones out are named
+        _refuse(rows, ("none",) + (rarer if numbers and lists else ()), counts,
+                f"loss_type {name} needs either a teacher margin per pair (one hard negative) or a list of teacher "
+                f"scores [positive, negatives...] for every record; {none} have no score, {numbers} a number, "
+                f"{lists} a list")
         if numbers and negatives != 1:
-            raise DataError(f"loss_type {recipe.loss_type}: a single score per pair is the teacher's margin over one "
+            raise DataError(f"loss_type {name}: a single score per pair is the teacher's margin over one "
                             f"hard negative, but the records keep {negatives}; set data.num_hard_negatives: 1 or give "
                             "lists of teacher scores")
+
+
+def _refuse(rows: "PairRows | CorpusPairs", shapes: tuple[str, ...], counts: dict[str, int], needs: str) -> None:
+    """A `DataError` naming the file and row of the first record whose score is of one of `shapes` (a missing
+    score first), or the file when it has no score column; nothing when no record's is."""
+    for shape in shapes:
+        place = rows.first_score(shape)
+        if place is None:
+            continue
+        if place.row is None:
+            column = f"column {place.column!r}" if place.column else "score column"
+            raise DataError(f"has no {column} (data.columns.score); {needs}: give the file one, or map yours with "
+                            "data.columns.score=<column>", file=place.file)
+        count = counts[shape]
+        raise DataError(f"data.columns.score ({place.column!r}) {HAS[shape]}; {needs} ({count} such "
+                        f"record{'s' if count != 1 else ''})", file=place.file, row=place.row)

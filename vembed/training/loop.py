@@ -475,10 +475,11 @@ class Trainer:
         if cache is None:
             return
         from vembed.data.image_cache import undecodable_records
+        from vembed.data.reports import unusable_share
 
         bad, first = undecodable_records(self.dataset.examples, cache)
         report, limit = self.train_report, self.recipe.data.max_bad_fraction
-        share = (report.num_skipped + bad) / max(report.kept + report.num_skipped, 1)
+        share = unusable_share(report, bad)
         if bad and share > limit:
             example, why = self.dataset.examples[first], self.dataset.decode_error(first)
             raise DataError(
@@ -498,9 +499,10 @@ class Trainer:
         fetched, replaced, first = self._decode_counts()
         if not replaced:
             return
+        from vembed.data.reports import unusable_share
+
         report, limit = self.train_report, self.recipe.data.max_bad_fraction
-        total = report.kept + report.num_skipped
-        share = (report.num_skipped + wilson_lower_bound(replaced, fetched) * report.kept) / max(total, 1)
+        share = unusable_share(report, wilson_lower_bound(replaced, fetched) * report.kept)
         if share <= limit:
             return
         example = self.dataset.examples[first] if first is not None else None
