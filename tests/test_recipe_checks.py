@@ -78,7 +78,8 @@ ELSEWHERE: dict[str, set[str]] = {
     "vembed/generation/__init__.py": {"load_generator"},
     "vembed/cli.py": {"_index_command"},
     "vembed/models/token_vectors.py": {"require_single_vector"},  # a dense-only command handed a ColBERT model
-    "vembed/retrieval/maxsim_search.py": {"pool_tokens", "set_pool_factor"},  # --pool-factor / document_pool_factor
+    "vembed/retrieval/maxsim_search.py": {"_hierarchical_clustering",  # --pool-factor, document_pool_factor
+                                          "set_pool_factor"},
     "vembed/entrypoints/evaluate.py": {"_evaluate_corpus", "run.body", "_named_sources", "_check_reranking"},
     "vembed/entrypoints/mine.py": {"run.body", "_refuse_a_reranker"},
     "vembed/reranking/__init__.py": {"load_reranker"},  # a saved reranker folder

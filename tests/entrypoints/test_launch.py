@@ -262,3 +262,58 @@ def test_a_process_that_is_its_own_launcher_does_not_die_with_itself():
             "os.environ[LAUNCHER_PID_ENV] = str(os.getpid()); print(stop_with_launcher())")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "False", result.stderr
+
+
+# --- refusals before work: each bad input is one line, exit 2, and nothing written --------------------------------
+
+TEXT_BERT = {"model_type": "bert", "vocab_size": 512, "hidden_size": 32, "intermediate_size": 37,
+             "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 32}
+# xlm names its blocks `attentions.0.`, `ffns.0.`: no parameter name says its layer as depths.py reads them
+TEXT_XLM = {"model_type": "xlm", "vocab_size": 512, "emb_dim": 32, "n_layers": 1, "n_heads": 4,
+            "max_position_embeddings": 32}
+
+
+def _text_recipe(tmp_path: Path, tokenizer_dir: str, **changes) -> dict:
+    rows = [{"query": f"question {i} about shape {i % 5}", "positive": f"answer {i}: a shape {i % 5}"}
+            for i in range(16)]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("\n".join(json.dumps(row) for row in rows))
+    return {"model_type": "text", "tokenizer_name": tokenizer_dir, "model_config": TEXT_BERT,
+            "data": {"train": str(data)}, "output_dir": str(tmp_path / "run"), "batch_size": 8, "seed": 0,
+            "max_steps": 2, "eval_before_training": False, **changes}
+
+
+def _refused(recipe: dict, tmp_path: Path, capsys) -> list[str]:
+    """run.py on `recipe`: exit 2 and no output folder; the lines it printed."""
+    code = launch.main([str(_recipe_file(tmp_path, recipe))])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, lines
+    assert not Path(recipe["output_dir"]).exists()
+    return lines
+
+
+@pytest.mark.parametrize("case, says", [
+    ("layer_lr_decay on a model whose parameter names say no layer",
+     "recipe error: layer_lr_decay: no parameter name of model_type 'text' says which layer it is in"),
+    ("document_pool_factor without scipy", "recipe error: document_pool_factor: token pooling needs scipy"),
+])
+def test_a_recipe_the_model_or_the_installation_cannot_train_is_one_line_before_the_launch(
+        tmp_path, capsys, monkeypatch, mask_tokenizer_dir, case, says):
+    if case.startswith("layer_lr_decay"):
+        recipe = _text_recipe(tmp_path, mask_tokenizer_dir, model_config=TEXT_XLM, layer_lr_decay=0.7)
+    else:  # a ColBERT whose corpus evaluation (and every later search) pools documents' token vectors
+        monkeypatch.setitem(sys.modules, "scipy.cluster.hierarchy", None)  # import fails as when scipy is missing
+        recipe = _text_recipe(tmp_path, mask_tokenizer_dir, embedding="multi_vector", multi_vector_dim=16,
+                              query_length=12, loss_type="late_interaction", document_pool_factor=2)
+    lines = _refused(recipe, tmp_path, capsys)
+    assert len(lines) == 1 and lines[0].startswith(says), lines  # not even the launch line: no process was started
+
+
+def test_a_loss_that_mines_on_labels_is_refused_data_without_them_before_the_run_folder_is_taken(
+        tmp_path, capsys, mask_tokenizer_dir):
+    recipe = _text_recipe(tmp_path, mask_tokenizer_dir, loss_type="batch_hard_triplet")
+    lines = _refused(recipe, tmp_path, capsys)
+    assert lines[-1] == (f"data error: {tmp_path / 'pairs.jsonl'}, row 1: loss_type batch_hard_triplet mines on "
+                         "labels, but 16 of 16 training records have none in data.columns.label ('label'); give "
+                         "every row a label, or map data.columns.label to the column that holds them"), lines
+    assert all(line.startswith("launching ") for line in lines[:-1]), lines

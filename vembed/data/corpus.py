@@ -343,6 +343,9 @@ class CorpusPairs:
     def score_shapes(self) -> tuple[int, int, int]:
         return len(self), 0, 0
 
+    def unlabelled_records(self) -> tuple[int, int | None]:
+        return 0, None  # every pair's label is its relevance group
+
     def __getitem__(self, index: Any) -> Any:
         from dataclasses import replace
 
