@@ -317,3 +317,25 @@ def test_a_loss_that_mines_on_labels_is_refused_data_without_them_before_the_run
                          "labels, but 16 of 16 training records have none in data.columns.label ('label'); give "
                          "every row a label, or map data.columns.label to the column that holds them"), lines
     assert all(line.startswith("launching ") for line in lines[:-1]), lines
+
+
+@pytest.mark.parametrize("split", ["validation", "test"])
+def test_an_image_of_a_held_out_split_that_does_not_decode_stops_the_launch_before_the_run_folder_is_taken(
+        tiny_clip_recipe, dummy_data_dir, tmp_path, capsys, split):
+    import shutil
+
+    data = tmp_path / "data"  # a copy: the session's dummy data stays whole
+    shutil.copytree(dummy_data_dir, data)
+    first = json.loads((data / f"{split}.jsonl").read_text().splitlines()[0])
+    broken = data / (first.get("positive_image") or first["query_image"])
+    broken.write_bytes(b"not an image")  # training never reads it: only evaluation would, after final/ was written
+    recipe = {**tiny_clip_recipe, "max_steps": 2,
+              "data": {**{name: str(data / f"{name}.jsonl") for name in ("train", "validation", "test")},
+                       "image_root": str(data)}}
+    recipe["data"]["train"] = str(tmp_path / "train.jsonl")  # the training rows without the broken image
+    rows = [row for row in (data / "train.jsonl").read_text().splitlines() if broken.name not in row]
+    Path(recipe["data"]["train"]).write_text("\n".join(rows) + "\n")
+    lines = _refused(recipe, tmp_path, capsys)
+    assert lines[-1].startswith(f"data error: {broken}: cannot decode image: UnidentifiedImageError") and (
+        f"images of data.{split} do not decode, and evaluation reads every one" in lines[-1]), lines
+    assert all(line.startswith("launching ") for line in lines[:-1]), lines

@@ -164,6 +164,9 @@ class MetricLearningTask(Task):
                     ClassificationCollator(objective.adapter, recipe.augmentation, recipe.seed))
         return RowsOfImages(self.train_data), ViewsCollator(objective.adapter, views, recipe.augmentation, recipe.seed)
 
+    def held_out_images(self, data: "LabelledImages | None") -> list[Any]:
+        return [data.image(i) for i in range(len(data))] if data else []
+
     def load_eval_split(self, split: str) -> "LabelledImages | None":
         if getattr(self.recipe.data, split) is None:
             return None
