@@ -42,14 +42,16 @@ tests/test_recipe_checks.py fails when a recipe error is raised anywhere else.
 5. The output folder (`vembed.training.run_dir.check_output_dir`, called by the launcher before any process
    starts and by the trainer before anything is written): writable, not another run's, resume_from and
    overwrite_output_dir not both set.
-6. The launch (`check_launch`, called by `vembed.training.launch_plan.decide_launch` in each training process once
-   the launch's environment says its kind, before a data row is read): fp16 needs a GPU; FSDP needs an adapter
-   naming block classes (`check_fsdp_blocks`, on the meta-device build); use_fsdp needs an FSDP launch; GradCache
-   only where the task and the launch allow it (`vembed.planning.choose_gradient_cache`, the one GradCache rule);
-   compile only where it is verified.
+6. The launch (`check_launch`: by run.py / `vembed train` from the accelerate config before any process starts,
+   `vembed.entrypoints.launch.check_planned_launch`; and by `vembed.training.launch_plan.decide_launch` in each
+   training process once the launch's environment says its kind, before a data row is read): fp16 needs a GPU; FSDP
+   needs an adapter naming block classes (`check_fsdp_blocks`, on the meta-device build); use_fsdp needs an FSDP
+   launch; GradCache only where the task and the launch allow it (`vembed.planning.choose_gradient_cache`, the one
+   GradCache rule); compile only where it is verified.
 
 Rules that need the rows themselves run as the data is read (`Task.load_train_data`: images per side, the inputs a
-loss needs), still before any weight is read; they are data errors, naming file and row.
+loss needs, a label per record for a loss that mines on labels; `Task.load_held_out`: every held-out image decodes),
+still before any weight is read or the output folder is taken; they are data errors, naming file and row.
 """
 
 from __future__ import annotations

@@ -339,3 +339,23 @@ def test_an_image_of_a_held_out_split_that_does_not_decode_stops_the_launch_befo
     assert lines[-1].startswith(f"data error: {broken}: cannot decode image: UnidentifiedImageError") and (
         f"images of data.{split} do not decode, and evaluation reads every one" in lines[-1]), lines
     assert all(line.startswith("launching ") for line in lines[:-1]), lines
+
+
+@pytest.mark.parametrize("changes, flags, says", [
+    ({"mixed_precision": "fp16"}, ["--accelerate_config", "single"],
+     "recipe error: mixed_precision: fp16 needs a GPU; use bf16 or no on CPU"),
+    ({"use_fsdp": True}, ["--accelerate_config", "ddp_cpu", "--num_processes", "2"],
+     "recipe error: use_fsdp: is true but this launch is not FSDP"),
+    ({"use_gradient_cache": True}, ["--accelerate_config", "fsdp"],
+     "recipe error: use_gradient_cache: GradCache is not available under FSDP"),
+], ids=["fp16-on-cpu", "use_fsdp-under-ddp", "gradcache-under-fsdp"])
+def test_what_the_recipe_asks_of_the_launch_is_judged_before_any_process_starts(tiny_clip_recipe, tmp_path, capsys,
+                                                                                 changes, flags, says):
+    import torch
+
+    if "mixed_precision" in changes and torch.cuda.is_available():
+        pytest.skip("fp16 is refused on CPU only")
+    code = launch.main([str(_recipe_file(tmp_path, {**tiny_clip_recipe, **changes})), *flags])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(says), lines  # not one line per rank, no launch line
+    assert not Path(tiny_clip_recipe["output_dir"]).exists()
