@@ -30,7 +30,8 @@ tests/test_recipe_checks.py fails when a recipe error is raised anywhere else.
      dual encoder); the classes of the data (`vembed/data/labelled.py`, which reads the labelled files here) fit
      num_labels.
    - metric_learning (`vembed/tasks/metric_learning.py`): the labelled files of classification, no head
-     (num_labels, head_init), no streaming, GradCache or stages; a retrieval metric (MAP@R, recall@k); every class
+     (num_labels, head_init), no streaming, GradCache or stages; a retrieval metric (MAP@R, recall@k);
+     pytorch-metric-learning, which computes its losses, is installed (`vembed/losses/metric_learning.py`); every class
      has a second image where the loss needs positives; ArcFace's num_classes fits the data.
    - rerank (`vembed/reranking/task.py`): no GradCache or streaming; the data files exist; held-out data
      (validation, test) is a corpus folder with its first-stage run (`data.first_stage_run`); a reranking metric;
