@@ -47,7 +47,10 @@ class Embedder:
         Python code it ships (models trained with `trust_remote_code: true` may need it); never on the folder's say.
         """
         from vembed.models.base import load_adapter
+        from vembed.models.foreign import require_embedder
 
+        if Path(path).is_dir():  # a reranker is refused by what it is, whoever saved it
+            require_embedder(path, "model", instead="vembed.load embeds with embedding models vembed saved")
         return cls(load_adapter(Path(path), trust_remote_code=trust_remote_code), device=device)
 
     @property
