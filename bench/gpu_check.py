@@ -192,6 +192,11 @@ def gpu_tests(ctx: Context) -> dict[str, Any]:
     done = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=max(ctx.budget_s - 10, 10))
     print(done.stdout, done.stderr, sep="\n")  # the whole pytest report goes to this step's log
+    if not report.is_file():  # pytest never ran: say why in the table, not as a FileNotFoundError of its report
+        if "No module named pytest" in done.stderr:
+            raise RuntimeError("pytest is not installed: pip install -e '.[dev]' here, or make gpu-wheels for the "
+                               "GPU machine")
+        raise RuntimeError(f"pytest wrote no report: {(done.stderr.strip().splitlines() or ['no output'])[-1]}")
     cases = ET.parse(report).getroot().iter("testcase")
     passed, failed, skipped = [], [], {}
     for case in cases:

@@ -221,10 +221,11 @@ def _timing(clock, spec: dict[str, Any]) -> dict[str, Any]:
 
 def _judge(score, spec: dict[str, Any]) -> dict[str, float]:
     from vembed.data.corpus import load_corpus_split
-    from vembed.reranking.evaluation import read_run_file, rerank_run
+    from vembed.evaluation.runs import read_run
+    from vembed.reranking.evaluation import rerank_run
 
     split = load_corpus_split(Path(spec["work"], "heldout"), "test")
-    return rerank_run(score, split, read_run_file(Path(spec["work"], "first_stage.trec")), depth=CANDIDATES)
+    return rerank_run(score, split, read_run(Path(spec["work"], "first_stage.trec")), depth=CANDIDATES)
 
 
 def train_vembed(spec: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""The Python entry point for using a trained model: `vembed.load(path).encode(texts=[...], images=[...])`."""
+"""The Python entry point for using a trained model, whatever its kind: `vembed.load(path)` gives an `Embedder`
+(`encode`, `search`), a `Classifier` (`predict`, and `encode`) or a `Reranker` (`rank`, `score`)."""
 
 from __future__ import annotations
 
@@ -123,8 +124,155 @@ class Embedder:
 
         return maxsim(queries, documents)
 
+    def search(self, queries: str | Sequence[str] | None, corpus: Sequence[Any], top_k: int = 10, *,
+               query_images: Sequence[ImageInput] | None = None, batch_size: int = 32,
+               show_progress: bool = False) -> list[list[dict[str, float]]]:
+        """Each query's `top_k` best items of `corpus` (texts, or images: paths or PIL), best first, as
+        sentence-transformers' `util.semantic_search` returns them: `[[{"corpus_id": i, "score": s}, ...], ...]`.
+
+        Queries are texts (or `query_images`), embedded as queries, the corpus as documents; scores are cosines, or
+        MaxSim for a multi_vector (ColBERT, ColQwen) model. The search is `vembed search`'s: exact, equal scores
+        ranked by corpus position."""
+        from vembed.retrieval.maxsim_search import PackedTokens, maxsim_top_k
+        from vembed.retrieval.scoring import top_k as cosine_top_k
+
+        if top_k < 1:
+            raise ValueError(f"top_k must be at least 1, got {top_k}")
+        texts, images = _corpus_items(corpus)
+        kwargs = dict(batch_size=batch_size, show_progress=show_progress)
+        if self.multi_vector:
+            query_vectors = self.encode_token_vectors(queries, role="query", images=query_images, **kwargs)
+            documents = self.encode_token_vectors(texts, role="document", images=images, **kwargs)
+            found = maxsim_top_k(query_vectors, PackedTokens.pack(documents), top_k)
+        else:
+            found = cosine_top_k(self.encode(queries, images=query_images, role="query", **kwargs),
+                                 self.encode(texts, images=images, role="document", **kwargs), top_k)
+        return [[{"corpus_id": int(i), "score": float(score)} for i, score in zip(indices, scores) if i >= 0]
+                for indices, scores in zip(found.indices.tolist(), found.scores.tolist())]
+
     def __repr__(self) -> str:
-        return f"Embedder(model_type={self.model_type!r}, embedding_dim={self.embedding_dim}, device={self.device})"
+        return f"{type(self).__name__}(model_type={self.model_type!r}, embedding_dim={self.embedding_dim}, " \
+               f"device={self.device})"
+
+
+class Classifier(Embedder):
+    """A saved image classifier (a backbone with a class head): `predict` gives each image's top classes, and
+    `encode` the backbone's pooled embedding as for any vision model.
+
+    >>> model = vembed.load("runs/vit/final")
+    >>> model.predict(["cat.png"], top_k=2)   # [[{"label": "cat", "score": 0.91}, {"label": "dog", "score": 0.05}]]
+    """
+
+    @property
+    def labels(self) -> list[str]:
+        """The class names, in the head's order."""
+        names = self.adapter.settings.label_names
+        return list(names) if names is not None else [str(i) for i in range(self.adapter.settings.num_labels)]
+
+    def predict_proba(self, images: ImageInput | Sequence[ImageInput], batch_size: int = 32,
+                      show_progress: bool = False) -> torch.Tensor:
+        """Class probabilities `(n, num_labels)` (softmax of the head's logits), CPU float32. An image that does not
+        decode is a `DataError` naming its file."""
+        from vembed.data.images import load_image
+
+        images = [images] if isinstance(images, (str, os.PathLike)) or _is_pil(images) else list(images)
+        parts = []
+        steps = range(0, len(images), batch_size)
+        if show_progress:
+            from tqdm.auto import tqdm
+
+            steps = tqdm(steps, desc="predicting", unit="batch")
+        with torch.no_grad():
+            for start in steps:
+                decoded = [load_image(os.fspath(image) if isinstance(image, os.PathLike) else image)
+                           for image in images[start : start + batch_size]]
+                inputs = self.adapter.preprocess([Side(image=image) for image in decoded])
+                logits = self.adapter.classify({k: v.to(self.device) for k, v in inputs.items()})
+                parts.append(logits.float().softmax(dim=-1).cpu())
+        return torch.cat(parts) if parts else torch.zeros(0, len(self.labels))
+
+    def predict(self, images: ImageInput | Sequence[ImageInput], top_k: int = 1, batch_size: int = 32,
+                show_progress: bool = False) -> list[list[dict[str, Any]]]:
+        """Each image's `top_k` classes, most probable first: `[[{"label": name, "score": probability}, ...], ...]`
+        (equal probabilities: the lower class index first, as the evaluation's argmax takes it)."""
+        if top_k < 1:
+            raise ValueError(f"top_k must be at least 1, got {top_k}")
+        probabilities = self.predict_proba(images, batch_size=batch_size, show_progress=show_progress)
+        order = probabilities.argsort(dim=1, descending=True, stable=True)[:, :top_k]
+        labels = self.labels
+        return [[{"label": labels[c], "score": float(p[c])} for c in row.tolist()]
+                for p, row in zip(probabilities, order)]
+
+
+class Reranker:
+    """A saved reranker (cross-encoder, Qwen-VL reranker): `rank` orders documents for a query, `score` scores
+    pairs, in the shape of sentence-transformers' `CrossEncoder.rank` / `predict`.
+
+    >>> model = vembed.load("runs/reranker/final")
+    >>> model.rank("how do I sort a list", ["Sort the integers.", "Parse the dates."])
+    [{"corpus_id": 0, "score": 4.2}, {"corpus_id": 1, "score": -3.1}]
+    """
+
+    def __init__(self, model: torch.nn.Module, device: str | torch.device | None = None):
+        self.device = torch.device(device or _default_device())
+        self.model = model.to(self.device).eval()
+
+    @property
+    def model_type(self) -> str:
+        return self.model.model_type
+
+    def score(self, queries: str | Sequence[Any], documents: Sequence[Any], batch_size: int = 32) -> torch.Tensor:
+        """`(n,)` scores (logits) of the pairs (queries[i], documents[i]); one query string scores every document."""
+        if isinstance(queries, str):
+            queries = [queries] * len(documents)
+        with torch.no_grad():
+            return self.model.score(list(queries), list(documents), batch_size=batch_size).float().cpu()
+
+    def rank(self, query: Any, documents: Sequence[Any], top_k: int | None = None, *,
+             return_documents: bool = False, batch_size: int = 32) -> list[dict[str, Any]]:
+        """`documents` ordered for `query`, best first: `[{"corpus_id": i, "score": s}, ...]` (with `"text"` when
+        `return_documents`), the first `top_k` (None: all). The scores are `vembed rerank`'s for the same pairs."""
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be at least 1, got {top_k}")
+        scores = self.score([query] * len(documents), documents, batch_size=batch_size)
+        order = scores.argsort(descending=True, stable=True)[:top_k].tolist()
+        return [{"corpus_id": i, "score": float(scores[i]), **({"text": documents[i]} if return_documents else {})}
+                for i in order]
+
+    def __repr__(self) -> str:
+        return f"Reranker(model_type={self.model_type!r}, device={self.device})"
+
+
+def load_model(path: str | os.PathLike, device: str | torch.device | None = None, *,
+               trust_remote_code: bool = False) -> "Embedder | Classifier | Reranker":
+    """The saved model at `path` as what it is for: a `Reranker`, a `Classifier` (a class head) or an `Embedder`."""
+    from vembed.models.base import load_adapter
+    from vembed.reranking import load_reranker, saved_reranker_type
+
+    if saved_reranker_type(path):
+        return Reranker(load_reranker(path, trust_remote_code=trust_remote_code), device=device)
+    adapter = load_adapter(Path(path), trust_remote_code=trust_remote_code)
+    kind = Classifier if getattr(adapter, "classifier", None) is not None else Embedder
+    return kind(adapter, device=device)
+
+
+def _corpus_items(corpus: Sequence[Any]) -> tuple[list[str] | None, list[Any] | None]:
+    """A corpus as texts or as images (paths or PIL), one kind for all items."""
+    items = list(corpus)
+    if not items:
+        raise ValueError("the corpus is empty")
+    is_image = [_is_pil(item) or (isinstance(item, (str, os.PathLike)) and _looks_like_image(item)) for item in items]
+    if all(is_image):
+        return None, items
+    if any(is_image) or not all(isinstance(item, str) for item in items):
+        raise ValueError("a corpus is all texts or all images (paths or PIL images); embed mixed items apart")
+    return items, None
+
+
+def _looks_like_image(item: str | os.PathLike) -> bool:
+    from vembed.data.images import IMAGE_EXTENSIONS
+
+    return Path(item).suffix.lower() in IMAGE_EXTENSIONS and Path(item).is_file()
 
 
 def _sides(texts: Any, images: Any, role: str | None, method: str) -> list[Side]:

@@ -1,4 +1,5 @@
-"""The `vembed` command: train | eval | export | plan | bench | extract | mine | data | demo | demo-vision."""
+"""The `vembed` command: train | eval | search | rerank | fuse | predict | export | plan | bench | extract | mine |
+data | demo | demo-vision."""
 
 from __future__ import annotations
 
@@ -88,7 +89,21 @@ def _index_command(paths: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vembed.entrypoints import bench_strategies, demo, demo_vision, evaluate, export, extract, launch, mine, plan
+    from vembed.entrypoints import (
+        bench_strategies,
+        demo,
+        demo_vision,
+        evaluate,
+        export,
+        extract,
+        fuse,
+        launch,
+        mine,
+        plan,
+        predict,
+        rerank,
+        search,
+    )
 
     parser = argparse.ArgumentParser(prog="vembed", description="Fine-tune embedding models from a YAML recipe.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -97,9 +112,19 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_arguments(train)
     train.set_defaults(func=launch.run, command_name="vembed train")
 
-    ev = sub.add_parser("eval", help="retrieval metrics of a saved model on a data file")
+    ev = sub.add_parser("eval", help="retrieval metrics of a saved model (or a run file) on a data file or corpus")
     evaluate.add_arguments(ev)
     ev.set_defaults(func=evaluate.run)
+
+    for name, module, help_text in (
+            ("search", search, "search a corpus folder with a saved model (or bm25) and write the run file"),
+            ("rerank", rerank, "reorder a run's candidates with a reranker (or a ColBERT) and write the run file"),
+            ("fuse", fuse, "fuse run files into one (reciprocal rank fusion, weighted sums, ...; ranx)"),
+            ("predict", predict, "classify images with a saved image classifier and write the top classes as CSV")):
+        command = sub.add_parser(name, help=help_text, description=module.__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(command)
+        command.set_defaults(func=module.run)
 
     ex = sub.add_parser("export", help="export a saved model (sentence-transformers)")
     export.add_arguments(ex)

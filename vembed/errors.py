@@ -63,6 +63,14 @@ class CheckpointError(VembedError):
     kind = "checkpoint error"
 
 
+def require_package(module: str, key: str, purpose: str, extra: str) -> None:
+    """Stop with one line naming `key` and the extra that installs `module`, before any work, when it is absent."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise RecipeError(key, f"{purpose} needs {module}, which is not installed: pip install 'vembed[{extra}]'")
+
+
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """' (did you mean X?)' for the closest choice, or '' when nothing is close."""
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)

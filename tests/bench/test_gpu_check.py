@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -66,6 +67,18 @@ def test_a_failing_step_is_recorded_with_its_error_line_and_the_next_step_runs(t
     table = (tmp_path / "gpu_check.md").read_text()
     assert "| broken | failed |" in table and "KeyError: 'broken'" in table and "| gpu_tests | failed |" in table
     assert (tmp_path / "logs" / "broken.txt").is_file()
+
+
+@pytest.mark.parametrize("stderr, expected", [
+    ("/usr/bin/python: No module named pytest\n", "pytest is not installed: pip install -e '.[dev]'"),
+    ("ImportError: while loading conftest\n", "pytest wrote no report: ImportError: while loading conftest"),
+])
+def test_the_gpu_tests_step_says_why_pytest_wrote_no_report(tmp_path, monkeypatch, stderr, expected):
+    gpu_check = _load()
+    monkeypatch.setattr(gpu_check.subprocess, "run",
+                        lambda *a, **k: subprocess.CompletedProcess(a[0], 1, stdout="", stderr=stderr))
+    with pytest.raises(RuntimeError, match="^" + re.escape(expected)):
+        gpu_check.gpu_tests(gpu_check.Context(dry_run=True, work=tmp_path, budget_s=60))
 
 
 def test_unknown_step_is_one_line_and_exit_2(tmp_path, capsys):

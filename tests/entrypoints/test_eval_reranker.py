@@ -88,7 +88,8 @@ def test_an_embedder_first_stage_reranked_equals_trec_eval_on_the_same_runs(mode
 def test_a_run_file_first_stage_is_reranked_as_rerank_run_reranks_it(models, tmp_path, capsys):
     from vembed.data.corpus import load_corpus_split
     from vembed.reranking import load_reranker
-    from vembed.reranking.evaluation import cutoffs_for, read_run_file, rerank_run
+    from vembed.evaluation.runs import read_run
+    from vembed.reranking.evaluation import cutoffs_for, rerank_run
 
     root, corpus = models
     split = load_corpus_split(corpus, "test")
@@ -96,7 +97,7 @@ def test_a_run_file_first_stage_is_reranked_as_rerank_run_reranks_it(models, tmp
     out = tmp_path / "metrics.json"
     assert main(["eval", str(root / "reranker"), str(corpus), "--first-stage", str(run_file), "--top-k", "10",
                  "--output", str(out)]) == 0
-    expected = rerank_run(load_reranker(root / "reranker").score, split, read_run_file(run_file), depth=10,
+    expected = rerank_run(load_reranker(root / "reranker").score, split, read_run(run_file), depth=10,
                           cutoffs=cutoffs_for(10))
     got = json.loads(out.read_text())
     assert got.keys() == expected.keys()

@@ -20,10 +20,11 @@ def _split_and_run(tmp_path, name: str = "test"):
 
 def test_an_oracle_reranker_lifts_ndcg_to_what_the_candidates_allow(tmp_path):
     from vembed.evaluation.corpus import corpus_metrics
-    from vembed.reranking.evaluation import read_run_file, rerank_run
+    from vembed.evaluation.runs import read_run
+    from vembed.reranking.evaluation import rerank_run
 
     split, path = _split_and_run(tmp_path)
-    run = read_run_file(path)
+    run = read_run(path)
     text_to_id = {side.text: doc for doc, side in zip(split.corpus.ids, split.corpus.sides)}
     query_to_id = {side.text: q for q, side in zip(split.queries.ids, split.queries.sides)}
 
@@ -45,22 +46,23 @@ def test_an_oracle_reranker_lifts_ndcg_to_what_the_candidates_allow(tmp_path):
 def test_a_trained_cross_encoder_scores_the_candidates(tmp_path, rerank_recipe):
     from vembed.components import recipe_from_dict
     from vembed.reranking.cross_encoder import CrossEncoderAdapter
-    from vembed.reranking.evaluation import read_run_file, rerank_run
+    from vembed.evaluation.runs import read_run
+    from vembed.reranking.evaluation import rerank_run
 
     split, path = _split_and_run(tmp_path)
     adapter = CrossEncoderAdapter.from_recipe(recipe_from_dict(rerank_recipe))
-    metrics = rerank_run(adapter.score, split, read_run_file(path), depth=10)
+    metrics = rerank_run(adapter.score, split, read_run(path), depth=10)
     assert 0.0 <= metrics["reranked/ndcg@10"] <= 1.0
     assert metrics["reranked/num_queries"] == metrics["first_stage/num_queries"] == len(split.qrels)
 
 
 def test_a_bad_run_line_is_named(tmp_path):
-    from vembed.reranking.evaluation import read_run_file
+    from vembed.evaluation.runs import read_run
 
     path = tmp_path / "run.trec"
     path.write_text("q1 Q0 d1 1 2.5 tag\nq1 Q0 d2 2 high tag\n")
     with pytest.raises(DataError, match=r"run.trec, row 2: is not a TREC run line"):
-        read_run_file(path)
+        read_run(path)
 
 
 def _validated_recipe(rerank_recipe, tmp_path, **changes):
@@ -79,7 +81,8 @@ def test_in_run_evaluation_reranks_the_first_stage_as_the_saved_model_does(reran
     from vembed.components import recipe_from_dict
     from vembed.data.corpus import load_corpus_split
     from vembed.reranking.cross_encoder import CrossEncoderAdapter
-    from vembed.reranking.evaluation import read_run_file, rerank_run
+    from vembed.evaluation.runs import read_run
+    from vembed.reranking.evaluation import rerank_run
     from vembed.recipe_checks import check_recipe
     from vembed.training.loop import Trainer
 
@@ -91,7 +94,7 @@ def test_in_run_evaluation_reranks_the_first_stage_as_the_saved_model_does(reran
     assert metrics["best"]["metric"] == "reranked/ndcg@10"
     assert len(metrics["eval_history"]) >= 2
     saved = rerank_run(CrossEncoderAdapter.load(result.final_model_dir).score,
-                       load_corpus_split(tmp_path / "corpus", "dev"), read_run_file(raw["data"]["first_stage_run"]))
+                       load_corpus_split(tmp_path / "corpus", "dev"), read_run(raw["data"]["first_stage_run"]))
     assert metrics["validation"].keys() == saved.keys()
     for key, value in saved.items():
         assert metrics["validation"][key] == pytest.approx(value, abs=1e-9), key
@@ -130,7 +133,8 @@ def test_data_test_is_reranked_once_by_the_final_model_and_recorded_as_the_embed
     from vembed.model_card import CARD_FILE, README_FILE
     from vembed.recipe_checks import check_recipe
     from vembed.reranking.cross_encoder import CrossEncoderAdapter
-    from vembed.reranking.evaluation import read_run_file, rerank_run
+    from vembed.evaluation.runs import read_run
+    from vembed.reranking.evaluation import rerank_run
     from vembed.training.loop import Trainer
 
     folder = make_corpus_folder(tmp_path / "corpus")
@@ -143,7 +147,7 @@ def test_data_test_is_reranked_once_by_the_final_model_and_recorded_as_the_embed
     result = Trainer(recipe).run()
 
     saved = CrossEncoderAdapter.load(result.final_model_dir)
-    expected = rerank_run(saved.score, load_corpus_split(folder, "test"), read_run_file(runs["test"]))
+    expected = rerank_run(saved.score, load_corpus_split(folder, "test"), read_run(runs["test"]))
     written = json.loads((result.output_dir / "metrics.json").read_text())
     card = json.loads((result.final_model_dir / CARD_FILE).read_text())
     for test in (result.metrics["test"], written["test"], card["evaluation"]["test"]):

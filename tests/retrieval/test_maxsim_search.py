@@ -410,3 +410,28 @@ def test_pool_factor_keys_and_flags():
     with pytest.raises(RecipeError, match="^recipe error: --pool-factor: pools token vectors; this model gives one "
                                           "vector per document: remove the flag$"):
         set_pool_factor(dense, 2)
+
+
+def test_duplicate_documents_score_equally_in_any_chunk_and_rank_by_position():
+    """The same document twice (common in real corpora) gets one MaxSim score whatever chunk shape scores it, so
+    the duplicates rank by corpus position for any `chunk_elements`, and `maxsim_pairs` scores as the search does."""
+    from vembed.retrieval.maxsim_search import maxsim_pairs
+
+    distinct = _unit_tokens([3, 5, 2, 4], seed=5, dim=32)
+    gen = torch.Generator().manual_seed(6)
+    docs = [distinct[int(i)] for i in torch.randint(0, 4, (60,), generator=gen)]
+    queries = torch.nn.functional.normalize(torch.randn(7, 4, 32, generator=gen), dim=-1)
+    packed = PackedTokens.pack(docs)
+    reference = maxsim_top_k(queries, packed, 60, chunk_elements=1 << 24)
+    assert all(len(row.unique()) <= 4 for row in reference.scores)  # one score per distinct document
+    assert torch.equal(reference.indices.sort(dim=1).values, torch.arange(60).expand(7, 60))
+    for chunk_elements in (1, 5 * 32 + 1, 11 * 5 * 32):  # one document a chunk, two, eleven
+        found = maxsim_top_k(queries, packed, 20, chunk_elements=chunk_elements)
+        assert torch.equal(found.scores, reference.scores[:, :20]), chunk_elements
+        assert torch.equal(found.indices, reference.indices[:, :20]), chunk_elements
+    for row in range(7):  # within each run of equal scores, corpus positions ascend
+        for score in reference.scores[row].unique():
+            run = reference.indices[row][reference.scores[row] == score]
+            assert torch.equal(run, run.sort().values)
+    pairs = maxsim_pairs(queries, packed, reference.indices[:, 0])
+    assert torch.equal(pairs, reference.scores[:, 0])

@@ -10,13 +10,13 @@ import torch
 
 from vembed.evaluation.corpus import Cutoffs, corpus_metrics
 from vembed.evaluation.pairs import retrieval_metrics
-from vembed.retrieval.scoring import block_top_k, first_ranks, query_chunks, top_k
+from vembed.retrieval.scoring import block_top_k, embeddings_for_scoring, first_ranks, query_chunks, scores_of, top_k
 
 
-def _tied(n_queries: int, n_docs: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _tied(n_queries: int, n_docs: int, seed: int = 0, dim: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Embeddings from 3 directions only: most scores are exactly equal to many others."""
     gen = torch.Generator().manual_seed(seed)
-    directions = torch.randn(3, 8, generator=gen)
+    directions = torch.randn(3, dim, generator=gen)
     return (directions[torch.arange(n_queries) % 3],
             directions[torch.randint(0, 3, (n_docs,), generator=gen)])
 
@@ -49,6 +49,26 @@ def test_top_k_of_tied_scores_in_any_blocks_is_the_stable_full_sort():
     assert torch.equal(top_k(queries, docs, 40, doc_offset=7).indices, expected + 7)
 
 
+@pytest.mark.parametrize("dim", [8, 64, 384])
+def test_equal_documents_score_equally_in_any_block_and_rank_by_position(dim):
+    """A float32 product sums in an order its kernel picks from the block's shape: the same query and document scored
+    1.0 in one block and 0.99999994 in another, so duplicates ranked by block shape and machine, not position."""
+    queries, docs = _tied(13, 200, seed=dim, dim=dim)
+    queries, docs = embeddings_for_scoring(queries, docs)
+    whole = scores_of(queries, docs)
+    assert all(len(row.unique()) <= 3 for row in whole)  # one score per direction, within one product too
+    for rows in (1, 5, 13):
+        for width in (1, 3, 7, 50):
+            for start in range(0, 200, width):
+                block = scores_of(queries[:rows], docs[start : start + width])
+                assert torch.equal(block, whole[:rows, start : start + width]), (rows, width, start)
+    expected = _full_order(whole)[:, :40]
+    for chunk_elements in (1, 7, 50, 999, 1 << 25):
+        found = top_k(queries, docs, 40, chunk_elements=chunk_elements)
+        assert torch.equal(found.indices, expected), chunk_elements
+        assert torch.equal(found.scores, whole.gather(1, expected)), chunk_elements
+
+
 def test_first_ranks_are_ranks_in_the_full_order():
     gen = torch.Generator().manual_seed(1)
     scores = torch.randint(0, 4, (40, 25), generator=gen).float()  # many ties
@@ -68,7 +88,7 @@ def test_query_chunks_stay_within_the_bound_and_cover_every_query():
     queries, docs = torch.randn(10, 4), torch.randn(7, 4)
     chunks = list(query_chunks(queries, docs, chunk_elements=20))
     assert [(start, stop) for start, stop, _ in chunks] == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)]
-    assert torch.allclose(torch.cat([scores for _, _, scores in chunks]), queries @ docs.T)
+    torch.testing.assert_close(torch.cat([scores for _, _, scores in chunks]), queries @ docs.T, atol=1e-5, rtol=0)
     assert [stop - start for start, stop, _ in query_chunks(queries, docs, chunk_size=4)] == [4, 4, 2]
     assert [stop for _, stop, _ in query_chunks(queries, docs, chunk_elements=3)] == list(range(1, 11))  # >= 1
 

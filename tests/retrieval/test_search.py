@@ -11,8 +11,10 @@ from vembed.retrieval.search import document_blocks, search
 
 
 def _reference(queries: torch.Tensor, docs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full score matrix, sorted by (score descending, position ascending)."""
-    scores = torch.nn.functional.normalize(queries, dim=-1) @ torch.nn.functional.normalize(docs, dim=-1).T
+    """Full score matrix, sorted by (score descending, position ascending); cosines in float64 rounded to float32, so
+    duplicate documents tie exactly here whatever kernel the machine picks."""
+    unit = [torch.nn.functional.normalize(side.double(), dim=-1) for side in (queries, docs)]
+    scores = (unit[0] @ unit[1].T).float()
     order = scores.argsort(dim=1, descending=True, stable=True)[:, :k]
     return scores.gather(1, order), order
 

@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_dir", help="a model folder saved by vembed (e.g. runs/demo/final), by "
-                                          "sentence-transformers or by transformers, or a hub id")
+    parser.add_argument("model_dir", metavar="MODEL_DIR|RUN_FILE",
+                        help="a model folder saved by vembed (e.g. runs/demo/final), by sentence-transformers or by "
+                             "transformers, or a hub id; or a TREC run file, measured on a corpus folder")
     parser.add_argument("data", nargs="+", help="JSONL/CSV/Parquet file(s) or a directory of them; NAME=PATH names a "
                                                 "source: each is evaluated apart (metrics under NAME/, and their "
                                                 "mean over sources unprefixed)")
@@ -69,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
                 raise RecipeError(flag, f"must be at least 1, got {value}")
         if args.output:
             _check_output_file(Path(args.output), args.overwrite)
+        if Path(args.model_dir).is_file():
+            return _evaluate_run_file(args)
         corpus = _is_corpus(args)
         _check_reranking(args, corpus)
         if not corpus and args.split is not None:
@@ -142,6 +145,37 @@ def _evaluate(args: argparse.Namespace, corpus: bool) -> int:
     return 0
 
 
+def _evaluate_run_file(args: argparse.Namespace) -> int:
+    """`vembed eval RUN_FILE CORPUS_FOLDER`: a TREC run (vembed's or any tool's) measured on the split's qrels with
+    the corpus metrics (trec_eval's definitions); nothing is encoded."""
+    from vembed.data.corpus import CorpusSource
+    from vembed.errors import RecipeError
+    from vembed.evaluation.corpus import corpus_metrics
+    from vembed.evaluation.runs import check_documents_in_corpus, read_run
+    from vembed.files import write_json_atomic
+
+    given = {"--first-stage": args.first_stage, "--pool-factor": args.pool_factor, "--mrl-dims": args.mrl_dims,
+             "--column": args.column, "--top-k": args.top_k, "--max-samples": args.max_samples,
+             "--accelerate-config": args.accelerate_config, "--num-processes": args.num_processes}
+    flag = next((flag for flag, value in given.items() if value), None)
+    if flag is not None:
+        raise RecipeError(flag, f"applies to a model; {args.model_dir} is a run file, measured as it is")
+    if not _is_corpus(args):
+        raise RecipeError("data", f"{' '.join(args.data)} is not a corpus folder; a run file is measured on the "
+                                  "corpus folder it was made on (corpus.jsonl, queries.jsonl, qrels/)")
+    source = CorpusSource(None, args.data[0], args.split or "test", args.image_root, "--split")
+    source.check()
+    ranking = read_run(args.model_dir)
+    split = source.load()
+    check_documents_in_corpus(ranking, split, args.model_dir)
+    metrics = {f"corpus/{name}": value for name, value in corpus_metrics(ranking, split.qrels).items()}
+    print(json.dumps(metrics, indent=2))
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(args.output, metrics)
+    return 0
+
+
 def _evaluate_corpus(args: argparse.Namespace, accelerator: "Accelerator") -> dict[str, float]:
     from vembed.data.corpus import CorpusSource
     from vembed.entrypoints import quiet_libraries
@@ -208,19 +242,14 @@ def _evaluate_reranker(args: argparse.Namespace, accelerator: "Accelerator") -> 
     judged with the corpus metrics."""
     from vembed.data.corpus import CorpusSource
     from vembed.entrypoints import quiet_libraries
+    from vembed.evaluation.runs import read_run
     from vembed.reranking import load_reranker
-    from vembed.reranking.evaluation import (
-        cutoffs_for,
-        embedder_run,
-        judged_split,
-        read_run_file,
-        rerank_run,
-    )
+    from vembed.reranking.evaluation import cutoffs_for, embedder_run, judged_split, rerank_run
 
     top_k = args.top_k or 100
     source = CorpusSource(None, args.data[0], args.split or "test", args.image_root, "--split")
     source.check()
-    run = read_run_file(args.first_stage) if Path(args.first_stage).is_file() else None
+    run = read_run(args.first_stage) if Path(args.first_stage).is_file() else None
     quiet_libraries()
     reranker = load_reranker(args.model_dir, trust_remote_code=args.trust_remote_code)
     split = judged_split(source.load(), args.max_samples)

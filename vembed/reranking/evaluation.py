@@ -7,7 +7,6 @@ reranker can only reorder what the first stage found).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -25,26 +24,6 @@ if TYPE_CHECKING:
 
 FIRST_STAGE_DEPTH = 100  # candidates per query reranked in-run (the top 100, as BEIR's reranking setup)
 Scorer = Callable[[Sequence[str], Sequence[str]], "torch.Tensor"]  # (queries, documents) -> (n,) scores
-
-
-def read_run_file(path: str | os.PathLike) -> dict[str, dict[str, float]]:
-    """A TREC run file, `query-id Q0 doc-id rank score tag` per line (what trec_eval, pyserini and BEIR write), as
-    `{query_id: {doc_id: score}}`. A line that is not 6 fields with a numeric score is a DataError naming it."""
-    run: dict[str, dict[str, float]] = {}
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            fields = line.split()
-            if not fields:
-                continue
-            try:
-                if len(fields) != 6:
-                    raise ValueError
-                query, _, document, _, score, _ = fields
-                run.setdefault(query, {})[document] = float(score)
-            except ValueError:
-                raise DataError("is not a TREC run line (query-id Q0 doc-id rank score tag)", str(path),
-                                number) from None
-    return run
 
 
 def rerank(score: Scorer, split: "CorpusSplit", run: Mapping[str, Mapping[str, float]], depth: int = 100

@@ -141,12 +141,12 @@ class RerankTask(Task):
         """data.<split>'s corpus split and the first-stage run to rerank on it (None without them): validation is
         evaluated during training, test once at the end (the loop's rule for every task)."""
         from vembed.data.corpus import corpus_sources
-        from vembed.reranking.evaluation import read_run_file
+        from vembed.evaluation.runs import read_run
 
         data = self.recipe.data
         if getattr(data, split) is None:
             return None
-        return corpus_sources(data, split)[None].load(), read_run_file(data.first_stage_run_of(split)[1])
+        return corpus_sources(data, split)[None].load(), read_run(data.first_stage_run_of(split)[1])
 
     def held_out_images(self, data: Any) -> list[Any]:
         from vembed.tasks.contrastive import side_images

@@ -13,7 +13,7 @@ folder, in-run corpus evaluation and `vembed mine` search token vectors as they 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +24,7 @@ from vembed.models.encoding import encode_sides, unwrapped
 from vembed.models.maxsim import MAX_BLOCK_ELEMENTS, maxsim
 from vembed.models.token_vectors import token_mask
 from vembed.retrieval import SCORINGS
-from vembed.retrieval.scoring import SCORE_CHUNK_ELEMENTS, TopK
+from vembed.retrieval.scoring import SCORE_CHUNK_ELEMENTS, TopK, block_top_k, exact_scores
 from vembed.retrieval.search import Scoring
 
 if TYPE_CHECKING:
@@ -38,6 +38,7 @@ DOCUMENTS_PER_BLOCK = 1 << 12
 # Documents unpacked to float32 at once while a block is scored (their padded token vectors, in elements).
 UNPACKED_ELEMENTS = 1 << 24
 MULTI_VECTOR = "multi_vector"
+_PAIRS_AT_ONCE = 4096  # (query, document) pairs whose query vectors are gathered at once when pairs are scored
 
 
 @dataclass(eq=False)  # compared by identity: tensors have no one truth value
@@ -194,7 +195,8 @@ def maxsim_top_k(queries: torch.Tensor, block: PackedTokens, k: int, *, doc_offs
     `normalize` is ignored: token vectors are unit vectors already). `doc_offset` is added to the indices.
 
     Documents are unpacked `chunk_elements` at a time and queries taken in chunks that keep `maxsim`'s similarity
-    block near its bound; non-finite scores rank last; equal scores keep the lower corpus position first."""
+    block near its bound; scores by `scoring.exact_scores` (equal documents score equally in any block), ranked by
+    `scoring.block_top_k` (non-finite scores last, equal scores by corpus position, ties past k's slack included)."""
     if queries.dim() != 3 or queries.shape[2] != block.dim:
         raise ValueError(f"token vectors must be (n, tokens, {block.dim}), got {tuple(queries.shape)}")
     if k < 1:
@@ -213,11 +215,8 @@ def maxsim_top_k(queries: torch.Tensor, block: PackedTokens, k: int, *, doc_offs
         d_stop = min(d_start + doc_chunk, n_d)
         documents = block.padded(d_start, d_stop, device)
         for part, q_start in enumerate(range(0, n_q, query_chunk)):
-            scores = maxsim(queries[q_start : q_start + query_chunk], documents)
-            scores = torch.nan_to_num(scores, nan=-torch.inf)
-            # As search.top_k: a few extra, so that exact ties at the boundary reach the position ordering.
-            values, where = scores.topk(min(d_stop - d_start, k + 8), dim=1)
-            best[part] = best[part].merge(TopK(values, where + (doc_offset + d_start)))
+            scores = exact_scores(_maxsim_in_float64, queries[q_start : q_start + query_chunk], documents)
+            best[part] = best[part].merge(block_top_k(scores, k, doc_offset=doc_offset + d_start))
         del documents
     return TopK(torch.cat([b.scores for b in best]), torch.cat([b.indices for b in best]))
 
@@ -227,11 +226,55 @@ def maxsim_pairs(queries: torch.Tensor, block: PackedTokens, rows: torch.Tensor)
     if len(rows) == 0:
         return queries.new_zeros(0)
     documents = block.select(rows, device=queries.device)
-    return torch.stack([maxsim(queries[i : i + 1].float(), documents[i : i + 1])[0, 0] for i in range(len(rows))])
+    return torch.stack([exact_scores(_maxsim_in_float64, queries[i : i + 1], documents[i : i + 1])[0, 0]
+                        for i in range(len(rows))])
+
+
+def maxsim_pair_scorer(adapter: "EmbeddingAdapter", *, batch_size: int = 64,
+                       accelerator: Any = None) -> "Callable[[Sequence[Any], Sequence[Any]], torch.Tensor]":
+    """`score(queries, documents)`: the `(n,)` MaxSim of each pair (texts, or Sides for image documents), as a
+    reranker's `score` gives logits, so a late-interaction model reorders a first stage's candidates (PyLate's
+    `rank.rerank`). Each distinct query and document is encoded once; documents are pooled as the index pools them
+    (`document_pool_factor`) and scored as search scores them (`exact_scores`)."""
+    from vembed.data.records import Side
+
+    def as_side(part: Any, role: str) -> "Side":
+        return part if isinstance(part, Side) else Side(text=part, role=role)
+
+    def score(queries: Sequence[Any], documents: Sequence[Any]) -> torch.Tensor:
+        query_rows, distinct_queries = _distinct(queries)
+        document_rows, distinct_documents = _distinct(documents)
+        kwargs = dict(batch_size=batch_size, accelerator=accelerator)
+        query_vectors = encode_sides(adapter, [as_side(q, "query") for q in distinct_queries], **kwargs)
+        packed = encode_token_share(adapter, [as_side(d, "document") for d in distinct_documents], **kwargs)
+        pairs = range(0, len(query_rows), _PAIRS_AT_ONCE)  # the pairs' query vectors, a chunk at a time
+        return torch.cat([maxsim_pairs(query_vectors[query_rows[i : i + _PAIRS_AT_ONCE]], packed,
+                                       document_rows[i : i + _PAIRS_AT_ONCE]) for i in pairs]) \
+            if len(query_rows) else torch.zeros(0)
+
+    return score
+
+
+def _distinct(parts: Sequence[Any]) -> tuple[torch.Tensor, list[Any]]:
+    """Each part's row among the distinct parts (texts by value, Sides by identity), and those parts in order."""
+    rows: dict[Any, int] = {}
+    distinct = []
+    for part in parts:
+        key = part if isinstance(part, str) else id(part)
+        if key not in rows:
+            rows[key] = len(distinct)
+            distinct.append(part)
+    return torch.tensor([rows[part if isinstance(part, str) else id(part)] for part in parts], dtype=torch.long), \
+        distinct
+
+
+def _maxsim_in_float64(queries: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
+    """`maxsim` for `exact_scores`: its float64 similarity block takes twice the bytes, so half the elements."""
+    return maxsim(queries, documents, max_block_elements=MAX_BLOCK_ELEMENTS // 2)
 
 
 SCORINGS.register(MULTI_VECTOR)(Scoring(top_k=maxsim_top_k, pair_scores=maxsim_pairs, encode_share=encode_token_share,
                                         documents_per_block=DOCUMENTS_PER_BLOCK, stored=PackedTokens, faiss=False))
 
-__all__ = ["PackedTokens", "encode_token_share", "maxsim_pairs", "maxsim_top_k", "pack_documents", "pool_factor_key",
-           "pool_tokens", "require_token_pooling", "set_pool_factor"]
+__all__ = ["PackedTokens", "encode_token_share", "maxsim_pair_scorer", "maxsim_pairs", "maxsim_top_k", "pack_documents",
+           "pool_factor_key", "pool_tokens", "require_token_pooling", "set_pool_factor"]

@@ -6,11 +6,19 @@ count as -inf and so rank last. Positions, not relevance, break ties because sea
 one rule everywhere means a ranking is the same whichever caller built it (one process or several, one block or
 many, pair or corpus evaluation). A collapsed model (every score equal) therefore ranks documents in corpus order:
 it scores what that fixed order scores, never a perfect ranking by accident of the ties.
+
+For that rule to hold, equal documents must get equal scores whatever block they are scored in and on whatever
+machine: a float32 matrix product sums in an order that depends on the kernel the block's shape selects, so the same
+query and document scored 1.0 in one block and 0.99999994 in another. Scores are therefore accumulated in float64
+and rounded to float32 (`exact_scores`): kernels still differ, by ~1e-16, far below float32's resolution, so the
+rounded scores agree (unless a score lies within ~1e-16 of a float32 rounding boundary: about one tie in 1e8).
+The cost is the float64 product (2-3x a float32 one on a CPU, more on consumer GPUs), small beside encoding the
+documents in the first place.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -54,21 +62,28 @@ def best_of(scores: torch.Tensor, indices: torch.Tensor, k: int) -> TopK:
     return TopK(scores.gather(1, order), indices.gather(1, order))
 
 
+def exact_scores(score: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
+    """`score(*tensors)` computed in float64 and rounded to float32, NaN as -inf (ranked last): the same float32
+    scores for the same inputs whatever the block shape or machine (the module's docstring says why)."""
+    return torch.nan_to_num(score(*(tensor.double() for tensor in tensors)).float(), nan=-torch.inf)
+
+
 def embeddings_for_scoring(query_emb: torch.Tensor, doc_emb: torch.Tensor, normalize: bool = True
                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both as float32 on the queries' device, L2-normalised (scores are cosines) unless `normalize=False`."""
+    """Both as float32 on the queries' device, L2-normalised (scores are cosines) unless `normalize=False`; each row
+    normalised in float64, so equal rows stay equal whatever the kernel."""
     if query_emb.ndim != 2 or doc_emb.ndim != 2 or query_emb.shape[1] != doc_emb.shape[1]:
         raise ValueError(f"embeddings must be (n, dim) with the same dim, got {tuple(query_emb.shape)} and "
                          f"{tuple(doc_emb.shape)}")
     queries, docs = query_emb.float(), doc_emb.float().to(query_emb.device)
     if normalize:
-        queries, docs = F.normalize(queries, dim=-1), F.normalize(docs, dim=-1)
+        queries, docs = (F.normalize(side.double(), dim=-1).float() for side in (queries, docs))
     return queries, docs
 
 
 def scores_of(queries: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
-    """`queries @ docs.T` with NaN as -inf (ranked last)."""
-    return torch.nan_to_num(queries @ docs.T, nan=-torch.inf)
+    """`queries @ docs.T` by `exact_scores`."""
+    return exact_scores(lambda q, d: q @ d.T, queries, docs)
 
 
 def query_chunks(queries: torch.Tensor, docs: torch.Tensor, *, chunk_size: int | None = None,
