@@ -115,7 +115,9 @@ def test_loading_a_reranker_vembed_did_not_save_says_what_it_is(tmp_path, tiny_t
     from vembed.errors import RecipeError
 
     for folder in save_cross_encoder_folders(tmp_path, tiny_tokenizer_dir).values():
-        with pytest.raises(RecipeError, match=r"^recipe error: model: .* is a .*: it scores \(query, document\) pairs "
-                                              "and embeds nothing; vembed.load embeds with embedding models vembed "
-                                              "saved$"):
-            vembed.load(folder)
+        for load in (vembed.load, Embedder.from_pretrained):
+            with pytest.raises(RecipeError, match=r"^recipe error: model: .* is a .*: it scores \(query, document\) "
+                                                  "pairs and embeds nothing; vembed.load loads the rerankers vembed "
+                                                  r"saved: fine-tune this one with a cross_encoder recipe \(model_name: "
+                                                  r"this folder\)$"):
+                load(folder)

@@ -116,14 +116,18 @@ def test_a_reranker_is_recognised_by_what_it_is_whoever_saved_it(folders, cross_
 
 
 @pytest.mark.parametrize("kind", ["transformers", "sentence-transformers"])
-@pytest.mark.parametrize("command", ["mine", "eval", "export"])
+@pytest.mark.parametrize("command", ["mine", "eval", "export", "search", "rerank"])
 def test_a_cross_encoder_vembed_did_not_save_is_one_line_exit_2_and_nothing_written(folders, cross_encoders,
                                                                                      tmp_path, capsys, command, kind):
     model = cross_encoders[kind]
     out = tmp_path / "out"
     argv = {"mine": ["mine", model, folders["corpus"], "--out", str(out / "negatives.jsonl"), "--faiss", "no"],
             "eval": ["eval", model, folders["corpus"], "--output", str(out / "metrics.json")],
-            "export": ["export", model, "--out", str(out / "exported")]}[command]
+            "export": ["export", model, "--out", str(out / "exported")],
+            "search": ["search", model, folders["corpus"], "--out", str(out / "run.trec")],
+            "rerank": ["rerank", model, folders["corpus"], "--run", str(tmp_path / "first.trec"), "--out",
+                       str(out / "reranked.trec")]}[command]
+    (tmp_path / "first.trec").write_text("q1 Q0 d1 1 1.0 first\n")
     assert main(argv) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"recipe error: model_dir: {model} is a ") and (
