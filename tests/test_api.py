@@ -118,6 +118,6 @@ def test_loading_a_reranker_vembed_did_not_save_says_what_it_is(tmp_path, tiny_t
         for load in (vembed.load, Embedder.from_pretrained):
             with pytest.raises(RecipeError, match=r"^recipe error: model: .* is a .*: it scores \(query, document\) "
                                                   "pairs and embeds nothing; vembed.load loads the rerankers vembed "
-                                                  r"saved: fine-tune this one with a cross_encoder recipe \(model_name: "
-                                                  r"this folder\)$"):
+                                                  "saved: fine-tune this one with a cross_encoder recipe "
+                                                  r"\(model_name: this folder\)$"):
                 load(folder)
