@@ -109,7 +109,7 @@ def test_a_reranker_is_recognised_by_what_it_is_whoever_saved_it(folders, cross_
     saved = tmp_path / "vembed-reranker"  # vembed's marker names a reranker model_type
     saved.mkdir()
     (saved / "vembed.json").write_text(json.dumps({"model_type": "qwen_vl_reranker"}))
-    assert reranker_kind(saved) == "a 'qwen_vl_reranker' reranker saved by vembed"
+    assert reranker_kind(saved) == "a 'qwen_vl_reranker' reranker"
     (saved / "vembed.json").write_text(json.dumps({"model_type": "text"}))  # vembed's word over a copied config
     (saved / "config.json").write_text(json.dumps({"architectures": ["BertForSequenceClassification"]}))
     assert reranker_kind(saved) is None

@@ -72,7 +72,7 @@ def reranker_kind(folder: Path) -> str | None:
 
     saved = saved_reranker_type(folder)
     if saved:
-        return f"a {saved!r} reranker saved by vembed"
+        return f"a {saved!r} reranker"  # vembed.json says so
     if (folder / ADAPTER_FILE).is_file():  # vembed's own folder says what it holds
         return None
     if _read_json_quietly(folder / ST_CONFIG).get("model_type") == "CrossEncoder":
