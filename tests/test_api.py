@@ -106,3 +106,18 @@ def test_loading_a_folder_that_is_not_a_vembed_model_is_a_recipe_error(tmp_path)
 
     with pytest.raises(RecipeError, match="not a vembed model folder"):
         vembed.load(str(tmp_path))
+
+
+def test_loading_a_reranker_vembed_did_not_save_says_what_it_is(tmp_path, tiny_tokenizer_dir):
+    pytest.importorskip("sentence_transformers")
+    from tiny_models import save_cross_encoder_folders
+
+    from vembed.errors import RecipeError
+
+    for folder in save_cross_encoder_folders(tmp_path, tiny_tokenizer_dir).values():
+        for load in (vembed.load, Embedder.from_pretrained):
+            with pytest.raises(RecipeError, match=r"^recipe error: model: .* is a .*: it scores \(query, document\) "
+                                                  "pairs and embeds nothing; vembed.load loads the rerankers vembed "
+                                                  "saved: fine-tune this one with a cross_encoder recipe "
+                                                  r"\(model_name: this folder\)$"):
+                load(folder)

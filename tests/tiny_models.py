@@ -110,3 +110,24 @@ def save_sentence_transformers_folder(path, transformers_dir: str, pooling: str 
     modules = [transformer, Pooling(32, pooling_mode=pooling), *([Normalize()] if normalize else [])]
     SentenceTransformer(modules=modules, device="cpu").save(str(path))
     return str(path)
+
+
+def save_cross_encoder_folders(root, tokenizer_dir: str) -> dict[str, str]:
+    """Two rerankers vembed did not save, as their libraries write them: a transformers one-logit
+    BertForSequenceClassification folder, and that model saved by sentence-transformers' CrossEncoder."""
+    import torch
+    from sentence_transformers import CrossEncoder
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    from vembed.data.tokenizer import special_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(0)
+    config = BertConfig(hidden_size=32, intermediate_size=37, num_hidden_layers=1, num_attention_heads=4,
+                        max_position_embeddings=16, num_labels=1, **special_token_ids(tokenizer))
+    transformers_dir = f"{root}/transformers-cross-encoder"
+    BertForSequenceClassification(config).save_pretrained(transformers_dir)
+    tokenizer.save_pretrained(transformers_dir)
+    st_dir = f"{root}/st-cross-encoder"
+    CrossEncoder(transformers_dir, device="cpu", local_files_only=True).save(st_dir)
+    return {"transformers": transformers_dir, "sentence-transformers": st_dir}

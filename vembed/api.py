@@ -56,6 +56,7 @@ class Embedder:
         from vembed.losses.saved_state import load_saved_loss
         from vembed.models.base import load_adapter
 
+        _refuse_a_reranker(path)
         return cls(load_adapter(Path(path), trust_remote_code=trust_remote_code), device=device,
                    loss=load_saved_loss(path))
 
@@ -281,9 +282,20 @@ def load_model(path: str | os.PathLike, device: str | torch.device | None = None
 
     if saved_reranker_type(path):
         return Reranker(load_reranker(path, trust_remote_code=trust_remote_code), device=device)
+    _refuse_a_reranker(path)  # one vembed did not save
     adapter = load_adapter(Path(path), trust_remote_code=trust_remote_code)
     kind = Classifier if getattr(adapter, "classifier", None) is not None else Embedder
     return kind(adapter, device=device, loss=load_saved_loss(path))
+
+
+def _refuse_a_reranker(path: str | os.PathLike) -> None:
+    """A reranker as an embedder, whoever saved it, named by what it is (`require_embedder`) rather than by the
+    missing vembed.json."""
+    from vembed.models.foreign import require_embedder
+
+    if Path(path).is_dir():
+        require_embedder(path, "model", instead="vembed.load loads the rerankers vembed saved: fine-tune this one with "
+                                                "a cross_encoder recipe (model_name: this folder)")
 
 
 def _corpus_items(corpus: Sequence[Any]) -> tuple[list[str] | None, list[Any] | None]:

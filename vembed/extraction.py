@@ -233,11 +233,12 @@ def extract_teacher_embeddings(
     from vembed.data.teacher_embeddings import fingerprint, record_keys
     from vembed.data.teacher_embeddings import write_index as write_teacher_index
     from vembed.models.encoding import encode_sides
-    from vembed.models.foreign import load_embedding_model, model_folder
+    from vembed.models.foreign import load_embedding_model, require_embedder
 
     state = _process_state()
     out = Path(out)
-    model_folder(teacher, "--teacher")  # a bad teacher name fails before any data is read
+    # A bad teacher name, or a reranker, fails before any data is read
+    require_embedder(teacher, "--teacher", instead="the teacher embeds the rows; name an embedding model")
     loaded = load_recipe(recipe, overrides)
     rows, _ = load_rows(loaded.data, "train", num_hard_negatives=0)  # as embedding_mse training reads them
     if not isinstance(rows, PairRows):

@@ -12,7 +12,9 @@ tests/test_recipe_checks.py fails when a recipe error is raised anywhere else.
 2. Components (`check_components`): the model and the loss train the same task (`vembed.tasks.task_name_for`, the
    rule every caller of `task_for` needs).
 3. The recipe's own keys that need more than the schema (`check_keys`): data.train is set for training; every
-   tracker of report_to is installed; `augmentation:` only where the task reads it (`check_augmentation`);
+   tracker of report_to is installed, and scipy where document_pool_factor pools token vectors
+   (`vembed.retrieval.maxsim_search.require_token_pooling`); `augmentation:` only where the task reads it
+   (`check_augmentation`);
    use_gradient_cache only where the task has a batch-wide loss (`Task.check_gradient_cache`, the rule
    `vembed plan` applies too).
 4. The task's rules (`Task.check_recipe` of the registered task), which call the data's and the adapter's:
@@ -28,24 +30,29 @@ tests/test_recipe_checks.py fails when a recipe error is raised anywhere else.
      dual encoder); the classes of the data (`vembed/data/labelled.py`, which reads the labelled files here) fit
      num_labels.
    - metric_learning (`vembed/tasks/metric_learning.py`): the labelled files of classification, no head
-     (num_labels, head_init), no streaming, GradCache or stages; a retrieval metric (MAP@R, recall@k); every class
+     (num_labels, head_init), no streaming, GradCache or stages; a retrieval metric (MAP@R, recall@k);
+     pytorch-metric-learning, which computes its losses, is installed (`vembed/losses/metric_learning.py`); every class
      has a second image where the loss needs positives; ArcFace's num_classes fits the data.
    - rerank (`vembed/reranking/task.py`): no GradCache or streaming; the data files exist; held-out data
      (validation, test) is a corpus folder with its first-stage run (`data.first_stage_run`); a reranking metric;
      the cross-encoder's own rules (`vembed/reranking/cross_encoder.py`).
    - flow_matching (`vembed/generation/task.py`): shard directories only and the keys blip3o_dit cannot honour; a
      flow-matching metric; the shards' dims fit the recipe's (`vembed/generation/dit.py`).
+   Then, for every task, layer_lr_decay needs parameter names that say their block (`check_layer_lr_decay`, on the
+   meta-device build).
 5. The output folder (`vembed.training.run_dir.check_output_dir`, called by the launcher before any process
    starts and by the trainer before anything is written): writable, not another run's, resume_from and
    overwrite_output_dir not both set.
-6. The launch (`check_launch`, called by `vembed.training.launch_plan.decide_launch` in each training process once
-   the launch's environment says its kind, before a data row is read): fp16 needs a GPU; FSDP needs an adapter
-   naming block classes (`check_fsdp_blocks`, on the meta-device build); use_fsdp needs an FSDP launch; GradCache
-   only where the task and the launch allow it (`vembed.planning.choose_gradient_cache`, the one GradCache rule);
-   compile only where it is verified.
+6. The launch (`check_launch`: by run.py / `vembed train` from the accelerate config before any process starts,
+   `vembed.entrypoints.launch.check_planned_launch`; and by `vembed.training.launch_plan.decide_launch` in each
+   training process once the launch's environment says its kind, before a data row is read): fp16 needs a GPU; FSDP
+   needs an adapter naming block classes (`check_fsdp_blocks`, on the meta-device build); use_fsdp needs an FSDP
+   launch; GradCache only where the task and the launch allow it (`vembed.planning.choose_gradient_cache`, the one
+   GradCache rule); compile only where it is verified.
 
 Rules that need the rows themselves run as the data is read (`Task.load_train_data`: images per side, the inputs a
-loss needs), still before any weight is read; they are data errors, naming file and row.
+loss needs, a label per record for a loss that mines on labels; `Task.load_held_out`: every held-out image decodes),
+still before any weight is read or the output folder is taken; they are data errors, naming file and row.
 """
 
 from __future__ import annotations
@@ -71,6 +78,10 @@ def check_recipe(recipe: "Recipe", *, for_training: bool = True) -> None:
     check_augmentation(recipe, task)
     task.check_gradient_cache(recipe)
     task.check_recipe(recipe, for_training=for_training)  # data files, model config, task-specific keys
+    if for_training and recipe.layer_lr_decay is not None:
+        from vembed.planning import meta_model
+
+        check_layer_lr_decay(recipe, meta_model(recipe))  # stage 4, continued: the model's parameter names
 
 
 def check_components(recipe: "Recipe") -> type["Task"]:
@@ -88,6 +99,11 @@ def check_keys(recipe: "Recipe", *, for_training: bool = True) -> None:
     for tracker in recipe.report_to:
         if importlib.util.find_spec(tracker) is None:
             raise RecipeError("report_to", f"{tracker} is not installed; pip install 'vembed[{tracker}]' or remove it")
+    pool_factor = getattr(recipe.model, "document_pool_factor", 1)
+    if pool_factor > 1:  # corpus evaluation pools each document's token vectors, and so does every later search
+        from vembed.retrieval.maxsim_search import require_token_pooling
+
+        require_token_pooling(pool_factor, "document_pool_factor")
 
 
 def check_augmentation(recipe: "Recipe", task: type["Task"]) -> None:
@@ -116,15 +132,13 @@ def check_launch(recipe: "Recipe", kind: "LaunchKind", *, on_cpu: bool,
     grad_cache = choose_gradient_cache(recipe, kind)
     if recipe.compile:
         _check_compile(recipe, kind, on_cpu)
-    if recipe.layer_lr_decay is not None:
-        check_layer_lr_decay(recipe, meta_model(recipe))
     return grad_cache
 
 
 def check_layer_lr_decay(recipe: "Recipe", model: Any) -> None:
     """`layer_lr_decay` needs parameter names that say their block (vembed/models/depths.py reads them); checked on
-    the meta model (no weight read). A model that cannot be built there meets the same rule when its optimizer is
-    built."""
+    the meta model (no weight read) with the rest of the recipe, before the launch. A model that cannot be built there
+    meets the same rule when its optimizer is built."""
     from vembed.models.depths import layer_depths
 
     if model is None:

@@ -72,3 +72,18 @@ def test_a_teacher_file_that_does_not_fit_the_data_is_one_line_exit_2_and_nothin
     assert code == 2
     assert expected.format(root=extracted["root"]) in err[-1], err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_reranker_as_teacher_is_one_line_exit_2_and_nothing_written(extracted, tmp_path, capsys):
+    pytest.importorskip("sentence_transformers")
+    from tiny_models import save_cross_encoder_folders
+
+    root = extracted["root"]
+    teacher = save_cross_encoder_folders(tmp_path, extracted["tokenizer"])["transformers"]
+    out = tmp_path / "teacher_embeddings"
+    assert vembed(["extract", "--teacher", teacher, "--recipe", str(root / "recipe.yaml"), "--out", str(out)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"recipe error: --teacher: {teacher} is a transformers BertForSequenceClassification (a "
+                     "cross-encoder reranker or a classifier): it scores (query, document) pairs and embeds nothing; "
+                     "the teacher embeds the rows; name an embedding model"], lines
+    assert not out.exists()

@@ -262,3 +262,100 @@ def test_a_process_that_is_its_own_launcher_does_not_die_with_itself():
             "os.environ[LAUNCHER_PID_ENV] = str(os.getpid()); print(stop_with_launcher())")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "False", result.stderr
+
+
+# --- refusals before work: each bad input is one line, exit 2, and nothing written --------------------------------
+
+TEXT_BERT = {"model_type": "bert", "vocab_size": 512, "hidden_size": 32, "intermediate_size": 37,
+             "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 32}
+# xlm names its blocks `attentions.0.`, `ffns.0.`: no parameter name says its layer as depths.py reads them
+TEXT_XLM = {"model_type": "xlm", "vocab_size": 512, "emb_dim": 32, "n_layers": 1, "n_heads": 4,
+            "max_position_embeddings": 32}
+
+
+def _text_recipe(tmp_path: Path, tokenizer_dir: str, **changes) -> dict:
+    rows = [{"query": f"question {i} about shape {i % 5}", "positive": f"answer {i}: a shape {i % 5}"}
+            for i in range(16)]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("\n".join(json.dumps(row) for row in rows))
+    return {"model_type": "text", "tokenizer_name": tokenizer_dir, "model_config": TEXT_BERT,
+            "data": {"train": str(data)}, "output_dir": str(tmp_path / "run"), "batch_size": 8, "seed": 0,
+            "max_steps": 2, "eval_before_training": False, **changes}
+
+
+def _refused(recipe: dict, tmp_path: Path, capsys) -> list[str]:
+    """run.py on `recipe`: exit 2 and no output folder; the lines it printed."""
+    code = launch.main([str(_recipe_file(tmp_path, recipe))])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, lines
+    assert not Path(recipe["output_dir"]).exists()
+    return lines
+
+
+@pytest.mark.parametrize("case, says", [
+    ("layer_lr_decay on a model whose parameter names say no layer",
+     "recipe error: layer_lr_decay: no parameter name of model_type 'text' says which layer it is in"),
+    ("document_pool_factor without scipy", "recipe error: document_pool_factor: token pooling needs scipy"),
+])
+def test_a_recipe_the_model_or_the_installation_cannot_train_is_one_line_before_the_launch(
+        tmp_path, capsys, monkeypatch, mask_tokenizer_dir, case, says):
+    if case.startswith("layer_lr_decay"):
+        recipe = _text_recipe(tmp_path, mask_tokenizer_dir, model_config=TEXT_XLM, layer_lr_decay=0.7)
+    else:  # a ColBERT whose corpus evaluation (and every later search) pools documents' token vectors
+        monkeypatch.setitem(sys.modules, "scipy.cluster.hierarchy", None)  # import fails as when scipy is missing
+        recipe = _text_recipe(tmp_path, mask_tokenizer_dir, embedding="multi_vector", multi_vector_dim=16,
+                              query_length=12, loss_type="late_interaction", document_pool_factor=2)
+    lines = _refused(recipe, tmp_path, capsys)
+    assert len(lines) == 1 and lines[0].startswith(says), lines  # not even the launch line: no process was started
+
+
+def test_a_loss_that_mines_on_labels_is_refused_data_without_them_before_the_run_folder_is_taken(
+        tmp_path, capsys, mask_tokenizer_dir):
+    recipe = _text_recipe(tmp_path, mask_tokenizer_dir, loss_type="batch_hard_triplet")
+    lines = _refused(recipe, tmp_path, capsys)
+    assert lines[-1] == (f"data error: {tmp_path / 'pairs.jsonl'}, row 1: loss_type batch_hard_triplet mines on "
+                         "labels, but 16 of 16 training records have none in data.columns.label ('label'); give "
+                         "every row a label, or map data.columns.label to the column that holds them"), lines
+    assert all(line.startswith("launching ") for line in lines[:-1]), lines
+
+
+@pytest.mark.parametrize("split", ["validation", "test"])
+def test_an_image_of_a_held_out_split_that_does_not_decode_stops_the_launch_before_the_run_folder_is_taken(
+        tiny_clip_recipe, dummy_data_dir, tmp_path, capsys, split):
+    import shutil
+
+    data = tmp_path / "data"  # a copy: the session's dummy data stays whole
+    shutil.copytree(dummy_data_dir, data)
+    first = json.loads((data / f"{split}.jsonl").read_text().splitlines()[0])
+    broken = data / (first.get("positive_image") or first["query_image"])
+    broken.write_bytes(b"not an image")  # training never reads it: only evaluation would, after final/ was written
+    recipe = {**tiny_clip_recipe, "max_steps": 2,
+              "data": {**{name: str(data / f"{name}.jsonl") for name in ("train", "validation", "test")},
+                       "image_root": str(data)}}
+    recipe["data"]["train"] = str(tmp_path / "train.jsonl")  # the training rows without the broken image
+    rows = [row for row in (data / "train.jsonl").read_text().splitlines() if broken.name not in row]
+    Path(recipe["data"]["train"]).write_text("\n".join(rows) + "\n")
+    lines = _refused(recipe, tmp_path, capsys)
+    assert lines[-1].startswith(f"data error: {broken}: cannot decode image: UnidentifiedImageError") and (
+        f"images of data.{split} do not decode, and evaluation reads every one" in lines[-1]), lines
+    assert all(line.startswith("launching ") for line in lines[:-1]), lines
+
+
+@pytest.mark.parametrize("changes, flags, says", [
+    ({"mixed_precision": "fp16"}, ["--accelerate_config", "single"],
+     "recipe error: mixed_precision: fp16 needs a GPU; use bf16 or no on CPU"),
+    ({"use_fsdp": True}, ["--accelerate_config", "ddp_cpu", "--num_processes", "2"],
+     "recipe error: use_fsdp: is true but this launch is not FSDP"),
+    ({"use_gradient_cache": True}, ["--accelerate_config", "fsdp"],
+     "recipe error: use_gradient_cache: GradCache is not available under FSDP"),
+], ids=["fp16-on-cpu", "use_fsdp-under-ddp", "gradcache-under-fsdp"])
+def test_what_the_recipe_asks_of_the_launch_is_judged_before_any_process_starts(tiny_clip_recipe, tmp_path, capsys,
+                                                                                 changes, flags, says):
+    import torch
+
+    if "mixed_precision" in changes and torch.cuda.is_available():
+        pytest.skip("fp16 is refused on CPU only")
+    code = launch.main([str(_recipe_file(tmp_path, {**tiny_clip_recipe, **changes})), *flags])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(says), lines  # not one line per rank, no launch line
+    assert not Path(tiny_clip_recipe["output_dir"]).exists()

@@ -49,3 +49,14 @@ def test_a_folder_without_a_model_is_a_recipe_error_naming_the_key(tmp_path):
     (tmp_path / "modules.json").write_text("not json")
     with pytest.raises(RecipeError, match="not a readable sentence-transformers folder"):
         check_guide_folder(str(tmp_path))
+
+
+def test_a_reranker_is_no_guide_whoever_saved_it(tmp_path, tiny_tokenizer_dir):
+    pytest.importorskip("sentence_transformers")
+    from tiny_models import save_cross_encoder_folders
+
+    for kind, folder in save_cross_encoder_folders(tmp_path, tiny_tokenizer_dir).items():
+        with pytest.raises(RecipeError, match=r"^recipe error: gist_guide: .* is a .*: it scores \(query, document\) "
+                                              "pairs and embeds nothing; the guide embeds every batch; name an "
+                                              "embedding model$"):
+            check_guide_folder(folder)

@@ -8,7 +8,11 @@ import json
 import pytest
 import torch
 from corpora import make_corpus_folder
-from tiny_models import save_sentence_transformers_folder, save_transformers_folder
+from tiny_models import (
+    save_cross_encoder_folders,
+    save_sentence_transformers_folder,
+    save_transformers_folder,
+)
 
 from vembed.cli import main
 from vembed.models.foreign import load_embedding_model
@@ -85,3 +89,47 @@ def test_a_sentence_transformers_pipeline_vembed_cannot_reproduce_is_refused_by_
     path = save_sentence_transformers_folder(tmp_path / "max", folders["transformers"], pooling="max")
     with pytest.raises(RecipeError, match="pools with 'max'; vembed pools with mean, cls, lasttoken only"):
         load_embedding_model(path)
+
+
+@pytest.fixture(scope="module")
+def cross_encoders(folders, tiny_tokenizer_dir):
+    return save_cross_encoder_folders(folders["root"], tiny_tokenizer_dir)
+
+
+def test_a_reranker_is_recognised_by_what_it_is_whoever_saved_it(folders, cross_encoders, tmp_path):
+    from pathlib import Path
+
+    from vembed.models.foreign import reranker_kind
+
+    assert reranker_kind(Path(cross_encoders["transformers"])) == ("a transformers BertForSequenceClassification (a "
+                                                                   "cross-encoder reranker or a classifier)")
+    assert reranker_kind(Path(cross_encoders["sentence-transformers"])) == "a sentence-transformers CrossEncoder"
+    assert reranker_kind(Path(folders["transformers"])) is None
+    assert reranker_kind(Path(folders["sentence-transformers"])) is None
+    saved = tmp_path / "vembed-reranker"  # vembed's marker names a reranker model_type
+    saved.mkdir()
+    (saved / "vembed.json").write_text(json.dumps({"model_type": "qwen_vl_reranker"}))
+    assert reranker_kind(saved) == "a 'qwen_vl_reranker' reranker"
+    (saved / "vembed.json").write_text(json.dumps({"model_type": "text"}))  # vembed's word over a copied config
+    (saved / "config.json").write_text(json.dumps({"architectures": ["BertForSequenceClassification"]}))
+    assert reranker_kind(saved) is None
+
+
+@pytest.mark.parametrize("kind", ["transformers", "sentence-transformers"])
+@pytest.mark.parametrize("command", ["mine", "eval", "export", "search", "rerank"])
+def test_a_cross_encoder_vembed_did_not_save_is_one_line_exit_2_and_nothing_written(folders, cross_encoders,
+                                                                                     tmp_path, capsys, command, kind):
+    model = cross_encoders[kind]
+    out = tmp_path / "out"
+    argv = {"mine": ["mine", model, folders["corpus"], "--out", str(out / "negatives.jsonl"), "--faiss", "no"],
+            "eval": ["eval", model, folders["corpus"], "--output", str(out / "metrics.json")],
+            "export": ["export", model, "--out", str(out / "exported")],
+            "search": ["search", model, folders["corpus"], "--out", str(out / "run.trec")],
+            "rerank": ["rerank", model, folders["corpus"], "--run", str(tmp_path / "first.trec"), "--out",
+                       str(out / "reranked.trec")]}[command]
+    (tmp_path / "first.trec").write_text("q1 Q0 d1 1 1.0 first\n")
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"recipe error: model_dir: {model} is a ") and (
+        "it scores (query, document) pairs and embeds nothing" in lines[0]), lines
+    assert not out.exists()  # no mined rows, embedding cache, metrics or export

@@ -364,15 +364,28 @@ def test_pooling_clusters_by_ward_not_by_the_nearest_pair():
     torch.testing.assert_close(pooled[pooled[:, 1].argsort()], halves)
 
 
-def test_pooling_without_scipy_is_a_recipe_error_naming_the_key(monkeypatch):
+def test_pooling_without_scipy_is_refused_naming_the_key_before_a_document_is_pooled(monkeypatch):
     import sys
+    from types import SimpleNamespace
 
     from vembed.errors import RecipeError
+    from vembed.retrieval.maxsim_search import require_token_pooling, set_pool_factor
 
     monkeypatch.setitem(sys.modules, "scipy.cluster.hierarchy", None)  # an import of it raises ImportError
-    with pytest.raises(RecipeError, match=r"^recipe error: document_pool_factor: token pooling \(--pool-factor\) "
-                                          r"needs scipy: pip install 'vembed\[colbert\]', or index without pooling$"):
+    missing = (r"token pooling needs scipy: pip install 'vembed\[colbert\]', or index without pooling "
+               r"\(a pool factor of 1\)$")
+    with pytest.raises(RecipeError, match=r"^recipe error: document_pool_factor: " + missing):
         pool_tokens(torch.eye(4), 2)
+    # The commands that pool (vembed eval, vembed mine) set the factor before the corpus is encoded: refused there.
+    colbert = SimpleNamespace(embedding_kind="multi_vector", settings=SimpleNamespace(document_pool_factor=1))
+    with pytest.raises(RecipeError, match=r"^recipe error: --pool-factor: " + missing):
+        set_pool_factor(colbert, 2)
+    saved_pooled = SimpleNamespace(embedding_kind="multi_vector", settings=SimpleNamespace(document_pool_factor=3))
+    with pytest.raises(RecipeError, match=r"^recipe error: document_pool_factor: " + missing):
+        set_pool_factor(saved_pooled, None)  # the model's own factor, as it was saved
+    set_pool_factor(colbert, 1)  # no pooling needs no scipy
+    set_pool_factor(colbert, None)
+    require_token_pooling(1, "document_pool_factor")
 
 
 def test_pool_factor_keys_and_flags():

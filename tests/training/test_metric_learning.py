@@ -346,3 +346,19 @@ def test_a_datasets_folder_trains_with_the_image_cache(digits, tmp_path, capsys)
     assert "36 images resized once, built in" in capsys.readouterr().out
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["train"]["steps"] == 2 and metrics["train"]["data"]["num_images"] == 36
+
+
+def test_a_missing_pytorch_metric_learning_is_refused_with_the_recipe_before_a_weight_is_read(digits, tmp_path,
+                                                                                               monkeypatch):
+    import sys
+
+    from vembed.components import recipe_from_dict
+    from vembed.errors import RecipeError
+    from vembed.recipe_checks import check_recipe
+
+    monkeypatch.setitem(sys.modules, "pytorch_metric_learning", None)  # its import fails as when it is not installed
+    parsed = recipe_from_dict(recipe(digits, tmp_path / "run"))
+    with pytest.raises(RecipeError, match=rf"^recipe error: loss_type: {parsed.loss_type} is computed by "
+                                          "pytorch-metric-learning, which is not installed; pip install "
+                                          r"'vembed\[metric-learning\]'$"):
+        check_recipe(parsed)

@@ -366,6 +366,9 @@ class CorpusPairs:
         # a corpus folder has no score column: its pairs are judgements
         return ScoreCell(self.split.folder, None, None) if shape == "none" and len(self) else None
 
+    def unlabelled_records(self) -> tuple[int, int | None]:
+        return 0, None  # every pair's label is its relevance group
+
     def __getitem__(self, index: Any) -> Any:
         from dataclasses import replace
 

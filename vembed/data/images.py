@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Union
 
 from vembed.errors import DataError
@@ -51,3 +52,30 @@ def load_image(path_or_pil: Union[str, os.PathLike, "Image.Image"]) -> "Image.Im
             return rgb.copy() if rgb is image else rgb  # closing the file frees the decoded pixels of `image`
     except Exception as err:  # noqa: BLE001 - see above; DecompressionBombError is not an OSError either
         raise DataError(f"cannot decode image: {type(err).__name__}: {err}", file=path) from err
+
+
+def check_images_decode(images: Sequence[Union[str, os.PathLike, "Image.Image"]], what: str) -> None:
+    """Decode each of `images` once (paths once each), in threads (PIL decodes without the GIL): a `DataError` naming
+    the first that does not decode, how many do not, and `what` they belong to (e.g. data.test). What the launch runs on
+    the held-out splits before training: evaluation has no bad-record budget, so one bad image would stop the run at
+    its evaluation, after checkpoints and final/ were written."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    unique = list({os.fspath(image) if isinstance(image, (str, os.PathLike)) else id(image): image
+                   for image in images}.values())
+    if not unique:
+        return
+
+    def failure(image: Union[str, os.PathLike, "Image.Image"]) -> DataError | None:
+        try:
+            load_image(image)
+        except DataError as error:
+            return error
+        return None
+
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        failures = [error for error in pool.map(failure, unique) if error is not None]
+    if failures:
+        first = failures[0]
+        raise DataError(f"{first.detail}; {len(failures)} of the {len(unique)} images of {what} do not decode, and "
+                        "evaluation reads every one: fix or remove them before training", file=first.file)

@@ -163,6 +163,26 @@ class PairRows(Sequence):
                 return ScoreCell(part.reader.file, row_number(part.rows[found[0]]), column)
         return None
 
+    def unlabelled_records(self) -> tuple[int, int | None]:
+        """How many records have no label (the file has no label column, or the cell is empty) and the first of them
+        (an index into this sequence): what a loss that mines on labels cannot train on. Reads the label column only."""
+        from vembed.data.reader import text_of
+
+        count, first, start = 0, None, 0
+        for part, end in zip(self.parts, self._ends):
+            name = part.reader.columns.get("label")
+            if name not in part.table.column_names:
+                missing = np.arange(len(part.rows))
+            elif hasattr(part.table, "records"):
+                missing = np.flatnonzero([text_of(part.table.records[int(i)].get(name)) is None for i in part.rows])
+            else:
+                values = part.table.data.column(name).take(part.rows).to_pylist()
+                missing = np.flatnonzero([text_of(value) is None for value in values])
+            if len(missing) and first is None:
+                first = start + int(missing[0])
+            count, start = count + len(missing), int(end)
+        return count, first
+
     def most_images_per_side(self) -> tuple[int, int | None]:
         """The most images any side of any record has (negatives a record keeps included) and the first record with
         that many (an index into this sequence), so a model's limit is checked without making records."""

@@ -211,6 +211,7 @@ def _check_reranking(args: argparse.Namespace, corpus: bool) -> None:
     """A reranker needs a first stage and a corpus folder, and only a reranker takes one; each mix-up is one line
     naming the flag, before any model or data is read."""
     from vembed.errors import RecipeError
+    from vembed.models.foreign import require_embedder
     from vembed.reranking import saved_reranker_type
 
     reranker = saved_reranker_type(args.model_dir)
@@ -219,6 +220,10 @@ def _check_reranking(args: argparse.Namespace, corpus: bool) -> None:
             raise RecipeError("--first-stage", f"{args.model_dir} is a {reranker!r} reranker: it reorders a first "
                                                "stage's candidates; name the embedder (--first-stage EMBEDDER_DIR) or "
                                                "a TREC run file (--first-stage run.trec)")
+        # A reranker vembed did not save is no embedder either; vembed eval reranks with one vembed trained.
+        require_embedder(args.model_dir, instead="to rerank with it, fine-tune it with a cross_encoder recipe "
+                                                 "(model_name: this folder) and evaluate what that saves with "
+                                                 "--first-stage")
         if args.top_k is not None:
             raise RecipeError("--top-k", "is the depth a reranker reorders; it applies with --first-stage")
         return
@@ -235,10 +240,8 @@ def _check_reranking(args: argparse.Namespace, corpus: bool) -> None:
             raise RecipeError(flag, "applies to an embedder on pair files, not to a reranker")
     first_stage = Path(args.first_stage)
     if first_stage.is_dir():
-        other = saved_reranker_type(first_stage)
-        if other:
-            raise RecipeError("--first-stage", f"{args.first_stage} is a {other!r} reranker; name the embedder that "
-                                               "finds the candidates (or a TREC run file of them)")
+        require_embedder(first_stage, "--first-stage", instead="name the embedder that finds the candidates (or a "
+                                                               "TREC run file of them)")
     elif not first_stage.is_file():
         raise RecipeError("--first-stage", f"{args.first_stage} is neither an embedding model folder nor a TREC "
                                            "run file")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +21,12 @@ def run(args: argparse.Namespace) -> int:
     from vembed.entrypoints import quiet_libraries, run_cli
 
     def body() -> int:
+        from vembed.models.foreign import require_embedder
+
+        if Path(args.model_dir).is_dir():  # export reads vembed folders only: a hub id is never fetched
+            require_embedder(args.model_dir, instead="export writes embedding models as sentence-transformers "
+                                                     "folders (a cross-encoder vembed trains loads in "
+                                                     "sentence-transformers' CrossEncoder as it is saved)")
         quiet_libraries()
         from vembed.export import export_sentence_transformers
 

@@ -23,6 +23,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vembed.entrypoints import run_cli
 from vembed.entrypoints.train import add_arguments as add_train_arguments
@@ -31,6 +32,9 @@ from vembed.resources import accelerate_configs, package_root
 from vembed.training.launch_promise import EXPECTED_WORLD_SIZE_ENV, LAUNCHER_ENV, LAUNCHER_PID_ENV
 from vembed.training.preemption import PREEMPTED_EXIT_CODE, STOP_SIGNALS
 from vembed.training.threads import USER_THREADS_ENV
+
+if TYPE_CHECKING:
+    from vembed.recipe import Recipe
 
 # Shipped inside the package, so an installed vembed finds them from any directory (the clone's accelerate_configs/
 # links here). ROOT is what the DeepSpeed YAMLs' relative JSON paths resolve against.
@@ -214,6 +218,8 @@ def run(args: argparse.Namespace) -> int:
         # Configs derived for this launch live in a scratch folder that goes when the launch ends.
         with scratch_folder(keep=args.dry_run) as scratch:
             config, num_processes = plan_launch(args.accelerate_config, args.num_processes, scratch, recipe.use_fsdp)
+            command_name = getattr(args, "command_name", "python run.py")
+            check_planned_launch(recipe, config, num_processes, command_name)
             target = [str(TRAIN_SCRIPT), args.recipe]
             if args.config_override:
                 target += ["--config_override", *args.config_override]
@@ -232,9 +238,26 @@ def run(args: argparse.Namespace) -> int:
 
             # Held for the whole launch: a second launch into the same output_dir is refused while this one runs.
             with RunLock(recipe.output_dir):
-                return start(launch_args, num_processes, config, getattr(args, "command_name", "python run.py"), here)
+                return start(launch_args, num_processes, config, command_name, here)
 
     return run_cli(body, args.debug)
+
+
+def check_planned_launch(recipe: "Recipe", config: Path, num_processes: int, command_name: str) -> None:
+    """Stage 6 of the recipe's rules (`check_launch`: fp16 on CPU, FSDP's blocks, use_fsdp, GradCache under FSDP or
+    DeepSpeed, compile) for the launch about to start, judged from its accelerate config before any process starts,
+    so a refusal is one line and not one per rank after the launch line. Each rank judges it again from the
+    environment the launcher gave it (`decide_launch`), as a rank `accelerate launch` started does."""
+    import torch
+
+    from vembed.recipe_checks import check_launch
+    from vembed.training.launch_promise import LaunchPromise
+
+    settings = _read_config(config)
+    distributed = settings["distributed_type"]
+    kind = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp"}.get(distributed, "ddp" if num_processes > 1 else "single")
+    on_cpu = bool(settings.get("use_cpu")) or distributed == "MULTI_CPU" or not torch.cuda.is_available()
+    check_launch(recipe, kind, on_cpu=on_cpu, promise=LaunchPromise(command_name, num_processes, "the launcher"))
 
 
 def plan_launch(accelerate_config: str | None, num_processes: int | None, scratch: Path, use_fsdp: bool = False

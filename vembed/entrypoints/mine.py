@@ -64,18 +64,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debug", action="store_true")
 
 
-def _refuse_a_reranker(model_dir: Path) -> None:
-    """A reranker scores pairs and embeds nothing: one line before any data is read or anything written."""
-    from vembed.errors import RecipeError
-    from vembed.reranking import saved_reranker_type
-
-    reranker = saved_reranker_type(model_dir)
-    if reranker:
-        raise RecipeError("model_dir", f"{model_dir} is a {reranker!r} reranker: it scores (query, document) pairs "
-                                       "and embeds nothing, so it cannot search a corpus; mine with the embedder, "
-                                       "then train the reranker on what mine writes (data.hard_negatives)")
-
-
 def _ratio(text: str) -> float | None:
     """A number, or none/off: no threshold. Range checks are MiningSettings.check's (one line, exit 2)."""
     if text.strip().lower() in ("none", "off"):
@@ -104,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         from vembed.data.corpus import CORPUS_FILE, load_corpus_split
         from vembed.errors import RecipeError
         from vembed.files import check_replaceable
-        from vembed.models.foreign import load_embedding_model, model_folder
+        from vembed.models.foreign import load_embedding_model, require_embedder
         from vembed.retrieval.cache import EmbeddingCache, cache_key, check_cache_folder
         from vembed.retrieval.maxsim_search import pool_factor_key, pool_factor_of, set_pool_factor
         from vembed.retrieval.mining import faiss_available, mine_hard_negatives, write_jsonl_atomic
@@ -119,8 +107,8 @@ def run(args: argparse.Namespace) -> int:
         if out.is_dir():
             raise RecipeError("--out", f"{out} is a folder; name the JSONL file to write")
         check_replaceable(out, args.overwrite)
-        model_dir = model_folder(args.model_dir)
-        _refuse_a_reranker(model_dir)
+        model_dir = require_embedder(args.model_dir, instead="mine with the embedder, then train the reranker on "
+                                                            "what mine writes (data.hard_negatives)")
         if args.faiss == "yes" and not faiss_available():
             raise RecipeError("--faiss", "faiss is not installed: pip install faiss-cpu (or pass --faiss no)")
         if not args.no_cache:

@@ -47,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
         from vembed.data.corpus import CorpusSource
         from vembed.errors import RecipeError
         from vembed.evaluation.runs import check_documents_in_corpus, read_run
-        from vembed.models.foreign import model_folder
+        from vembed.models.foreign import model_folder, require_embedder
+        from vembed.reranking import saved_reranker_type
 
         for flag, value in (("--top-k", args.top_k), ("--batch-size", args.batch_size)):
             if value < 1:
@@ -61,6 +62,10 @@ def run(args: argparse.Namespace) -> int:
         source = CorpusSource(None, args.corpus, args.split, args.image_root, "--split")
         source.check()
         model_dir = model_folder(args.model_dir)
+        if not saved_reranker_type(model_dir):  # then it reorders by MaxSim, as an embedder: a foreign reranker is not
+            require_embedder(model_dir, instead="vembed rerank reorders with a reranker vembed saved or a "
+                                                "late-interaction model; to rerank with this one, fine-tune it with a "
+                                                "cross_encoder recipe (model_name: this folder)")
         first_stage = read_run(args.run)
         split = source.load()
         check_documents_in_corpus(first_stage, split, args.run)

@@ -118,16 +118,16 @@ def _search_bm25(args: argparse.Namespace, source) -> int:
 
 def _search_model(args: argparse.Namespace, source) -> int:
     from vembed.entrypoints import quiet_libraries
-    from vembed.models.foreign import load_embedding_model, model_folder
+    from vembed.models.foreign import load_embedding_model, require_embedder
     from vembed.reranking.evaluation import embedder_run
     from vembed.retrieval.maxsim_search import set_pool_factor
     from vembed.retrieval.search import scoring_of
     from vembed.training.launch_promise import command_accelerator
     from vembed.training.threads import use_threads
 
-    model_dir = model_folder(args.model_dir)
-    refuse_a_reranker(model_dir, "search a corpus", "search with the embedder (or bm25), then reorder its run with "
-                                                    "the reranker: vembed rerank RERANKER CORPUS --run run.trec")
+    model_dir = require_embedder(args.model_dir, instead="search with the embedder (or bm25), then reorder its run "
+                                                        "with the reranker: vembed rerank RERANKER CORPUS --run "
+                                                        "run.trec")
     split = source.load()
     use_threads()
     quiet_libraries()
@@ -143,17 +143,6 @@ def _search_model(args: argparse.Namespace, source) -> int:
     accelerator.wait_for_everyone()
     accelerator.end_training()  # tears the process group down together (gloo can abort otherwise)
     return 0
-
-
-def refuse_a_reranker(model_dir: Path, what: str, instead: str) -> None:
-    """A reranker scores pairs and embeds nothing: one line before any data is read or anything written."""
-    from vembed.errors import RecipeError
-    from vembed.reranking import saved_reranker_type
-
-    reranker = saved_reranker_type(model_dir)
-    if reranker:
-        raise RecipeError("model_dir", f"{model_dir} is a {reranker!r} reranker: it scores (query, document) pairs "
-                                       f"and embeds nothing, so it cannot {what}; {instead}")
 
 
 def _write(args: argparse.Namespace, found, split, tag: str, how: str, processes: int) -> None:

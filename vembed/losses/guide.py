@@ -19,9 +19,9 @@ def check_guide_folder(folder: str) -> None:
     """Cheap, before anything is built or written: the folder holds a model vembed can load (its files, not yet its
     weights)."""
     from vembed.models.base import ADAPTER_FILE
-    from vembed.models.foreign import HF_CONFIG, ST_MODULES, model_folder
+    from vembed.models.foreign import HF_CONFIG, ST_MODULES, require_embedder
 
-    path = model_folder(folder, KEY)
+    path = require_embedder(folder, KEY, instead="the guide embeds every batch; name an embedding model")
     if not any((path / name).is_file() for name in (ADAPTER_FILE, ST_MODULES, HF_CONFIG)):
         raise RecipeError(KEY, f"{folder!r} holds no model: no {ADAPTER_FILE} (vembed), {ST_MODULES} "
                                f"(sentence-transformers) or {HF_CONFIG} (transformers); give a model folder")

@@ -23,6 +23,14 @@ def check_loss_inputs(loss: "type[EmbeddingLoss]", recipe: "Recipe", rows: "Pair
     if negatives < loss.min_negatives:
         raise DataError(f"loss_type {recipe.loss_type} needs at least {loss.min_negatives} hard negative per pair; "
                         f"the training records keep {negatives} (data.columns.negatives, data.num_hard_negatives)")
+    if loss.needs_labels:
+        unlabelled, first = rows.unlabelled_records()
+        if unlabelled:
+            example = rows[first]
+            raise DataError(f"loss_type {recipe.loss_type} mines on labels, but {unlabelled} of {len(rows)} training "
+                            f"records have none in data.columns.label ({recipe.data.columns.label!r}); give every "
+                            "row a label, or map data.columns.label to the column that holds them",
+                            file=example.source, row=example.row)
     needs = loss.needs_scores
     if needs is None:
         return

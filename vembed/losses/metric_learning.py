@@ -38,6 +38,12 @@ def _pml_losses(loss_type: str) -> Any:
     return losses
 
 
+def require_library(loss_type: str) -> None:
+    """pytorch-metric-learning, which computes every loss here, checked with the recipe: the loss is built after the
+    model, so a missing extra was found only once the weights were read."""
+    _pml_losses(loss_type)
+
+
 class MetricLossSettings(Settings):
     """The keys every metric-learning loss shares."""
 

@@ -57,12 +57,62 @@ def model_folder(name: str | os.PathLike, key: str = "model_dir") -> Path:
                                f"{first}") from None
 
 
+ST_CONFIG = "config_sentence_transformers.json"
+EMBEDS_NOTHING = "it scores (query, document) pairs and embeds nothing"
+
+
+def reranker_kind(folder: Path) -> str | None:
+    """What `folder` holds, in words, when it is a reranker (a cross-encoder) whoever saved it; None otherwise. Judged
+    by what the model is, from its config files alone (no weight read): vembed's marker names a reranker model_type;
+    sentence-transformers' config says CrossEncoder; or transformers' config.json names a *ForSequenceClassification
+    architecture (a cross-encoder such as cross-encoder/ms-marco-MiniLM-L6-v2, or a classifier: scores, never
+    embeddings)."""
+    from vembed.models.base import ADAPTER_FILE
+    from vembed.reranking import saved_reranker_type
+
+    saved = saved_reranker_type(folder)
+    if saved:
+        return f"a {saved!r} reranker"  # vembed.json says so
+    if (folder / ADAPTER_FILE).is_file():  # vembed's own folder says what it holds
+        return None
+    if _read_json_quietly(folder / ST_CONFIG).get("model_type") == "CrossEncoder":
+        return "a sentence-transformers CrossEncoder"
+    architectures = _read_json_quietly(folder / HF_CONFIG).get("architectures") or []
+    heads = [name for name in architectures if isinstance(name, str) and name.endswith("ForSequenceClassification")]
+    if heads:
+        return f"a transformers {heads[0]} (a cross-encoder reranker or a classifier)"
+    return None
+
+
+def require_embedder(name: str | os.PathLike, key: str = "model_dir", instead: str = "") -> Path:
+    """The local folder of `name` (as `model_folder`) when it may hold an embedding model; a RecipeError naming `key`
+    when it holds a reranker (`reranker_kind`), with `instead`: what the caller's command does with one. What every
+    command that embeds with a model it is handed (eval, mine, export, search) calls before it reads or writes
+    anything else."""
+    folder = model_folder(name, key)
+    kind = reranker_kind(folder)
+    if kind is not None:
+        raise RecipeError(key, f"{name} is {kind}: {EMBEDS_NOTHING}; "
+                               f"{instead or 'use an embedding model here, and the reranker on its candidates'}")
+    return folder
+
+
+def _read_json_quietly(path: Path) -> dict[str, Any]:
+    """A config file's JSON object, or {} when there is none to read (the loaders say why when they need it)."""
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def load_embedding_model(name: str | os.PathLike, *, trust_remote_code: bool = False,
                          key: str = "model_dir") -> "EmbeddingAdapter":
-    """The embedding model at `name` (see the module docstring for what is accepted), on the CPU in eval mode."""
+    """The embedding model at `name` (see the module docstring for what is accepted), on the CPU in eval mode; a
+    reranker, whoever saved it, is refused (`require_embedder`)."""
     from vembed.models.base import ADAPTER_FILE, load_adapter
 
-    folder = model_folder(name, key)
+    folder = require_embedder(name, key)
     if (folder / ADAPTER_FILE).is_file():
         return load_adapter(folder, trust_remote_code=trust_remote_code)
     if (folder / ST_MODULES).is_file():
@@ -93,7 +143,7 @@ def _sentence_transformers_folder(folder: Path, trust_remote_code: bool, key: st
     pooling = _pooling_mode(_read_json(pooling_dir / "config.json", key))
     if pooling not in POOLING:
         raise RecipeError(key, f"{folder} pools with {pooling!r}; vembed pools with {', '.join(POOLING)} only")
-    st_config = _read_json(folder / "config_sentence_transformers.json", key)
+    st_config = _read_json(folder / ST_CONFIG, key)
     if st_config.get("default_prompt_name"):
         raise RecipeError(key, f"{folder} prepends its prompt {st_config['default_prompt_name']!r} to every text; "
                                "vembed does not apply sentence-transformers prompts")

@@ -148,6 +148,11 @@ class RerankTask(Task):
             return None
         return corpus_sources(data, split)[None].load(), read_run(data.first_stage_run_of(split)[1])
 
+    def held_out_images(self, data: Any) -> list[Any]:
+        from vembed.tasks.contrastive import side_images
+
+        return side_images(data[0]) if data else []  # the corpus split; its first-stage run names ids only
+
     def evaluate(self, model: nn.Module, data: Any, accelerator: "Accelerator",
                  prepared: nn.Module | None = None) -> dict[str, float]:
         """Every process reranks the whole run (the same numbers on each: a reranker evaluation is small)."""

@@ -133,20 +133,32 @@ def pool_tokens(vectors: torch.Tensor, pool_factor: int) -> torch.Tensor:
     cluster replaced by its mean, renormalised. Deterministic; `pool_factor` 1 or a single token: unchanged."""
     if pool_factor <= 1 or len(vectors) <= 1:
         return vectors
-    try:
-        from scipy.cluster.hierarchy import fcluster, linkage
-    except ImportError:
-        from vembed.errors import RecipeError
-
-        raise RecipeError("document_pool_factor", "token pooling (--pool-factor) needs scipy: pip install "
-                                                  "'vembed[colbert]', or index without pooling") from None
-
+    fcluster, linkage = _hierarchical_clustering("document_pool_factor")
     clusters = max(1, len(vectors) // pool_factor)
     points = vectors.detach().double().cpu()
     labels = fcluster(linkage(points.numpy(), method="ward"), t=clusters, criterion="maxclust")
     labels = torch.as_tensor(labels, dtype=torch.long) - 1
     sums = torch.zeros(int(labels.max()) + 1, vectors.shape[1], dtype=torch.float64).index_add_(0, labels, points)
     return F.normalize(sums, dim=-1).to(vectors.dtype).to(vectors.device)  # the mean's direction
+
+
+def require_token_pooling(pool_factor: int, key: str) -> None:
+    """Refuse, before any work, a pool factor this installation cannot apply (scipy missing), naming `key`: the recipe
+    key or flag that asked for it. Without this, a run or a mining job stopped at its first pooled document."""
+    if pool_factor > 1:
+        _hierarchical_clustering(key)
+
+
+def _hierarchical_clustering(key: str) -> tuple[Any, Any]:
+    """scipy's (fcluster, linkage): token pooling's one dependency."""
+    try:
+        from scipy.cluster.hierarchy import fcluster, linkage
+    except ImportError:
+        from vembed.errors import RecipeError
+
+        raise RecipeError(key, "token pooling needs scipy: pip install 'vembed[colbert]', or index without pooling "
+                               "(a pool factor of 1)") from None
+    return fcluster, linkage
 
 
 def pool_factor_of(adapter: "EmbeddingAdapter") -> int:
@@ -158,7 +170,8 @@ def set_pool_factor(adapter: "EmbeddingAdapter", factor: int | None, key: str = 
     """Index the adapter's documents pooled by `factor` from now on (None: keep the model's own setting)."""
     from vembed.errors import RecipeError
 
-    if factor is None:
+    if factor is None:  # the model's own document_pool_factor, which it was saved with
+        require_token_pooling(pool_factor_of(adapter), "document_pool_factor")
         return
     if factor < 1:
         raise RecipeError(key, f"must be at least 1 (1: no pooling), got {factor}")
@@ -166,6 +179,7 @@ def set_pool_factor(adapter: "EmbeddingAdapter", factor: int | None, key: str = 
         if factor == 1:
             return
         raise RecipeError(key, "pools token vectors; this model gives one vector per document: remove the flag")
+    require_token_pooling(factor, key)
     adapter.settings.document_pool_factor = factor
 
 
@@ -330,4 +344,4 @@ SCORINGS.register(MULTI_VECTOR)(Scoring(top_k=maxsim_top_k, pair_scores=maxsim_p
                                         documents_per_block=DOCUMENTS_PER_BLOCK, stored=PackedTokens, faiss=False))
 
 __all__ = ["IndexSize", "PackedTokens", "encode_token_share", "maxsim_pair_scorer", "maxsim_pairs", "maxsim_top_k",
-           "pack_documents", "pool_factor_key", "pool_tokens", "set_pool_factor"]
+           "pack_documents", "pool_factor_key", "pool_tokens", "require_token_pooling", "set_pool_factor"]

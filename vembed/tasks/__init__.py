@@ -106,6 +106,21 @@ class Task:
         """Held-out data for `split` ("validation"/"test"), or something empty when the recipe has none."""
         raise NotImplementedError
 
+    def held_out_images(self, data: Any) -> list[Any]:
+        """The images (paths, or PIL images of a table) that evaluating on `data`, what `load_eval_split` gave, decodes:
+        decoded once before training (`vembed.data.images.check_images_decode`). None where evaluation reads none."""
+        return []
+
+    def load_held_out(self) -> tuple[Any, Any]:
+        """The validation and test data, every image they name decoded once: a bad one stops the launch here, before
+        a weight is read or the output folder is taken, not at an evaluation after final/ is written."""
+        from vembed.data.images import check_images_decode
+
+        splits = {split: self.load_eval_split(split) for split in ("validation", "test")}
+        for split, data in splits.items():
+            check_images_decode(self.held_out_images(data), f"data.{split}")
+        return splits["validation"], splits["test"]
+
     def evaluate(self, model: "nn.Module", data: Any, accelerator: "Accelerator",
                  prepared: "nn.Module | None" = None) -> dict[str, float]:
         """Metrics of `model` (the adapter) on `data`. `prepared`: the objective as the launch wrapped it (DDP, FSDP's

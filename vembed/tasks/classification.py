@@ -189,6 +189,9 @@ class ClassificationTask(Task):
         return (LabelledImageDataset(self.train_data),
                 ClassificationCollator(objective.adapter, recipe.augmentation, recipe.seed))
 
+    def held_out_images(self, data: "LabelledImages | None") -> list[Any]:
+        return [data.image(i) for i in range(len(data))] if data else []
+
     def load_eval_split(self, split: str) -> "LabelledImages | None":
         if getattr(self.recipe.data, split) is None:
             return None

@@ -290,6 +290,12 @@ class ContrastiveTask(Task):
         return ShardStream(self.stream_backend, self.stream_shards, decoder, collate,
                            batch_size=recipe.batch_size, seed=recipe.seed, shuffle_buffer=data.shuffle_buffer)
 
+    def held_out_images(self, data: Any) -> list[Any]:
+        """Every image of a held-out split's records, or of its corpus and queries (a corpus folder); per source."""
+        if isinstance(data, dict):
+            return [image for part in data.values() for image in self.held_out_images(part)]
+        return side_images(data)
+
     def load_eval_split(self, split: str) -> "EvalData | dict[str, EvalData]":
         """The records of a held-out split, or its corpus (`CorpusSplit`) where it names a corpus folder; for named
         sources, a dict name -> either (evaluated one by one). What was read is kept for the model card."""
@@ -589,3 +595,14 @@ def _check_images(model_type: str, limit: int, examples: "Sequence[Example]") ->
                     file=example.source,
                     row=example.row,
                 )
+
+
+def side_images(data: "EvalData | None") -> list[Any]:
+    """The images of a list of records (query, positive, negatives) or of a corpus split (documents and queries)."""
+    if not data:
+        return []
+    if hasattr(data, "corpus"):
+        sides = [*data.corpus.sides, *data.queries.sides]
+    else:
+        sides = [side for example in data for side in (example.query, example.positive, *example.negatives)]
+    return [image for side in sides for image in side.images]

@@ -101,6 +101,7 @@ class MetricLearningTask(Task):
     def check_recipe(cls, recipe: "Recipe", *, for_training: bool = True) -> None:
         from vembed.components import loss_class
         from vembed.evaluation.metric_learning import METRICS
+        from vembed.losses.metric_learning import require_library
 
         data = recipe.data
         for key in ("mixup_alpha", "cutmix_alpha"):
@@ -123,6 +124,7 @@ class MetricLearningTask(Task):
             raise RecipeError("metric_for_best_model",
                               f"{recipe.metric_for_best_model!r} is not a retrieval metric of labelled images; use "
                               f"one of: {', '.join(METRICS)}")
+        require_library(recipe.loss_type)
         if data.train is not None:
             train = read_split(recipe, "train", None)
             declared = getattr(recipe.loss, "num_classes", None)
@@ -164,6 +166,9 @@ class MetricLearningTask(Task):
             return (LabelledImageDataset(self.train_data),
                     ClassificationCollator(objective.adapter, recipe.augmentation, recipe.seed))
         return RowsOfImages(self.train_data), ViewsCollator(objective.adapter, views, recipe.augmentation, recipe.seed)
+
+    def held_out_images(self, data: "LabelledImages | None") -> list[Any]:
+        return [data.image(i) for i in range(len(data))] if data else []
 
     def load_eval_split(self, split: str) -> "LabelledImages | None":
         if getattr(self.recipe.data, split) is None:

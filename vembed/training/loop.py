@@ -88,6 +88,7 @@ class Trainer:
         # Every launch decision and refusal first: before a data row or a weight is read.
         plan = decide_launch(recipe)
         self.train_report = self.task.load_train_data()
+        self.eval_examples, self.test_examples = self.task.load_held_out()  # their images decoded: before any weight
         # Whether every batch reaches every parameter decides how DDP is set up.
         self.plan = plan.with_unused_parameter_search(not self.task.every_step_uses_every_parameter())
         if accelerator is None:
@@ -144,9 +145,6 @@ class Trainer:
             from vembed.training.fsdp import shard_objective
 
             shard_objective(self.objective, recipe, acc, plan.fsdp)  # before the optimizer: it sees the shards
-
-        self.eval_examples = self.task.load_eval_split("validation")
-        self.test_examples = self.task.load_eval_split("test")
 
         self.dataset, self.collate = self.task.train_dataset(self.objective)
         self._check_cached_decode_failures()
