@@ -128,7 +128,7 @@ def test_export_cli_refuses_an_existing_export_without_overwrite(saved, tmp_path
     capsys.readouterr()
     assert main(["export", model_dir, "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"recipe error: --out: {out} exists; pass --overwrite to replace it, or choose another --out"]
+    assert err == [f"argument error: --out: {out} exists; pass --overwrite to replace it, or choose another --out"]
     assert (out / "modules.json").stat().st_mtime_ns == before
     assert main(["export", model_dir, "--out", str(out), "--overwrite"]) == 0
 

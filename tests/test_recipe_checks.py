@@ -47,7 +47,7 @@ ELSEWHERE: dict[str, set[str]] = {
     # --- the data's readers: stage 4 (files exist) and, naming file and key, as the data is read ---
     "vembed/data/paths.py": {"check_data_paths", "resolve_files", "_resolve_one", "builder_for"},
     "vembed/data/sources.py": {"load_rows", "_load_corpus_pairs"},
-    "vembed/data/streaming.py": {"check_stream_recipe", "find_shards", "require_backend", "_check_first_sample"},
+    "vembed/data/streaming.py": {"check_stream_recipe", "find_shards", "_check_first_sample"},
     "vembed/data/corpus.py": {"CorpusSource.check"},
     "vembed/data/embedding_shards.py": {"read_index"},
     "vembed/data/labelled.py": {"read_labelled_images", "_image_folder"},
@@ -68,8 +68,7 @@ ELSEWHERE: dict[str, set[str]] = {
     "vembed/models/lora.py": {"inject_lora", "load_lora_weights"},
     "vembed/losses/contrastive.py": {"InfoNCELoss.from_recipe", "SigLIPLoss.from_recipe"},
     "vembed/losses/late_interaction.py": {"LateInteractionLoss.from_recipe"},
-    "vembed/losses/metric_learning.py": {"_pml_losses",  # the library is missing: its extra
-                                         "SubCenterArcFaceLoss.from_recipe"},  # num_classes, after the task's check
+    "vembed/losses/metric_learning.py": {"SubCenterArcFaceLoss.from_recipe"},  # num_classes, after the task's check
     "vembed/training/objective.py": {"parameter_groups"},  # layer_lr_decay on a model stage 6 could not build on meta
     "vembed/training/streamed.py": {"StreamedEpochs._check_compatible"},
     # --- not recipes: saved model folders, and command lines whose flag is not a literal ---
@@ -78,8 +77,7 @@ ELSEWHERE: dict[str, set[str]] = {
     "vembed/generation/__init__.py": {"load_generator"},
     "vembed/cli.py": {"_index_command"},
     "vembed/models/token_vectors.py": {"require_single_vector"},  # a dense-only command handed a ColBERT model
-    "vembed/retrieval/maxsim_search.py": {"_hierarchical_clustering",  # --pool-factor, document_pool_factor
-                                          "set_pool_factor"},
+    "vembed/retrieval/maxsim_search.py": {"set_pool_factor"},  # --pool-factor, document_pool_factor
     "vembed/entrypoints/evaluate.py": {"_evaluate_corpus", "run.body", "_named_sources", "_check_reranking"},
     "vembed/entrypoints/mine.py": {"run.body"},
     "vembed/reranking/__init__.py": {"load_reranker"},  # a saved reranker folder

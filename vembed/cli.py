@@ -159,9 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--source", choices=["digits", "dummy"], default="digits", help="webdataset: which data set")
     data.add_argument("--shard-size", "--shard_size", type=int, default=128, help="webdataset: samples per shard")
     data.add_argument("--num-samples", "--num_samples", type=int, default=512, help="dummy: number of records")
-    data.add_argument("--image-size", "--image_size", type=int, default=32)
-    data.add_argument("--seed", type=int, default=0)
-    data.add_argument("--debug", action="store_true")
+    data.add_argument("--image-size", "--image_size", type=int, default=32, help="image side in pixels (default 32)")
+    data.add_argument("--seed", type=int, default=0, help="the generator's seed (same seed, same files)")
+    data.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
     data.set_defaults(func=_data_command)
 
     dm = sub.add_parser("demo", help="the offline demo: digits data, a tiny CLIP, train, evaluate, export")

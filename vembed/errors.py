@@ -20,15 +20,40 @@ class VembedError(Exception):
         return f"{self.kind}: {self.args[0] if self.args else ''}"
 
 
-class RecipeError(VembedError):
-    """A recipe key is unknown, of the wrong type or impossible. `key` is the dotted path (`data.train`)."""
+# The commands' positional arguments: a key that names one is the command line's, not a recipe's.
+POSITIONAL_ARGUMENTS = frozenset({"model_dir", "corpus", "data", "runs", "images"})
 
-    kind = "recipe error"
+
+class RecipeError(VembedError):
+    """A recipe key is unknown, of the wrong type or impossible. `key` is the dotted path (`data.train`); a key that
+    is a command-line flag (`--top-k`) is reported as an argument error, since no recipe holds it."""
 
     def __init__(self, key: str, message: str, source: str | None = None):
         self.key, self.message, self.source = key, message, source
         where = f" in {source}" if source else ""
         super().__init__(f"{key}{where}: {message}")
+
+    @property
+    def kind(self) -> str:
+        return "argument error" if self.key.startswith("--") or self.key in POSITIONAL_ARGUMENTS else "recipe error"
+
+
+class ArgumentError(RecipeError):
+    """A command's argument cannot be used: a positional one (`model_dir`, `corpus`, a run file), named by `key`.
+    (Flags raised as RecipeError("--flag", ...) are labelled the same way.)"""
+
+    @property
+    def kind(self) -> str:
+        return "argument error"
+
+
+class EnvironmentProblem(RecipeError):
+    """What the command needs is not installed here; `key` names what asked for it, the message the extra to
+    install."""
+
+    @property
+    def kind(self) -> str:
+        return "environment error"
 
 
 class DataError(VembedError):
@@ -68,7 +93,8 @@ def require_package(module: str, key: str, purpose: str, extra: str) -> None:
     import importlib.util
 
     if importlib.util.find_spec(module) is None:
-        raise RecipeError(key, f"{purpose} needs {module}, which is not installed: pip install 'vembed[{extra}]'")
+        raise EnvironmentProblem(key, f"{purpose} needs {module}, which is not installed: pip install "
+                                      f"'vembed[{extra}]'")
 
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:

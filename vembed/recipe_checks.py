@@ -61,7 +61,7 @@ import importlib.util
 import os
 from typing import TYPE_CHECKING, Any
 
-from vembed.errors import RecipeError
+from vembed.errors import EnvironmentProblem, RecipeError
 
 if TYPE_CHECKING:
     from vembed.planning import GradientCacheChoice, LaunchKind
@@ -98,7 +98,8 @@ def check_keys(recipe: "Recipe", *, for_training: bool = True) -> None:
     # accelerate drops a tracker whose package is missing with only a log line; a user asked for it, so refuse.
     for tracker in recipe.report_to:
         if importlib.util.find_spec(tracker) is None:
-            raise RecipeError("report_to", f"{tracker} is not installed; pip install 'vembed[{tracker}]' or remove it")
+            raise EnvironmentProblem("report_to", f"{tracker} is not installed; pip install 'vembed[{tracker}]' or "
+                                                  "remove it")
     pool_factor = getattr(recipe.model, "document_pool_factor", 1)
     if pool_factor > 1:  # corpus evaluation pools each document's token vectors, and so does every later search
         from vembed.retrieval.maxsim_search import require_token_pooling

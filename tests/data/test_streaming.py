@@ -384,7 +384,7 @@ def test_data_index_names_a_missing_path_and_the_missing_extra_in_one_line(tmp_p
     assert not (tmp_path / "sizes.json").exists()
     monkeypatch.setitem(sys.modules, "webdataset", None)  # the streaming extra not installed
     assert main(["data", "index", str(tmp_path / "s-0.tar")]) == 2
-    assert capsys.readouterr().err.strip() == ("recipe error: vembed data index: reads tar shards through the "
+    assert capsys.readouterr().err.strip() == ("environment error: vembed data index: reads tar shards through the "
                                                "webdataset package; pip install 'vembed[streaming]'")
 
 

@@ -251,3 +251,57 @@ def test_bad_scores_and_guide_are_one_line_exit_2_and_nothing_written(tiny_clip_
     lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and expected in lines[0], result.stderr
     assert not Path(raw["output_dir"]).exists()
+
+
+def _options(parser, name="vembed"):
+    """(command, option strings, help) of every option of every subcommand."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub, child in action.choices.items():
+                yield from _options(child, f"{name} {sub}")
+        elif action.option_strings and action.option_strings != ["-h", "--help"]:
+            yield name, action.option_strings, action.help
+
+
+def test_every_option_has_help_one_hyphenated_spelling_first_and_its_underscore_alias():
+    from vembed.cli import build_parser
+
+    bad = []
+    for command, strings, help_text in _options(build_parser()):
+        long = [s for s in strings if s.startswith("--")]
+        words = long[0][2:]
+        if not help_text:
+            bad.append(f"{command} {long[0]}: no help")
+        if "_" in words:
+            bad.append(f"{command} {long[0]}: the hyphenated spelling comes first")
+        if "-" in words and f"--{words.replace('-', '_')}" not in long:
+            bad.append(f"{command} {long[0]}: no --{words.replace('-', '_')} alias (documented commands use it)")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("error, label", [
+    ("RecipeError('batch_size', 'must be positive')", "recipe error: batch_size: must be positive"),
+    ("RecipeError('--top-k', 'must be at least 1')", "argument error: --top-k: must be at least 1"),
+    ("RecipeError('model_dir', 'is a reranker')", "argument error: model_dir: is a reranker"),
+    ("ArgumentError('runs', 'needs two')", "argument error: runs: needs two"),
+    ("EnvironmentProblem('--faiss', 'pip install faiss-cpu')", "environment error: --faiss: pip install faiss-cpu"),
+    ("DataError('bad row', 'a.jsonl', 3)", "data error: a.jsonl, row 3: bad row"),
+])
+def test_each_error_says_what_kind_of_problem_it_is(error, label):
+    from vembed import errors
+
+    assert str(eval(error, vars(errors))) == label
+
+
+def test_a_missing_package_is_an_environment_error_naming_the_extra(monkeypatch):
+    import importlib.util
+
+    from vembed.errors import EnvironmentProblem, require_package
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(EnvironmentProblem) as error:
+        require_package("bm25s", "model_dir", "bm25", "search")
+    assert str(error.value) == ("environment error: model_dir: bm25 needs bm25s, which is not installed: pip install "
+                                "'vembed[search]'")

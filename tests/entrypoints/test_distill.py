@@ -83,7 +83,7 @@ def test_a_reranker_as_teacher_is_one_line_exit_2_and_nothing_written(extracted,
     out = tmp_path / "teacher_embeddings"
     assert vembed(["extract", "--teacher", teacher, "--recipe", str(root / "recipe.yaml"), "--out", str(out)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines == [f"recipe error: --teacher: {teacher} is a transformers BertForSequenceClassification (a "
+    assert lines == [f"argument error: --teacher: {teacher} is a transformers BertForSequenceClassification (a "
                      "cross-encoder reranker or a classifier): it scores (query, document) pairs and embeds nothing; "
                      "the teacher embeds the rows; name an embedding model"], lines
     assert not out.exists()

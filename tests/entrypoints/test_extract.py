@@ -102,7 +102,7 @@ def test_tar_archives_give_the_same_embeddings_as_the_folder(setup, tmp_path):
 def test_a_missing_image_folder_is_one_line(setup, tmp_path, capsys):
     assert _extract(setup, tmp_path / "out", [str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("recipe error: --images") and len(err.splitlines()) == 1
+    assert err.startswith("argument error: --images") and len(err.splitlines()) == 1
 
 
 def test_shards_of_another_extraction_are_refused_not_mixed_in(setup, tmp_path, capsys):

@@ -295,7 +295,7 @@ def _refused(recipe: dict, tmp_path: Path, capsys) -> list[str]:
 @pytest.mark.parametrize("case, says", [
     ("layer_lr_decay on a model whose parameter names say no layer",
      "recipe error: layer_lr_decay: no parameter name of model_type 'text' says which layer it is in"),
-    ("document_pool_factor without scipy", "recipe error: document_pool_factor: token pooling needs scipy"),
+    ("document_pool_factor without scipy", "environment error: document_pool_factor: token pooling needs scipy"),
 ])
 def test_a_recipe_the_model_or_the_installation_cannot_train_is_one_line_before_the_launch(
         tmp_path, capsys, monkeypatch, mask_tokenizer_dir, case, says):

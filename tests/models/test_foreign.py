@@ -130,6 +130,6 @@ def test_a_cross_encoder_vembed_did_not_save_is_one_line_exit_2_and_nothing_writ
     (tmp_path / "first.trec").write_text("q1 Q0 d1 1 1.0 first\n")
     assert main(argv) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"recipe error: model_dir: {model} is a ") and (
+    assert len(lines) == 1 and lines[0].startswith(f"argument error: model_dir: {model} is a ") and (
         "it scores (query, document) pairs and embeds nothing" in lines[0]), lines
     assert not out.exists()  # no mined rows, embedding cache, metrics or export

@@ -374,14 +374,14 @@ def test_pooling_without_scipy_is_refused_naming_the_key_before_a_document_is_po
     monkeypatch.setitem(sys.modules, "scipy.cluster.hierarchy", None)  # an import of it raises ImportError
     missing = (r"token pooling needs scipy: pip install 'vembed\[colbert\]', or index without pooling "
                r"\(a pool factor of 1\)$")
-    with pytest.raises(RecipeError, match=r"^recipe error: document_pool_factor: " + missing):
+    with pytest.raises(RecipeError, match=r"^environment error: document_pool_factor: " + missing):
         pool_tokens(torch.eye(4), 2)
     # The commands that pool (vembed eval, vembed mine) set the factor before the corpus is encoded: refused there.
     colbert = SimpleNamespace(embedding_kind="multi_vector", settings=SimpleNamespace(document_pool_factor=1))
-    with pytest.raises(RecipeError, match=r"^recipe error: --pool-factor: " + missing):
+    with pytest.raises(RecipeError, match=r"^environment error: --pool-factor: " + missing):
         set_pool_factor(colbert, 2)
     saved_pooled = SimpleNamespace(embedding_kind="multi_vector", settings=SimpleNamespace(document_pool_factor=3))
-    with pytest.raises(RecipeError, match=r"^recipe error: document_pool_factor: " + missing):
+    with pytest.raises(RecipeError, match=r"^environment error: document_pool_factor: " + missing):
         set_pool_factor(saved_pooled, None)  # the model's own factor, as it was saved
     set_pool_factor(colbert, 1)  # no pooling needs no scipy
     set_pool_factor(colbert, None)
@@ -402,7 +402,7 @@ def test_pool_factor_keys_and_flags():
     assert pool_factor_of(colbert) == 2 and pool_factor_key(colbert) == {"document_pool_factor": 2}
     set_pool_factor(colbert, 3)
     assert pool_factor_of(colbert) == 3 and pool_factor_key(colbert) == {"document_pool_factor": 3}
-    with pytest.raises(RecipeError, match=r"^recipe error: --pool-factor: must be at least 1 \(1: no pooling\), "
+    with pytest.raises(RecipeError, match=r"^argument error: --pool-factor: must be at least 1 \(1: no pooling\), "
                                           r"got 0$"):
         set_pool_factor(colbert, 0)
     with pytest.raises(RecipeError, match="^recipe error: index.pool: must be at least 1"):
@@ -412,7 +412,7 @@ def test_pool_factor_keys_and_flags():
     dense = SimpleNamespace(embedding_kind="single_vector", settings=SimpleNamespace())
     set_pool_factor(dense, 1)  # no pooling asks nothing of the model
     assert pool_factor_of(dense) == 1 and not hasattr(dense.settings, "document_pool_factor")
-    with pytest.raises(RecipeError, match="^recipe error: --pool-factor: pools token vectors; this model gives one "
+    with pytest.raises(RecipeError, match="^argument error: --pool-factor: pools token vectors; this model gives one "
                                           "vector per document: remove the flag$"):
         set_pool_factor(dense, 2)
 

@@ -358,7 +358,7 @@ def test_a_missing_pytorch_metric_learning_is_refused_with_the_recipe_before_a_w
 
     monkeypatch.setitem(sys.modules, "pytorch_metric_learning", None)  # its import fails as when it is not installed
     parsed = recipe_from_dict(recipe(digits, tmp_path / "run"))
-    with pytest.raises(RecipeError, match=rf"^recipe error: loss_type: {parsed.loss_type} is computed by "
+    with pytest.raises(RecipeError, match=rf"^environment error: loss_type: {parsed.loss_type} is computed by "
                                           "pytorch-metric-learning, which is not installed; pip install "
                                           r"'vembed\[metric-learning\]'$"):
         check_recipe(parsed)

@@ -42,7 +42,7 @@ from vembed.data.reader import SKIP_FIXES
 from vembed.data.records import Example
 from vembed.data.reports import MAX_BAD_ROWS_SHOWN, BadRow, DataReport
 from vembed.data.stream_samples import READERS, RawRecord, SampleDecoder, SampleSkipped
-from vembed.errors import DataError, RecipeError
+from vembed.errors import DataError, EnvironmentProblem, RecipeError
 
 if TYPE_CHECKING:
     from vembed.recipe import DataConfig
@@ -417,7 +417,7 @@ def require_backend(backend: str, key: str = "data.train") -> None:
         what = "names tar shards, which stream" if backend == "webdataset" else "streams"
         if key != "data.train":
             what = "reads tar shards"
-        raise RecipeError(key, f"{what} through the webdataset package; pip install 'vembed[streaming]'")
+        raise EnvironmentProblem(key, f"{what} through the webdataset package; pip install 'vembed[streaming]'")
 
 
 # --- the stream ----------------------------------------------------------------------------------------------------

@@ -57,8 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per launch")
     parser.add_argument("--out", default="runs/bench_strategies", help="folder for the runs, table and plot")
     parser.add_argument("--only",
-                        help="comma-separated subset: single,single-batch-x2,ddp,ddp+gradcache,fsdp,zero2,zero3,zero3-offload")
-    parser.add_argument("--config_override", "--config-override", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="comma-separated subset: single,single-batch-x2,ddp,ddp+gradcache,fsdp,zero2,zero3,"
+                             "zero3-offload")
+    parser.add_argument("--config-override", "--config_override", nargs="*", default=[], metavar="KEY=VALUE",
                         help="recipe overrides applied to every launch")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
 

@@ -20,10 +20,11 @@ from vembed.resources import demo_recipe
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", default=str(demo_recipe()),
                         help="recipe to train (default: the shipped demo_clip.yaml, as configs/demo_clip.yaml)")
-    parser.add_argument("--config_override", "--config-override", nargs="+", action="extend", default=[],
+    parser.add_argument("--config-override", "--config_override", nargs="+", action="extend", default=[],
                         metavar="KEY=VALUE", help="override recipe keys, e.g. epochs=2")
-    parser.add_argument("--data-dir", default="runs/demo/data", help="where the digits data set is written")
-    parser.add_argument("--debug", action="store_true")
+    parser.add_argument("--data-dir", "--data_dir", default="runs/demo/data",
+                        help="where the digits data set is written")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
 
 
 def _test_figures(adapter, examples, prompts: dict, batch_size: int) -> tuple[float, float]:

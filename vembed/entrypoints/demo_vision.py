@@ -57,10 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="classification (demo_vision.yaml) or image-to-image retrieval by metric learning "
                              "(demo_vision_i2i.yaml)")
     parser.add_argument("--recipe", help="recipe to train (default: the task's shipped recipe)")
-    parser.add_argument("--config_override", "--config-override", nargs="+", action="extend", default=[],
+    parser.add_argument("--config-override", "--config_override", nargs="+", action="extend", default=[],
                         metavar="KEY=VALUE", help="override recipe keys, e.g. epochs=2")
-    parser.add_argument("--data-dir", default="runs/demo_vision/data", help="where the digit images are written")
-    parser.add_argument("--debug", action="store_true")
+    parser.add_argument("--data-dir", "--data_dir", default="runs/demo_vision/data",
+                        help="where the digit images are written")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -30,14 +30,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("data", nargs="+", help="JSONL/CSV/Parquet file(s) or a directory of them; NAME=PATH names a "
                                                 "source: each is evaluated apart (metrics under NAME/, and their "
                                                 "mean over sources unprefixed)")
-    parser.add_argument("--image-root", help="directory relative image paths are resolved against")
-    parser.add_argument("--format", default="auto", choices=["auto", "jsonl", "json", "csv", "parquet", "hf"])
+    parser.add_argument("--image-root", "--image_root", help="directory relative image paths are resolved against")
+    parser.add_argument("--format", default="auto", choices=["auto", "jsonl", "json", "csv", "parquet", "hf"],
+                        help="the data files' format (default auto: from each file's extension)")
     parser.add_argument("--column", action="append", default=[], metavar="FIELD=COLUMN",
                         help="column mapping, e.g. --column query=caption --column positive_image=file")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--mrl-dims", type=int, nargs="+", help="also report metrics at these truncated sizes")
-    parser.add_argument("--max-samples", type=int, help="evaluate on at most this many records (corpus folder: "
-                                                        "queries; the corpus stays whole)")
+    parser.add_argument("--batch-size", "--batch_size", type=int, default=64, help="items encoded at once (default 64)")
+    parser.add_argument("--mrl-dims", "--mrl_dims", type=int, nargs="+",
+                        help="also report metrics at these truncated sizes")
+    parser.add_argument("--max-samples", "--max_samples", type=int,
+                        help="evaluate on at most this many records (corpus folder: queries; the corpus stays whole)")
     parser.add_argument("--split", help="a corpus folder's qrels split (qrels/<split>.tsv; default: test)")
     parser.add_argument("--pool-factor", "--pool_factor", type=int, default=None,
                         help="corpus folder, multi_vector model: pool each document's token vectors about this many "
@@ -53,11 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     parser.add_argument("--trust-remote-code", "--trust_remote_code", action="store_true",
                         help="let the model folder run Python code it ships (only for folders you trust)")
-    parser.add_argument("--accelerate_config", "--accelerate-config",
+    parser.add_argument("--accelerate-config", "--accelerate_config",
                         help="launch with this accelerate config, as `vembed train` does: one of ours by name (e.g. "
                              "ddp_cpu) or a file; each process encodes its share of the corpus")
-    parser.add_argument("--num_processes", "--num-processes", type=int, help="override the config's process count")
-    parser.add_argument("--debug", action="store_true")
+    parser.add_argument("--num-processes", "--num_processes", type=int, help="override the config's process count")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -151,7 +153,7 @@ def _evaluate_run_file(args: argparse.Namespace) -> int:
     """`vembed eval RUN_FILE CORPUS_FOLDER`: a TREC run (vembed's or any tool's) measured on the split's qrels with
     the corpus metrics (trec_eval's definitions); nothing is encoded."""
     from vembed.data.corpus import CorpusSource
-    from vembed.errors import RecipeError
+    from vembed.errors import ArgumentError
     from vembed.evaluation.corpus import corpus_metrics
     from vembed.evaluation.runs import check_documents_in_corpus, read_run
     from vembed.files import write_json_atomic
@@ -161,9 +163,9 @@ def _evaluate_run_file(args: argparse.Namespace) -> int:
              "--accelerate-config": args.accelerate_config, "--num-processes": args.num_processes}
     flag = next((flag for flag, value in given.items() if value), None)
     if flag is not None:
-        raise RecipeError(flag, f"applies to a model; {args.model_dir} is a run file, measured as it is")
+        raise ArgumentError(flag, f"applies to a model; {args.model_dir} is a run file, measured as it is")
     if not _is_corpus(args):
-        raise RecipeError("data", f"{' '.join(args.data)} is not a corpus folder; a run file is measured on the "
+        raise ArgumentError("data", f"{' '.join(args.data)} is not a corpus folder; a run file is measured on the "
                                   "corpus folder it was made on (corpus.jsonl, queries.jsonl, qrels/)")
     source = CorpusSource(None, args.data[0], args.split or "test", args.image_root, "--split")
     source.check()

@@ -9,12 +9,13 @@ from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_dir", help="a folder saved by vembed (e.g. runs/demo/final)")
-    parser.add_argument("--format", default="sentence-transformers", choices=["sentence-transformers"])
+    parser.add_argument("--format", default="sentence-transformers", choices=["sentence-transformers"],
+                        help="what to export to (a folder SentenceTransformer(OUT) loads)")
     parser.add_argument("--out", help="output folder (default: MODEL_DIR-st)")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it holds an earlier export")
     parser.add_argument("--trust-remote-code", "--trust_remote_code", action="store_true",
                         help="let the model folder run Python code it ships (only for folders you trust)")
-    parser.add_argument("--debug", action="store_true")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
 
 
 def run(args: argparse.Namespace) -> int:

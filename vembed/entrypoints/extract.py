@@ -18,6 +18,7 @@ import sys
 
 try:
     from vembed.errors import RecipeError
+
     # the extraction itself: vembed/extraction.py
     from vembed.extraction import DTYPES, extract, extract_teacher_embeddings
 except ModuleNotFoundError as missing:  # this file run from a clone whose vembed was never installed
@@ -39,13 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="shard directory to write (resumes when it has shards)")
     parser.add_argument("--shard-size", "--shard_size", type=int, default=None,
                         help="images (default 1000) or rows (default 10000) per shard")
-    parser.add_argument("--batch-size", "--batch_size", type=int, default=32)
+    parser.add_argument("--batch-size", "--batch_size", type=int, default=32, help="items encoded at once (default 32)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="stored precision (default: float16 for images, float32 for text teachers)")
     parser.add_argument("--tokens", choices=["patch", "all"], default="patch",
                         help="patch: drop CLS/register tokens before the patch grid; all: keep every token")
-    parser.add_argument("--trust-remote-code", action="store_true")
-    parser.add_argument("--debug", action="store_true")
+    parser.add_argument("--trust-remote-code", "--trust_remote_code", action="store_true",
+                        help="let the teacher's folder run Python code it ships (only for folders you trust)")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -43,20 +43,21 @@ def run(args: argparse.Namespace) -> int:
 
     def body() -> int:
         from vembed.entrypoints.search import check_run_output, output_format
-        from vembed.errors import RecipeError, require_package
+        from vembed.errors import ArgumentError, require_package
         from vembed.evaluation.fusion import check_fusion_arguments, fuse_runs
         from vembed.evaluation.runs import cut, read_run, write_run
 
         if args.top_k is not None and args.top_k < 1:
-            raise RecipeError("--top-k", f"must be at least 1, got {args.top_k}")
+            raise ArgumentError("--top-k", f"must be at least 1, got {args.top_k}")
         check_fusion_arguments(args.runs, args.method, args.weights, args.rrf_k, args.norm)
         require_package("ranx", "vembed fuse", "fusion", "search")
         check_run_output(args)
         for path in args.runs:
             if not Path(path).is_file():
-                raise RecipeError("runs", f"{path} is not a file; give TREC run files")
+                raise ArgumentError("runs", f"{path} is not a file; give TREC run files")
             if Path(path).resolve() == Path(args.out).resolve():
-                raise RecipeError("--out", f"{args.out} is one of the runs being fused; write the fused run elsewhere")
+                raise ArgumentError("--out", f"{args.out} is one of the runs being fused; write the fused run "
+                                             "elsewhere")
         split = _split(args)
         runs = [read_run(path) for path in args.runs]
         if split is not None:
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
             fused = cut(fused, args.top_k)
         fmt = output_format(args)
         if fmt == "jsonl" and split is None:
-            raise RecipeError("--format", "jsonl rows carry the texts: give --corpus FOLDER, or write trec")
+            raise ArgumentError("--format", "jsonl rows carry the texts: give --corpus FOLDER, or write trec")
         write_run(args.out, fused, tag=args.tag or args.method, format=fmt, split=split)
         if split is not None:
             print(_metrics_table(args.runs, runs, fused, split))

@@ -45,9 +45,9 @@ TRAIN_SCRIPT = Path(__file__).resolve().parent / "train.py"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_train_arguments(parser)
-    parser.add_argument("--accelerate_config", "--accelerate-config", help="accelerate config file to launch with")
-    parser.add_argument("--num_processes", "--num-processes", type=int, help="override the config's process count")
-    parser.add_argument("--dry_run", "--dry-run", action="store_true", help="print the launch command and stop")
+    parser.add_argument("--accelerate-config", "--accelerate_config", help="accelerate config file to launch with")
+    parser.add_argument("--num-processes", "--num_processes", type=int, help="override the config's process count")
+    parser.add_argument("--dry-run", "--dry_run", action="store_true", help="print the launch command and stop")
 
 
 def _saved_accelerate_config() -> Path | None:

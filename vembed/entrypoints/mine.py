@@ -44,12 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{DEFAULTS.filter_order})")
     parser.add_argument("--sampling", choices=SAMPLING, default=DEFAULTS.sampling,
                         help="top: the closest kept candidates; random: a seeded sample of them")
-    parser.add_argument("--seed", type=int, default=DEFAULTS.seed)
-    parser.add_argument("--batch-size", "--batch_size", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=DEFAULTS.seed, help="--sampling random: the sample's seed")
+    parser.add_argument("--batch-size", "--batch_size", type=int, default=64, help="texts encoded at once (default 64)")
     parser.add_argument("--cache-dir", "--cache_dir",
                         help="where block embeddings are kept for resuming and reuse (default: OUT.cache/; emptied "
                              "when the model or corpus changes)")
-    parser.add_argument("--no-cache", action="store_true", help="keep no embeddings on disk")
+    parser.add_argument("--no-cache", "--no_cache", action="store_true", help="keep no embeddings on disk")
     parser.add_argument("--documents-per-block", "--documents_per_block", type=int, default=None,
                         help="documents each process encodes per block (one cache file each)")
     parser.add_argument("--faiss", choices=["auto", "yes", "no"], default="auto",
@@ -58,10 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pool-factor", "--pool_factor", type=int, default=None,
                         help="multi_vector models: pool each document's token vectors about this many to one "
                              "(hierarchical clustering; default: the model's document_pool_factor, 1 = none)")
-    parser.add_argument("--image-root", help="directory relative image paths are resolved against")
+    parser.add_argument("--image-root", "--image_root", help="directory relative image paths are resolved against")
     parser.add_argument("--trust-remote-code", "--trust_remote_code", action="store_true",
                         help="let the model folder run Python code it ships (only for folders you trust)")
-    parser.add_argument("--debug", action="store_true")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
 
 
 def _ratio(text: str) -> float | None:

@@ -13,7 +13,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory", "--gpu_memory", type=float, required=True, metavar="GB",
                         help="memory of one device in GiB, e.g. 80 for an 80 GB A100/H100")
     parser.add_argument(
-        "--config_override", "--config-override", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+        "--config-override", "--config_override", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
         help="override recipe keys, as for training: batch_size=256 use_lora=true",
     )
     parser.add_argument("--debug", action="store_true", help="show Python tracebacks for recipe errors")

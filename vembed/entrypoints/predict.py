@@ -43,26 +43,26 @@ def run(args: argparse.Namespace) -> int:
     def body() -> int:
         from vembed.api import Classifier, load_model
         from vembed.entrypoints import quiet_libraries
-        from vembed.errors import RecipeError
+        from vembed.errors import ArgumentError
         from vembed.files import check_replaceable, replace_atomically
         from vembed.models.foreign import model_folder
 
         for flag, value in (("--top-k", args.top_k), ("--batch-size", args.batch_size)):
             if value < 1:
-                raise RecipeError(flag, f"must be at least 1, got {value}")
+                raise ArgumentError(flag, f"must be at least 1, got {value}")
         out = Path(args.out)
         if out.is_dir():
-            raise RecipeError("--out", f"{out} is a folder; name the CSV file to write")
+            raise ArgumentError("--out", f"{out} is a folder; name the CSV file to write")
         check_replaceable(out, args.overwrite)
         model_dir = model_folder(args.model_dir)
         quiet_libraries()
         model = load_model(model_dir, device=args.device, trust_remote_code=args.trust_remote_code)
         if not isinstance(model, Classifier):
-            raise RecipeError("model_dir", f"{args.model_dir} is not an image classifier (a backbone with a class "
+            raise ArgumentError("model_dir", f"{args.model_dir} is not an image classifier (a backbone with a class "
                                            f"head; this is a {type(model).__name__.lower()}): predict takes what a "
                                            "classification recipe saved; search with an embedder (vembed search)")
         if args.top_k > len(model.labels):
-            raise RecipeError("--top-k", f"is {args.top_k} but the model has {len(model.labels)} classes")
+            raise ArgumentError("--top-k", f"is {args.top_k} but the model has {len(model.labels)} classes")
         images, truth = _inputs(args, model.labels)
         _check_images_open(images)
         predictions = model.predict(images, top_k=args.top_k, batch_size=args.batch_size, show_progress=True)
@@ -82,7 +82,7 @@ def _inputs(args: argparse.Namespace, labels: list[str]) -> tuple[list[str], lis
     """Every image to classify, in the order given, and its true class where the input says it."""
     from vembed.data.images import IMAGE_EXTENSIONS
     from vembed.data.labelled import read_labelled_images
-    from vembed.errors import RecipeError
+    from vembed.errors import ArgumentError
 
     images: list[str] = []
     truth: list[str | None] = []
@@ -99,12 +99,12 @@ def _inputs(args: argparse.Namespace, labels: list[str]) -> tuple[list[str], lis
         elif path.is_dir():
             found = sorted(str(f) for f in path.iterdir() if f.is_file() and f.suffix.lower() in IMAGE_EXTENSIONS)
             if not found:
-                raise RecipeError("images", f"{item} holds no images ({', '.join(IMAGE_EXTENSIONS)}) and no class "
+                raise ArgumentError("images", f"{item} holds no images ({', '.join(IMAGE_EXTENSIONS)}) and no class "
                                             "folders")
             images += found
             truth += [None] * len(found)
         else:
-            raise RecipeError("images", f"{item} is not an image ({', '.join(IMAGE_EXTENSIONS)}), a folder or a "
+            raise ArgumentError("images", f"{item} is not an image ({', '.join(IMAGE_EXTENSIONS)}), a folder or a "
                                         f"labelled table ({', '.join(TABLE_SUFFIXES)})")
     return images, truth
 

@@ -45,20 +45,20 @@ def run(args: argparse.Namespace) -> int:
 
     def body() -> int:
         from vembed.data.corpus import CorpusSource
-        from vembed.errors import RecipeError
+        from vembed.errors import ArgumentError
         from vembed.evaluation.runs import check_documents_in_corpus, read_run
         from vembed.models.foreign import model_folder, require_embedder
         from vembed.reranking import saved_reranker_type
 
         for flag, value in (("--top-k", args.top_k), ("--batch-size", args.batch_size)):
             if value < 1:
-                raise RecipeError(flag, f"must be at least 1, got {value}")
+                raise ArgumentError(flag, f"must be at least 1, got {value}")
         check_run_output(args)
         if not Path(args.run).is_file():
-            raise RecipeError("--run", f"{args.run} is not a file; give the first stage's TREC run file (vembed "
+            raise ArgumentError("--run", f"{args.run} is not a file; give the first stage's TREC run file (vembed "
                                        "search MODEL CORPUS --out run.trec writes one)")
         if Path(args.run).resolve() == Path(args.out).resolve():
-            raise RecipeError("--out", f"{args.out} is the --run being reordered; write the reranked run elsewhere")
+            raise ArgumentError("--out", f"{args.out} is the --run being reordered; write the reranked run elsewhere")
         source = CorpusSource(None, args.corpus, args.split, args.image_root, "--split")
         source.check()
         model_dir = model_folder(args.model_dir)
@@ -79,7 +79,7 @@ def _scorer(model_dir: Path, args: argparse.Namespace):
     """The model's pair scorer: a reranker's logits, or a late-interaction model's MaxSim. A one-vector embedder
     is refused: it ranks by the same cosine search already did."""
     from vembed.entrypoints import quiet_libraries
-    from vembed.errors import RecipeError
+    from vembed.errors import ArgumentError
     from vembed.models.foreign import load_embedding_model
     from vembed.reranking import load_reranker, saved_reranker_type
     from vembed.retrieval.maxsim_search import maxsim_pair_scorer
@@ -91,7 +91,7 @@ def _scorer(model_dir: Path, args: argparse.Namespace):
         return lambda queries, documents: reranker.score(queries, documents, batch_size=args.batch_size)
     adapter = load_embedding_model(model_dir, trust_remote_code=args.trust_remote_code)
     if scoring_of(adapter).faiss:  # one vector per text
-        raise RecipeError("model_dir", f"{model_dir} is an embedding model (one vector per text): it cannot reorder "
+        raise ArgumentError("model_dir", f"{model_dir} is an embedding model (one vector per text): it cannot reorder "
                                        "candidates beyond what its own search found; search with it (vembed search "
                                        f"{args.model_dir} CORPUS --out run.trec), and rerank with a reranker or a "
                                        "late-interaction model")

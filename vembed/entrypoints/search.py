@@ -56,15 +56,15 @@ def add_run_output_arguments(parser: argparse.ArgumentParser, default_split: str
 
 def check_run_output(args: argparse.Namespace) -> None:
     """--out can be written (a file, replaced only with --overwrite) and --tag is one word: before any work."""
-    from vembed.errors import RecipeError
+    from vembed.errors import ArgumentError
     from vembed.files import check_replaceable
 
     out = Path(args.out)
     if out.is_dir():
-        raise RecipeError("--out", f"{out} is a folder; name the run file to write (e.g. run.trec)")
+        raise ArgumentError("--out", f"{out} is a folder; name the run file to write (e.g. run.trec)")
     check_replaceable(out, args.overwrite)
     if args.tag is not None and (not args.tag or any(char.isspace() for char in args.tag)):
-        raise RecipeError("--tag", f"{args.tag!r} is not one word; a run's tag is its last column")
+        raise ArgumentError("--tag", f"{args.tag!r} is not one word; a run's tag is its last column")
 
 
 def output_format(args: argparse.Namespace) -> str:
@@ -83,22 +83,22 @@ def run(args: argparse.Namespace) -> int:
 
     def body() -> int:
         from vembed.data.corpus import CorpusSource
-        from vembed.errors import RecipeError, require_package
+        from vembed.errors import ArgumentError, require_package
 
         for flag, value in (("--top-k", args.top_k), ("--batch-size", args.batch_size),
                             ("--max-queries", args.max_queries), ("--pool-factor", args.pool_factor)):
             if value is not None and value < 1:
-                raise RecipeError(flag, f"must be at least 1, got {value}")
+                raise ArgumentError(flag, f"must be at least 1, got {value}")
         check_run_output(args)
         source = CorpusSource(None, args.corpus, args.split, args.image_root, "--split")
         if not Path(args.corpus).is_dir():
-            raise RecipeError("corpus", f"{args.corpus} is not a folder; give a corpus folder (corpus.jsonl, "
+            raise ArgumentError("corpus", f"{args.corpus} is not a folder; give a corpus folder (corpus.jsonl, "
                                         "queries.jsonl, qrels/<split>.tsv)")
         source.check()
         if args.model_dir == BM25 and not Path(BM25).exists():
             require_package("bm25s", "model_dir", "bm25", "search")
             if args.pool_factor is not None:
-                raise RecipeError("--pool-factor", "applies to a late-interaction model, not to bm25")
+                raise ArgumentError("--pool-factor", "applies to a late-interaction model, not to bm25")
             return _search_bm25(args, source)
         return _search_model(args, source)
 

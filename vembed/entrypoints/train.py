@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="YAML recipe (see configs/)")
     parser.add_argument(
-        "--config_override", "--config-override", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+        "--config-override", "--config_override", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
         help="override recipe keys, dotted for nested ones: learning_rate=1e-4 data.train=my.jsonl",
     )
     parser.add_argument("--debug", action="store_true", help="show Python tracebacks for recipe/data errors")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 
-from vembed.errors import RecipeError
+from vembed.errors import ArgumentError
 
 Run = dict[str, dict[str, float]]
 
@@ -42,21 +42,21 @@ def check_fusion_arguments(runs: Sequence[object], method: str, weights: Sequenc
                            norm: str) -> None:
     """Each bad choice is one line naming its flag, before any run is read."""
     if len(runs) < 2:
-        raise RecipeError("runs", f"fusion needs at least 2 runs, got {len(runs)}")
+        raise ArgumentError("runs", f"fusion needs at least 2 runs, got {len(runs)}")
     if method not in METHODS:
-        raise RecipeError("--method", f"{method!r} is not one of {', '.join(METHODS)}")
+        raise ArgumentError("--method", f"{method!r} is not one of {', '.join(METHODS)}")
     if norm not in NORMS:
-        raise RecipeError("--norm", f"{norm!r} is not one of {', '.join(NORMS)}")
+        raise ArgumentError("--norm", f"{norm!r} is not one of {', '.join(NORMS)}")
     if method == "weighted":
         if weights is None or len(weights) != len(runs):
-            raise RecipeError("--weights", f"weighted fusion takes one weight per run: {len(runs)} runs, "
+            raise ArgumentError("--weights", f"weighted fusion takes one weight per run: {len(runs)} runs, "
                                            f"{0 if weights is None else len(weights)} weights")
         if any(w < 0 for w in weights) or not sum(weights) > 0:
-            raise RecipeError("--weights", f"weights must be >= 0 and not all 0, got {list(weights)}")
+            raise ArgumentError("--weights", f"weights must be >= 0 and not all 0, got {list(weights)}")
     elif weights is not None:
-        raise RecipeError("--weights", f"apply to --method weighted, not to {method}")
+        raise ArgumentError("--weights", f"apply to --method weighted, not to {method}")
     if method == "rrf" and k < 1:
-        raise RecipeError("--rrf-k", f"must be at least 1, got {k}")
+        raise ArgumentError("--rrf-k", f"must be at least 1, got {k}")
 
 
 __all__ = ["METHODS", "NORMS", "RRF_K", "check_fusion_arguments", "fuse_runs"]

@@ -19,7 +19,7 @@ from pydantic import Field
 from torch import nn
 
 from vembed.distributed import gather_no_grad, gather_with_grad
-from vembed.errors import RecipeError
+from vembed.errors import EnvironmentProblem, RecipeError
 from vembed.losses import METRIC_LOSSES
 from vembed.recipe import Settings
 
@@ -33,8 +33,8 @@ def _pml_losses(loss_type: str) -> Any:
     try:
         from pytorch_metric_learning import losses
     except ImportError:
-        raise RecipeError("loss_type", f"{loss_type} is computed by pytorch-metric-learning, which is not "
-                                       f"installed; pip install 'vembed[{EXTRA}]'") from None
+        raise EnvironmentProblem("loss_type", f"{loss_type} is computed by pytorch-metric-learning, which is not "
+                                              f"installed; pip install 'vembed[{EXTRA}]'") from None
     return losses
 
 

@@ -154,10 +154,10 @@ def _hierarchical_clustering(key: str) -> tuple[Any, Any]:
     try:
         from scipy.cluster.hierarchy import fcluster, linkage
     except ImportError:
-        from vembed.errors import RecipeError
+        from vembed.errors import EnvironmentProblem
 
-        raise RecipeError(key, "token pooling needs scipy: pip install 'vembed[colbert]', or index without pooling "
-                               "(a pool factor of 1)") from None
+        raise EnvironmentProblem(key, "token pooling needs scipy: pip install 'vembed[colbert]', or index without pooling "
+                                      "(a pool factor of 1)") from None
     return fcluster, linkage
 
 
