@@ -385,6 +385,7 @@ class Trainer:
             return False
         self.scheduler.step()
         state.global_step += 1
+        meter.end_step()
         progress.update(1)
         if state.global_step % self.recipe.logging_steps == 0 or state.global_step == self.total_steps:
             self._log(state, meter, progress)
@@ -499,6 +500,7 @@ class Trainer:
         acc = self.accelerator
         record = meter.record(acc, state.global_step, self.scheduler.get_last_lr()[0])
         state.loss_history.append(record)
+        state.step_losses.extend(meter.step_records(acc, state.global_step))  # every step's, unrounded
         progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
                              sps=f"{record['samples_per_second']:.0f}", mem=f"{record['peak_memory_mb']:.0f}MB",
                              **({"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}))
@@ -593,6 +595,7 @@ class Trainer:
             "loss": self.objective.loss.config,
         }
         metrics["loss_history"] = state.loss_history
+        metrics["step_losses"] = state.step_losses
         metrics["eval_history"] = state.eval_history
         metrics["best"] = {"metric": recipe.metric_for_best_model, "value": state.best_metric,
                            "checkpoint": state.best_checkpoint}
