@@ -40,21 +40,24 @@ class _OneProcess:
 
 
 def test_the_meter_keeps_each_optimizer_step_apart_from_the_window_mean():
-    """Micro-batches 1, 2 | 4 | 8, 16 (two accumulated, one, two): steps 1.5, 4 and 12 of a window ending at step 9;
-    the log line's loss is the mean over the window's micro-batches, and a reset starts an empty window."""
+    """Micro-batches 1, 2 | 4 | 8, 16 (two accumulated, one, two): steps 1.5, 4 and 12 of a window ending at step 9,
+    handed over once; the log line's loss is the mean over the window's micro-batches; a reset starts afresh."""
     meter = LogMeter(samples_per_batch=2, throughput=_Throughput())
     for step in ([1.0, 2.0], [4.0], [8.0, 16.0]):
         for loss in step:
             meter.add(torch.tensor(loss), {})
         meter.end_step()
-    assert meter.step_records(_OneProcess(), last_step=9) == [
+    assert meter.take_step_records(_OneProcess(), last_step=9) == [
         {"step": 7, "loss": 1.5}, {"step": 8, "loss": 4.0}, {"step": 9, "loss": 12.0}]
+    assert meter.take_step_records(_OneProcess(), last_step=9) == [], "each step is handed over once"
     assert meter.record(_OneProcess(), step=9, lr=0.1)["loss"] == pytest.approx(31.0 / 5, abs=1e-6)
-    meter.reset()
-    assert meter.step_records(_OneProcess(), last_step=9) == []
     meter.add(torch.tensor(3.0), {})
     meter.end_step()
-    assert meter.step_records(_OneProcess(), last_step=10) == [{"step": 10, "loss": 3.0}]
+    meter.reset()
+    assert meter.take_step_records(_OneProcess(), last_step=10) == [], "a reset starts an empty window"
+    meter.add(torch.tensor(5.0), {})
+    meter.end_step()
+    assert meter.take_step_records(_OneProcess(), last_step=11) == [{"step": 11, "loss": 5.0}]
 
 
 def test_the_step_losses_are_not_rounded_nor_read_in_another_precision():
@@ -62,7 +65,7 @@ def test_the_step_losses_are_not_rounded_nor_read_in_another_precision():
     meter = LogMeter(samples_per_batch=1, throughput=_Throughput())
     meter.add(torch.tensor(1.0) / 3, {})
     meter.end_step()
-    (record,) = meter.step_records(_OneProcess(), last_step=1)
+    (record,) = meter.take_step_records(_OneProcess(), last_step=1)
     assert record["loss"] == float(torch.tensor(1.0, dtype=torch.float32) / 3) == 0.3333333432674408
 
 
@@ -97,11 +100,11 @@ def test_every_step_loss_is_in_metrics_json_whatever_logging_steps_is(every_step
     assert any(loss != round(loss, 6) for loss in losses), "full precision, not the progress bar's rounding"
 
 
-def test_step_losses_survive_a_resume(every_step_logged, tmp_path):
-    """Stopped after its checkpoint at step 2 and resumed: steps 1-2 come from the checkpoint, 3-5 from the resumed
-    run, each once, with the uninterrupted run's losses."""
+def test_step_losses_survive_a_resume_from_a_checkpoint_between_log_lines(every_step_logged, tmp_path):
+    """Logging every 3 steps, stopped after its checkpoint at step 2 (before the first log line) and resumed: steps
+    1-2 come from the checkpoint, 3-5 from the resumed run, each once, with the uninterrupted run's losses."""
     raw, reference = every_step_logged
-    raw = dict(raw, output_dir=str(tmp_path / "interrupted"), save_steps=2, logging_steps=2)
+    raw = dict(raw, output_dir=str(tmp_path / "interrupted"), save_steps=2, logging_steps=3)
     stop_after_checkpoint(lambda: Trainer(recipe_from_dict(raw)).run(), 2)
     resumed = _run(dict(raw, resume_from="auto"))
     assert resumed["step_losses"] == reference["step_losses"]

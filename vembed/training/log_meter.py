@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 class LogMeter:
     """Loss and throughput since the last log line; the loss stays on the device until it is logged (no host sync
     per step). With named sources, also the loss of each source's batches. The loop calls `end_step` at each
-    optimizer step, so each step's loss is kept apart too (read with the log line: `step_records`)."""
+    optimizer step, so each step's loss is kept apart too, handed over (`take_step_records`) with each log line and
+    before each checkpoint."""
 
     def __init__(self, samples_per_batch: int, throughput: "ThroughputMeter", sources: list[str] | None = None,
                  length_chunks: int = 1):
@@ -58,12 +59,14 @@ class LogMeter:
         self.step_losses.append(torch.as_tensor(self.step_sum) / max(self.step_batches, 1))
         self.step_sum, self.step_batches = 0.0, 0
 
-    def step_records(self, accelerator: "Accelerator", last_step: int) -> list[dict[str, float]]:
-        """`{"step", "loss"}` for every optimizer step of the window, which ends at `last_step`: the loss at full
-        float32 precision, averaged over ranks (one collective for the whole window; call it on every rank)."""
+    def take_step_records(self, accelerator: "Accelerator", last_step: int) -> list[dict[str, float]]:
+        """`{"step", "loss"}` for every optimizer step since the last call (or reset), the last of them `last_step`:
+        the loss at full float32 precision, averaged over ranks (one collective for them all: call it on every
+        rank). They are handed over once: the next call starts after `last_step`."""
         if not self.step_losses:
             return []
         stacked = torch.stack([torch.as_tensor(loss, device=accelerator.device) for loss in self.step_losses])
+        self.step_losses = []
         losses = accelerator.reduce(stacked, "mean").tolist()
         first = last_step - len(losses) + 1
         return [{"step": first + number, "loss": loss} for number, loss in enumerate(losses)]

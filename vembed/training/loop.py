@@ -369,9 +369,12 @@ class Trainer:
 
     def _meter(self) -> LogMeter:
         acc = self.accelerator
-        return LogMeter(samples_per_batch=self.recipe.batch_size * acc.num_processes,
-                      throughput=ThroughputMeter(self.adapter, acc, acc.mixed_precision), sources=self._source_names(),
-                      length_chunks=getattr(self.objective, "length_chunks", 1))
+        # Kept for the checkpoints: a save between two log lines takes the steps since the last line into the state
+        self._log_meter = LogMeter(samples_per_batch=self.recipe.batch_size * acc.num_processes,
+                                   throughput=ThroughputMeter(self.adapter, acc, acc.mixed_precision),
+                                   sources=self._source_names(),
+                                   length_chunks=getattr(self.objective, "length_chunks", 1))
+        return self._log_meter
 
     def _train_one(self, batch: dict[str, Any], state: TrainerState, meter: LogMeter, progress) -> bool:
         """One micro-batch and, once gradients are accumulated, the step's schedule, logging, evaluation and saving.
@@ -500,7 +503,7 @@ class Trainer:
         acc = self.accelerator
         record = meter.record(acc, state.global_step, self.scheduler.get_last_lr()[0])
         state.loss_history.append(record)
-        state.step_losses.extend(meter.step_records(acc, state.global_step))  # every step's, unrounded
+        state.step_losses.extend(meter.take_step_records(acc, state.global_step))  # every step's, unrounded
         progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
                              sps=f"{record['samples_per_second']:.0f}", mem=f"{record['peak_memory_mb']:.0f}MB",
                              **({"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}))
@@ -565,6 +568,7 @@ class Trainer:
         if due_save or (improved and recipe.save_steps is not None):
             if self.stream is not None:
                 state.stream = self.stream.state()  # collective: every rank's position in the stream
+            state.step_losses.extend(self._log_meter.take_step_records(self.accelerator, step))  # collective
             self.checkpoints.save(state)
             self._last_saved_step = step
 
