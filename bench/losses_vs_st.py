@@ -286,7 +286,8 @@ def train_sentence_transformers(spec: dict[str, Any]) -> dict[str, Any]:
         def get_train_dataloader(self):
             loader = super().get_train_dataloader()
             if spec.get("loader_generator"):  # the iterator's base seed from here, not from the global RNG
-                loader.generator = torch.Generator().manual_seed(spec["seed"])
+                # accelerate's DataLoaderShard iterates the loader it wraps: that one draws the seed
+                getattr(loader, "base_dataloader", loader).generator = torch.Generator().manual_seed(spec["seed"])
             return loader
 
         def compute_loss(self, *args, **kwargs):
