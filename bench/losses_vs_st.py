@@ -19,10 +19,12 @@ vembed trains through its door, `python -m vembed.entrypoints.train RECIPE` (in-
 precision whatever `logging_steps` is); sentence-transformers 6 through `SentenceTransformerTrainer` with the matching
 loss, its loss read at each `compute_loss`. Each run (full mode) is its own process.
 
-Three runs per loss and dropout setting: with dropout off (hidden and attention dropout 0 in the start folder's
-config.json) vembed and sentence-transformers, which must agree to float rounding; with dropout on (the model's own
-0.1) the same two plus vembed under another seed (the same batches, other dropout masks): the run-to-run spread that
-dropout alone makes, against which the vembed - sentence-transformers gap is read.
+Runs per loss: with dropout off (hidden and attention dropout 0 in the start folder's config.json) vembed and
+sentence-transformers, which must agree to float rounding; with dropout on (the model's own 0.1) the same two, vembed
+under another seed (the same batches, other dropout masks: the run-to-run spread that dropout alone makes, against
+which the vembed - sentence-transformers gap is read), and sentence-transformers with its DataLoader given its own
+generator (`runs_of`), which removes the one global random draw that shifts its dropout masks against vembed's.
+Results: docs/benchmarks.md, "Loss trajectories: vembed and sentence-transformers on the same job".
 """
 
 from __future__ import annotations
