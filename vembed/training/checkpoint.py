@@ -48,6 +48,7 @@ class TrainerState:
     best_metric: float | None = None
     best_checkpoint: str | None = None
     loss_history: list[dict[str, float]] = field(default_factory=list)
+    step_losses: list[dict[str, float]] = field(default_factory=list)  # {"step", "loss"} of every optimizer step
     eval_history: list[dict[str, float]] = field(default_factory=list)
     # Streamed data only: every rank's position in `epoch` (vembed/training/streamed.py, `StreamedEpochs.state`).
     stream: dict[str, Any] | None = None

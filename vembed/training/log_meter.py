@@ -1,5 +1,6 @@
 """What a log line of the loop reports, summed over the micro-batches since the previous one: the loss (each named
-source's too), the padding shares of the text sides, samples/s, and the speed figures of throughput.py.
+source's too), the padding shares of the text sides, samples/s, and the speed figures of throughput.py; and, apart
+from the line, every optimizer step's own loss since the previous line, unrounded (`metrics.json`'s `step_losses`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ if TYPE_CHECKING:
 
 class LogMeter:
     """Loss and throughput since the last log line; the loss stays on the device until it is logged (no host sync
-    per step). With named sources, also the loss of each source's batches."""
+    per step). With named sources, also the loss of each source's batches. The loop calls `end_step` at each
+    optimizer step, so each step's loss is kept apart too, handed over (`take_step_records`) with each log line and
+    before each checkpoint."""
 
     def __init__(self, samples_per_batch: int, throughput: "ThroughputMeter", sources: list[str] | None = None,
                  length_chunks: int = 1):
@@ -33,10 +36,15 @@ class LogMeter:
         self.source_sums: list[torch.Tensor | float] = [0.0] * len(self.sources)
         self.source_batches = [0] * len(self.sources)
         self.padding: torch.Tensor | None = None  # attended tokens, positions padded as one forward, as chunks
+        self.step_sum: torch.Tensor | float = 0.0  # the micro-batch losses of the optimizer step in progress
+        self.step_batches = 0
+        self.step_losses: list[torch.Tensor] = []  # each finished step's mean micro-batch loss, on the device
         self.throughput.reset()
 
     def add(self, loss: torch.Tensor, batch: dict[str, Any]) -> None:
         self.loss_sum = self.loss_sum + loss.detach().float()
+        self.step_sum = self.step_sum + loss.detach().float()
+        self.step_batches += 1
         number = self.sources.get(batch.get("source"))
         if number is not None:
             self.source_sums[number] = self.source_sums[number] + loss.detach().float()
@@ -45,6 +53,23 @@ class LogMeter:
         self._add_padding(batch)
         self.batches += 1
         self.samples += self.samples_per_batch
+
+    def end_step(self) -> None:
+        """Close an optimizer step: the mean loss of its micro-batches joins the window's per-step losses."""
+        self.step_losses.append(torch.as_tensor(self.step_sum) / max(self.step_batches, 1))
+        self.step_sum, self.step_batches = 0.0, 0
+
+    def take_step_records(self, accelerator: "Accelerator", last_step: int) -> list[dict[str, float]]:
+        """`{"step", "loss"}` for every optimizer step since the last call (or reset), the last of them `last_step`:
+        the loss at full float32 precision, averaged over ranks (one collective for them all: call it on every
+        rank). They are handed over once: the next call starts after `last_step`."""
+        if not self.step_losses:
+            return []
+        stacked = torch.stack([torch.as_tensor(loss, device=accelerator.device) for loss in self.step_losses])
+        self.step_losses = []
+        losses = accelerator.reduce(stacked, "mean").tolist()
+        first = last_step - len(losses) + 1
+        return [{"step": first + number, "loss": loss} for number, loss in enumerate(losses)]
 
     def source_losses(self, accelerator: "Accelerator") -> dict[str, float]:
         """`loss/<source>`: the mean loss of each source's batches in the window, averaged over ranks."""

@@ -373,9 +373,12 @@ class Trainer:
 
     def _meter(self) -> LogMeter:
         acc = self.accelerator
-        return LogMeter(samples_per_batch=self.recipe.batch_size * acc.num_processes,
-                      throughput=ThroughputMeter(self.adapter, acc, acc.mixed_precision), sources=self._source_names(),
-                      length_chunks=getattr(self.objective, "length_chunks", 1))
+        # Kept for the checkpoints: a save between two log lines takes the steps since the last line into the state
+        self._log_meter = LogMeter(samples_per_batch=self.recipe.batch_size * acc.num_processes,
+                                   throughput=ThroughputMeter(self.adapter, acc, acc.mixed_precision),
+                                   sources=self._source_names(),
+                                   length_chunks=getattr(self.objective, "length_chunks", 1))
+        return self._log_meter
 
     def _train_one(self, batch: dict[str, Any], state: TrainerState, meter: LogMeter, progress) -> bool:
         """One micro-batch and, once gradients are accumulated, the step's schedule, logging, evaluation and saving.
@@ -389,6 +392,7 @@ class Trainer:
             return False
         self.scheduler.step()
         state.global_step += 1
+        meter.end_step()
         progress.update(1)
         if state.global_step % self.recipe.logging_steps == 0 or state.global_step == self.total_steps:
             self._log(state, meter, progress)
@@ -518,6 +522,7 @@ class Trainer:
         acc = self.accelerator
         record = meter.record(acc, state.global_step, self.scheduler.get_last_lr()[0])
         state.loss_history.append(record)
+        state.step_losses.extend(meter.take_step_records(acc, state.global_step))  # every step's, unrounded
         progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
                              sps=f"{record['samples_per_second']:.0f}", mem=f"{record['peak_memory_mb']:.0f}MB",
                              **({"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}))
@@ -585,6 +590,7 @@ class Trainer:
         if due_save or (improved and recipe.save_steps is not None):
             if self.stream is not None:
                 state.stream = self.stream.state()  # collective: every rank's position in the stream
+            state.step_losses.extend(self._log_meter.take_step_records(self.accelerator, step))  # collective
             self.checkpoints.save(state)
             self._last_saved_step = step
 
@@ -615,6 +621,7 @@ class Trainer:
             "loss": self.objective.loss.config,
         }
         metrics["loss_history"] = state.loss_history
+        metrics["step_losses"] = state.step_losses
         metrics["eval_history"] = state.eval_history
         metrics["best"] = {"metric": recipe.metric_for_best_model, "value": state.best_metric,
                            "checkpoint": state.best_checkpoint}
