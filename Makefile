@@ -1,5 +1,5 @@
 # The two commands README.md opens with. Each sets up .venv first (idempotent, fast when nothing changed).
-.PHONY: demo test setup mutate gpu-check gpu-wheels
+.PHONY: demo test setup mutate gpu-check gpu-wheels reference
 
 demo:
 	bash scripts/setup.sh demo
@@ -27,3 +27,9 @@ gpu-check:
 gpu-wheels:
 	bash scripts/setup.sh dev
 	.venv/bin/python scripts/gpu_wheels.py --out gpu-wheels --python 3.12
+
+# docs/reference/recipe.md from the schema and the components' Settings (tests/test_recipe_reference.py checks it).
+reference:
+	bash scripts/setup.sh dev
+	HF_HUB_OFFLINE=1 .venv/bin/python -m vembed.reference > docs/reference/recipe.md.tmp
+	mv docs/reference/recipe.md.tmp docs/reference/recipe.md

@@ -106,6 +106,7 @@ class QwenVLModelSettings(PretrainedSettings):
 
 class QwenVLSettings(QwenVLModelSettings, TokenVectorSettings):
     # embedding, multi_vector_dim: token vectors (ColQwen), vembed/models/token_projection.py
+
     # The system-turn instruction of query sides; unset: document_instruction.
     query_instruction: str | None = None
     # The system-turn instruction of documents (positives, hard negatives) and of sides of unknown role.
