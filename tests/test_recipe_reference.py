@@ -127,6 +127,34 @@ def test_rows_show_types_defaults_and_owners_as_yaml_readers_write_them(committe
     assert row[1:4] == [kind, default, owner]
 
 
+def test_types_read_as_python_writes_them():
+    homes = {_DummySection: "outer"}
+    assert reference.type_name(Literal[1, True, "x"], homes) == '1 | True | "x"'
+    assert reference.type_name(dict[str, list[int]] | None, homes) == "dict[str, list[int]] | None"
+    assert reference.type_name(list[_DummySection] | None, homes) == "list[outer.*] | None"
+    assert reference.type_name("Later", homes) == "Later"  # an annotation pydantic could not resolve: as written
+
+
+def test_defaults_read_as_yaml_writes_them():
+    long_text = ("a default sentence " * 8).strip()  # longer than YAML's 80 columns: one line all the same
+    assert reference.yaml_value(long_text) == long_text
+    assert reference.yaml_value({"key": [1, 2]}) == "{key: [1, 2]}"
+    assert reference.yaml_value((0.5, 1.0)) == "[0.5, 1.0]"
+    assert reference.yaml_value(None) == "null"
+    assert reference.yaml_value(_DummySection()) == "{}"
+    assert reference.yaml_value("no") == "'no'"  # YAML 1.1 would read a bare no as false
+
+
+def test_a_sections_intro_is_its_docstrings_first_paragraph():
+    assert reference.docstring_line(_DummySection) == "A nested section, its first paragraph on two lines."
+    assert reference.docstring_line(_DummySettings) == ""
+
+
+def test_the_command_writes_the_reference(capsys):
+    reference.main()
+    assert capsys.readouterr().out == reference.DOC.read_text()
+
+
 def test_selectors_list_the_registered_names(committed):
     for selector in SELECTORS:
         row = next(row for row in committed["Top-level keys"] if row[0] == selector)
@@ -141,6 +169,19 @@ def test_meanings_come_from_descriptions_then_comments_then_the_override_table(c
     assert rows["stages"].startswith("Curriculum")
 
 
+class _DummyInner(Settings):
+    depth: int = 2  # a key two sections down
+
+
+class _DummySection(Settings):
+    """A nested section, its first paragraph
+    on two lines.
+
+    A second paragraph."""
+
+    inner: _DummyInner = Field(default_factory=_DummyInner)  # a section in a section
+
+
 class _DummySettings(Settings):
     described: int = Field(default=3, gt=0, description="the description wins over any comment")  # not this
     # A block about a group of fields, above a field with its own comment: not this field's.
@@ -151,6 +192,7 @@ class _DummySettings(Settings):
     # Not listed's: the rule below ends the block.
     # --- a rule ---
     listed: list[str] = Field(default_factory=list)
+    outer: _DummySection = Field(default_factory=_DummySection)
     unsaved: ClassVar[frozenset[str]] = frozenset()
 
 
@@ -170,3 +212,9 @@ def test_a_new_components_keys_and_comments_reach_the_reference(monkeypatch):
                                        "The block above it, when its line has none, joined into one line."]
     assert rows["listed"][1:4] == ["list[str]", "[]", "loss_type: zz_dummy"]
     assert rows["listed"][4] == ""  # no comment and no override: the completeness test above would name it
+    assert rows["outer"][1:] == ["outer.*", "{}", "loss_type: zz_dummy", "A nested section, its first paragraph on two "
+                                 "lines."]  # no comment: the section's docstring
+    assert rows["outer.inner"][1:3] == ["outer.inner.*", "{}"]
+    assert rows["outer.inner.depth"][1:] == ["int", "2", "loss_type: zz_dummy", "a key two sections down"]
+    assert list(rows) == ["described", "on_its_line", "block_above", "listed", "outer", "outer.inner",
+                          "outer.inner.depth"]

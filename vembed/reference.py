@@ -119,9 +119,8 @@ def type_name(annotation: Any, homes: dict[type, str]) -> str:
     if origin in (typing.Union, types.UnionType):
         members = [arg for arg in args if arg is not type(None)] + [arg for arg in args if arg is type(None)]
         return " | ".join(type_name(arg, homes) for arg in members)
-    if origin is not None:
-        name = getattr(origin, "__name__", str(origin))
-        return f"{name}[{', '.join(type_name(arg, homes) for arg in args)}]"
+    if origin is not None:  # list, dict, tuple, ...
+        return f"{origin.__name__}[{', '.join(type_name(arg, homes) for arg in args)}]"
     return getattr(annotation, "__name__", str(annotation))
 
 
