@@ -22,7 +22,7 @@ CLASSES = ["zero", "one", "two"]  # the ClassLabel's id order, not sorted: ids m
 def digits(tmp_path_factory) -> Path:
     """The same digits as an ImageFolder tree (`tree/`), a save_to_disk folder (`saved/`) holding the PNG files'
     bytes, and that table as Parquet (`digits.parquet`)."""
-    from tests.training.test_classification import write_digits
+    from training_digits import write_digits
 
     root = tmp_path_factory.mktemp("labelled")
     rows = write_digits(root / "tree", per_class=4)

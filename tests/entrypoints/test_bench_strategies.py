@@ -93,7 +93,7 @@ def test_a_single_launch_runs_and_writes_table_json_and_plot(tiny_clip_recipe, t
 
 def vit_recipe(root: Path, output_dir: Path) -> dict:
     """A tiny ViT classifying 3 digits (12 training and 6 validation images of each, as ImageFolder trees)."""
-    from tests.training.test_classification import VIT, write_digits
+    from training_digits import VIT, write_digits
 
     if not (root / "train").is_dir():
         write_digits(root / "train")

@@ -67,7 +67,7 @@ def saved_model_metrics(run: Path, digits: Path) -> dict:
 @pytest.mark.parametrize("case,message", [
     ("num_labels", "num_labels: is 5 but .* has 3 classes; set num_labels: 3"),
     ("empty_class", "class folder 'three' has no images"),
-    ("label_range", "row 1: label 7 is outside the classes 0..2"),
+    ("label_range", "row 2: label 7 is outside the classes 0..2"),
     ("unknown_label", "label 'seven' is not one of the training classes"),
     ("missing_images", "2 of 3 rows have no image file .*max_bad_fraction=0.05"),
 ])

@@ -21,7 +21,7 @@ VIT = {"model_type": "vit", "hidden_size": 32, "intermediate_size": 37, "num_hid
 
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory):
-    from tests.training.test_classification import write_digits
+    from training_digits import write_digits
 
     root = tmp_path_factory.mktemp("digits")
     write_digits(root / "train")

@@ -29,11 +29,14 @@ def loss_tensors(loss: nn.Module, objective_state: dict[str, torch.Tensor] | Non
     return loss.state_dict()
 
 
-def save_loss_state(folder: str | Path, loss: nn.Module, loss_type: str, tensors: dict[str, torch.Tensor]) -> Path:
-    """`loss.safetensors` in `folder`: the tensors, and in its metadata what rebuilds the loss around them."""
+def save_loss_state(folder: str | Path, loss: nn.Module, loss_type: str, tensors: dict[str, torch.Tensor],
+                    config: dict[str, Any] | None = None) -> Path:
+    """`loss.safetensors` in `folder`: the tensors, and in its metadata what rebuilds the loss around them. `config`:
+    the loss's config as every rank read it (a sharded run), else read here."""
     from safetensors.torch import save_file
 
-    metadata = {"loss_type": loss_type, "config": json.dumps(getattr(loss, "config", {})),
+    config = getattr(loss, "config", {}) if config is None else config
+    metadata = {"loss_type": loss_type, "config": json.dumps(config),
                 "settings": json.dumps(getattr(loss, "settings", {})),
                 "class_names": json.dumps(getattr(loss, "class_names", None))}
     path = Path(folder, LOSS_STATE_FILE)

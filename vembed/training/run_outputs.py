@@ -50,6 +50,10 @@ def save_final_model(accelerator: "Accelerator", output_dir: Path, adapter: Any,
     from vembed.training.deepspeed import unsharded_construction
 
     final_dir = output_dir / FINAL_DIR
+    keeps_state = loss is not None and has_trainable_state(loss)
+    # Every rank reads the loss's config: a sharded (FSDP2) temperature is gathered by a collective to be read, so
+    # rank 0 reading it alone would wait forever for the others.
+    loss_config = getattr(loss, "config", {}) if keeps_state else None
     if accelerator.is_main_process:
         tmp = output_dir / ".tmp-final"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -58,8 +62,8 @@ def save_final_model(accelerator: "Accelerator", output_dir: Path, adapter: Any,
                 adapter = adapter_with_weights(recipe, full_state)
         with writing_checkpoint_files("the final model", output_dir, last_good, tmp):
             adapter.save(tmp)
-            if loss is not None and has_trainable_state(loss):
-                save_loss_state(tmp, loss, recipe.loss_type, loss_tensors(loss, full_state))
+            if keeps_state:
+                save_loss_state(tmp, loss, recipe.loss_type, loss_tensors(loss, full_state), config=loss_config)
         shutil.rmtree(final_dir, ignore_errors=True)
         tmp.rename(final_dir)
     accelerator.wait_for_everyone()
