@@ -31,6 +31,15 @@ def write_digits(root: Path, per_class: int = 12, offset: int = 0) -> list[tuple
     return rows
 
 
+def write_digit_splits(root: Path) -> Path:
+    """root/train as an ImageFolder tree (12 per class) and root/validation's 18 other digits with labels.csv."""
+    write_digits(root / "train")
+    rows = write_digits(root / "validation", per_class=6, offset=40)
+    lines = ["image,label"] + [f"{path},{label}" for path, label in rows]
+    (root / "validation" / "labels.csv").write_text("\n".join(lines) + "\n")
+    return root
+
+
 def digits_recipe(digits: Path, output_dir: Path, **changes) -> dict:
     """A tiny ViT classification recipe on `digits` (train/ as an ImageFolder tree, validation/labels.csv)."""
     raw = {"model_type": "vision", "model_config": {**VIT, "hidden_dropout_prob": 0.0,

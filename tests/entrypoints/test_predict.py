@@ -10,18 +10,14 @@ import shutil
 from collections import Counter
 
 import pytest
-from training_digits import CLASSES, digits_recipe, train_classifier, write_digits
+from training_digits import CLASSES, digits_recipe, train_classifier, write_digit_splits
 
 from vembed.cli import main
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    root = tmp_path_factory.mktemp("predict")
-    write_digits(root / "train")
-    rows = write_digits(root / "validation", per_class=6, offset=40)
-    lines = ["image,label"] + [f"{path},{label}" for path, label in rows]
-    (root / "validation" / "labels.csv").write_text("\n".join(lines) + "\n")
+    root = write_digit_splits(tmp_path_factory.mktemp("predict"))
     raw = digits_recipe(root, root / "run", max_steps=8)
     assert train_classifier(raw, root / "recipe.yaml") == 0
     return root

@@ -9,19 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from training_digits import CLASSES, write_digits
+from training_digits import CLASSES, write_digit_splits
 from training_digits import digits_recipe as recipe
 from training_digits import train_classifier as train
 
 
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory):
-    root = tmp_path_factory.mktemp("digits")
-    write_digits(root / "train")
-    rows = write_digits(root / "validation", per_class=6, offset=40)
-    lines = ["image,label"] + [f"{path},{label}" for path, label in rows]
-    (root / "validation" / "labels.csv").write_text("\n".join(lines) + "\n")
-    return root
+    return write_digit_splits(tmp_path_factory.mktemp("digits"))
 
 
 def test_trains_saves_and_the_saved_model_classifies_as_the_run_measured(digits, tmp_path):

@@ -69,6 +69,16 @@ def _lost_a_peer(error: BaseException) -> bool:
     return type(error).__name__ == "DistNetworkError" or any(marker in text for marker in _PEER_LOST)
 
 
+def require_at_least_one(**flags: int | None) -> None:
+    """Each counting flag given (`top_k=args.top_k`, read as --top-k) is at least 1: one argument error naming the
+    first that is not, before any work. Unset (None) flags take their defaults later."""
+    from vembed.errors import ArgumentError
+
+    for name, value in flags.items():
+        if value is not None and value < 1:
+            raise ArgumentError(f"--{name.replace('_', '-')}", f"must be at least 1, got {value}")
+
+
 def quiet_libraries() -> None:
     """Keep the console for our own progress: silence library chatter that users can't act on."""
     import logging

@@ -63,15 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vembed.entrypoints import run_cli
+    from vembed.entrypoints import require_at_least_one, run_cli
 
     def body() -> int:
         from vembed.errors import RecipeError
 
-        for flag, value in (("--batch-size", args.batch_size), ("--max-samples", args.max_samples),
-                            ("--top-k", args.top_k)):
-            if value is not None and value < 1:
-                raise RecipeError(flag, f"must be at least 1, got {value}")
+        require_at_least_one(batch_size=args.batch_size, max_samples=args.max_samples, top_k=args.top_k)
         if args.output:
             _check_output_file(Path(args.output), args.overwrite)
         if Path(args.model_dir).is_file():

@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vembed.entrypoints import run_cli
+    from vembed.entrypoints import require_at_least_one, run_cli
 
     def body() -> int:
         from vembed.entrypoints.search import check_run_output, output_format
@@ -47,8 +47,7 @@ def run(args: argparse.Namespace) -> int:
         from vembed.evaluation.fusion import check_fusion_arguments, fuse_runs
         from vembed.evaluation.runs import cut, read_run, write_run
 
-        if args.top_k is not None and args.top_k < 1:
-            raise ArgumentError("--top-k", f"must be at least 1, got {args.top_k}")
+        require_at_least_one(top_k=args.top_k)
         check_fusion_arguments(args.runs, args.method, args.weights, args.rrf_k, args.norm)
         require_package("ranx", "vembed fuse", "fusion", "search")
         check_run_output(args)

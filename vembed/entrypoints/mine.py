@@ -81,7 +81,7 @@ def settings_of(args: argparse.Namespace) -> MiningSettings:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vembed.entrypoints import quiet_libraries, run_cli
+    from vembed.entrypoints import quiet_libraries, require_at_least_one, run_cli
 
     def body() -> int:
         import os
@@ -100,9 +100,7 @@ def run(args: argparse.Namespace) -> int:
 
         settings = settings_of(args)
         settings.check()
-        for flag, value in (("--batch-size", args.batch_size), ("--documents-per-block", args.documents_per_block)):
-            if value is not None and value < 1:
-                raise RecipeError(flag, f"must be at least 1, got {value}")
+        require_at_least_one(batch_size=args.batch_size, documents_per_block=args.documents_per_block)
         out = Path(args.out)
         if out.is_dir():
             raise RecipeError("--out", f"{out} is a folder; name the JSONL file to write")

@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vembed.entrypoints import run_cli
+    from vembed.entrypoints import require_at_least_one, run_cli
 
     def body() -> int:
         from vembed.api import Classifier, load_model
@@ -47,9 +47,7 @@ def run(args: argparse.Namespace) -> int:
         from vembed.files import check_replaceable, replace_atomically
         from vembed.models.foreign import model_folder
 
-        for flag, value in (("--top-k", args.top_k), ("--batch-size", args.batch_size)):
-            if value < 1:
-                raise ArgumentError(flag, f"must be at least 1, got {value}")
+        require_at_least_one(top_k=args.top_k, batch_size=args.batch_size)
         out = Path(args.out)
         if out.is_dir():
             raise ArgumentError("--out", f"{out} is a folder; name the CSV file to write")

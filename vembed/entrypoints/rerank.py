@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vembed.entrypoints import run_cli
+    from vembed.entrypoints import require_at_least_one, run_cli
 
     def body() -> int:
         from vembed.data.corpus import CorpusSource
@@ -50,9 +50,7 @@ def run(args: argparse.Namespace) -> int:
         from vembed.models.foreign import model_folder, require_embedder
         from vembed.reranking import saved_reranker_type
 
-        for flag, value in (("--top-k", args.top_k), ("--batch-size", args.batch_size)):
-            if value < 1:
-                raise ArgumentError(flag, f"must be at least 1, got {value}")
+        require_at_least_one(top_k=args.top_k, batch_size=args.batch_size)
         check_run_output(args)
         if not Path(args.run).is_file():
             raise ArgumentError("--run", f"{args.run} is not a file; give the first stage's TREC run file (vembed "

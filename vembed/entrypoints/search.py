@@ -79,16 +79,14 @@ def default_tag(model: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vembed.entrypoints import run_cli
+    from vembed.entrypoints import require_at_least_one, run_cli
 
     def body() -> int:
         from vembed.data.corpus import CorpusSource
         from vembed.errors import ArgumentError, require_package
 
-        for flag, value in (("--top-k", args.top_k), ("--batch-size", args.batch_size),
-                            ("--max-queries", args.max_queries), ("--pool-factor", args.pool_factor)):
-            if value is not None and value < 1:
-                raise ArgumentError(flag, f"must be at least 1, got {value}")
+        require_at_least_one(top_k=args.top_k, batch_size=args.batch_size, max_queries=args.max_queries,
+                             pool_factor=args.pool_factor)
         check_run_output(args)
         source = CorpusSource(None, args.corpus, args.split, args.image_root, "--split")
         if not Path(args.corpus).is_dir():
