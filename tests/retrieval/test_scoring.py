@@ -119,3 +119,18 @@ def test_pair_evaluation_and_corpus_search_break_ties_the_same_way(chunk_size):
                             query_ids=list(qrels), doc_ids=[f"d{j}" for j in range(23)])
     assert corpus["ndcg@10"] == pytest.approx(pair["ndcg@10"]) and corpus["mrr@23"] == pytest.approx(pair["mrr"])
     assert [corpus[f"recall@{k}"] for k in (1, 5, 10)] == pytest.approx([pair[f"accuracy@{k}"] for k in (1, 5, 10)])
+
+
+def test_top_k_ranks_by_cosine_whatever_the_norms_and_nan_documents_last():
+    """Each row is scaled by its own norm (cosine, not dot product, unless normalize=False) and a NaN embedding scores
+    -inf: ranked after every real document, never first (NaN would sort above +inf)."""
+    queries = torch.tensor([[1.0, 0.0], [0.0, 3.0]])
+    docs = torch.tensor([[10.0, 1.0], [0.6, 0.8], [float("nan"), 0.0], [0.0, -0.5], [1.0, 0.1]])
+    found = top_k(queries, docs, 5)
+    unit = torch.nn.functional.normalize(docs, dim=-1)
+    assert found.indices[0].tolist() == [0, 4, 1, 3, 2]  # [10, 1] and [1, 0.1] point the same way: position breaks it
+    assert found.indices[1].tolist() == [1, 0, 4, 3, 2]
+    assert found.scores[0, :2].tolist() == pytest.approx([unit[0, 0].item()] * 2, abs=1e-7)
+    assert found.scores[:, 4].tolist() == [-math.inf, -math.inf]
+    dot = top_k(queries, docs, 2, normalize=False)
+    assert dot.indices.tolist() == [[0, 4], [0, 1]] and dot.scores[1].tolist() == pytest.approx([3.0, 2.4])
