@@ -302,6 +302,7 @@ def test_the_python_api_searches_and_ranks_as_the_commands_do(models, tmp_path):
     ("fuse-one-run", "fusion needs at least 2 runs"),
     ("fuse-weights", "one weight per run"),
     ("eval-run-with-model-flag", "--pool-factor: applies to a model"),
+    ("fuse-jsonl-without-corpus", "--format: jsonl rows carry the texts"),
 ])
 def test_bad_input_is_one_line_exit_2_and_nothing_written(models, tmp_path, capsys, case, label):
     root, corpus = models
@@ -325,6 +326,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(models, tmp_path, caps
         "fuse-one-run": ["fuse", str(good), "--out", str(out)],
         "fuse-weights": ["fuse", str(good), str(good), "--method", "weighted", "--weights", "1", "--out", str(out)],
         "eval-run-with-model-flag": ["eval", str(good), str(corpus), "--pool-factor", "2"],
+        "fuse-jsonl-without-corpus": ["fuse", str(good), str(bad), "--out", str(tmp_path / "fused.jsonl")],
     }[case]
     before = sorted(p.name for p in tmp_path.iterdir())
     assert main(argv) == 2

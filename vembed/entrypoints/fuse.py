@@ -51,6 +51,9 @@ def run(args: argparse.Namespace) -> int:
         check_fusion_arguments(args.runs, args.method, args.weights, args.rrf_k, args.norm)
         require_package("ranx", "vembed fuse", "fusion", "search")
         check_run_output(args)
+        fmt = output_format(args)
+        if fmt == "jsonl" and args.corpus is None:
+            raise ArgumentError("--format", "jsonl rows carry the texts: give --corpus FOLDER, or write trec")
         for path in args.runs:
             if not Path(path).is_file():
                 raise ArgumentError("runs", f"{path} is not a file; give TREC run files")
@@ -67,9 +70,6 @@ def run(args: argparse.Namespace) -> int:
         fused = fuse_runs(runs, args.method, weights=args.weights, k=args.rrf_k, norm=args.norm)
         if args.top_k is not None:
             fused = cut(fused, args.top_k)
-        fmt = output_format(args)
-        if fmt == "jsonl" and split is None:
-            raise ArgumentError("--format", "jsonl rows carry the texts: give --corpus FOLDER, or write trec")
         write_run(args.out, fused, tag=args.tag or args.method, format=fmt, split=split)
         if split is not None:
             print(_metrics_table(args.runs, runs, fused, split))

@@ -11,8 +11,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 
 from vembed.errors import ArgumentError
-
-Run = dict[str, dict[str, float]]
+from vembed.evaluation.runs import Run
 
 # Our names -> ranx's. Methods that learn from training qrels (probfuse, bayesfuse, ...) are not offered.
 METHODS = {"rrf": "rrf", "weighted": "wsum", "sum": "sum", "mnz": "mnz", "max": "max", "min": "min", "med": "med",
