@@ -32,6 +32,22 @@ def write_json_atomic(path: str | os.PathLike, payload: Any) -> Path:
 OVERWRITE_FLAG = "--overwrite"
 
 
+def check_output_file(path: str | os.PathLike, overwrite: bool, key: str, kind: str) -> None:
+    """A command's output file can be written: it is not a folder, its folder exists or can be made (no file stands
+    in the way), and an existing file is replaced only with --overwrite. `kind` names what to give (a JSON file)."""
+    from vembed.errors import RecipeError
+
+    path = Path(path)
+    if path.is_dir():
+        raise RecipeError(key, f"{path} is a folder; name {kind}")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise RecipeError(key, f"{path} cannot be written: {parent} is a file")
+    check_replaceable(path, overwrite, key=key)
+
+
 def check_replaceable(path: str | os.PathLike, overwrite: bool, key: str = "--out") -> None:
     """The one rule for a command's named output (`vembed export --out`, `vembed mine --out`): an existing file, or a
     folder with anything in it, is replaced only when the user passed --overwrite; otherwise one line names it.

@@ -90,3 +90,8 @@ def test_a_document_the_corpus_lacks_is_named_with_its_query(tmp_path):
     check_documents_in_corpus({"q1": {"d1": 1.0, "d10": 0.5}}, _split(), "run.trec")  # all there: no error
     with pytest.raises(DataError, match=r"run.trec: document 'd3' \(query 'q2'\) is not in corpus/corpus.jsonl"):
         check_documents_in_corpus({"q1": {"d1": 1.0}, "q2": {"d2": 1.0, "d3": 0.5}}, _split(), "run.trec")
+
+
+def test_a_run_is_written_into_a_folder_that_does_not_exist_yet(tmp_path):
+    path = write_run(tmp_path / "runs" / "dev" / "run.trec", {"q": {"d": 1.0}})
+    assert read_run(path) == {"q": {"d": 1.0}}

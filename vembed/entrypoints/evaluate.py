@@ -67,10 +67,11 @@ def run(args: argparse.Namespace) -> int:
 
     def body() -> int:
         from vembed.errors import RecipeError
+        from vembed.files import check_output_file
 
         require_at_least_one(batch_size=args.batch_size, max_samples=args.max_samples, top_k=args.top_k)
         if args.output:
-            _check_output_file(Path(args.output), args.overwrite)
+            check_output_file(args.output, args.overwrite, key="--output", kind="a JSON file")
         if Path(args.model_dir).is_file():
             return _evaluate_run_file(args)
         corpus = _is_corpus(args)
@@ -345,22 +346,6 @@ def _named_sources(data: list[str]) -> dict[str, str] | None:
     if len(sources) != len(data):
         raise RecipeError("data", "a source name is given twice; give each NAME=PATH once")
     return sources
-
-
-def _check_output_file(path: Path, overwrite: bool) -> None:
-    """--output can be written: its folder exists (or can be made), it is not itself a folder, and a file already
-    there (metrics of an earlier run, or a data file named by mistake) is replaced only with --overwrite."""
-    from vembed.errors import RecipeError
-    from vembed.files import check_replaceable
-
-    if path.is_dir():
-        raise RecipeError("--output", f"{path} is a folder; name a JSON file")
-    parent = path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise RecipeError("--output", f"{path} cannot be written: {parent} is a file")
-    check_replaceable(path, overwrite, key="--output")
 
 
 def main(argv: list[str] | None = None) -> int:

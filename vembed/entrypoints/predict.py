@@ -44,14 +44,12 @@ def run(args: argparse.Namespace) -> int:
         from vembed.api import Classifier, load_model
         from vembed.entrypoints import quiet_libraries
         from vembed.errors import ArgumentError
-        from vembed.files import check_replaceable, replace_atomically
+        from vembed.files import check_output_file, replace_atomically
         from vembed.models.foreign import model_folder
 
         require_at_least_one(top_k=args.top_k, batch_size=args.batch_size)
         out = Path(args.out)
-        if out.is_dir():
-            raise ArgumentError("--out", f"{out} is a folder; name the CSV file to write")
-        check_replaceable(out, args.overwrite)
+        check_output_file(out, args.overwrite, key="--out", kind="the CSV file to write")
         model_dir = model_folder(args.model_dir)
         quiet_libraries()
         model = load_model(model_dir, device=args.device, trust_remote_code=args.trust_remote_code)
@@ -65,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         _check_images_open(images)
         predictions = model.predict(images, top_k=args.top_k, batch_size=args.batch_size, show_progress=True)
         rows = _rows(images, truth, predictions, args.top_k)
+        out.parent.mkdir(parents=True, exist_ok=True)
         replace_atomically(out, lambda tmp: _write_csv(tmp, rows))
         summary = f"wrote {out}: {len(images)} images, top {args.top_k} of {len(model.labels)} classes each"
         if any(label is not None for label in truth):

@@ -57,12 +57,9 @@ def add_run_output_arguments(parser: argparse.ArgumentParser, default_split: str
 def check_run_output(args: argparse.Namespace) -> None:
     """--out can be written (a file, replaced only with --overwrite) and --tag is one word: before any work."""
     from vembed.errors import ArgumentError
-    from vembed.files import check_replaceable
+    from vembed.files import check_output_file
 
-    out = Path(args.out)
-    if out.is_dir():
-        raise ArgumentError("--out", f"{out} is a folder; name the run file to write (e.g. run.trec)")
-    check_replaceable(out, args.overwrite)
+    check_output_file(args.out, args.overwrite, key="--out", kind="the run file to write (e.g. run.trec)")
     if args.tag is not None and (not args.tag or any(char.isspace() for char in args.tag)):
         raise ArgumentError("--tag", f"{args.tag!r} is not one word; a run's tag is its last column")
 

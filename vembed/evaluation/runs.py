@@ -81,6 +81,7 @@ def write_run(path: str | os.PathLike, run: Mapping[str, Mapping[str, float]], *
         with open(tmp, "w", encoding="utf-8") as handle:
             handle.writelines(line + "\n" for line in lines)
 
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     return replace_atomically(path, write)
 
 
