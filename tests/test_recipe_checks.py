@@ -55,7 +55,7 @@ ELSEWHERE: dict[str, set[str]] = {
     "vembed/extraction.py": {"extract_teacher_embeddings"},  # vembed extract --recipe: its data.train
     # --- output folders (stage 5 and the tools' --out / --cache-dir) ---
     "vembed/training/run_dir.py": {"check_output_dir", "_check_writable"},
-    "vembed/files.py": {"check_replaceable"},
+    "vembed/files.py": {"check_replaceable", "check_output_file"},
     "vembed/retrieval/cache.py": {"check_cache_folder"},
     # --- guards while building or resuming, behind the stages' refusals (a direct Python caller meets them) ---
     "vembed/models/qwen_vl.py": {"QwenVLAdapter.__init__", "QwenVLAdapter._check_token_ids",
@@ -78,8 +78,7 @@ ELSEWHERE: dict[str, set[str]] = {
     "vembed/cli.py": {"_index_command"},
     "vembed/models/token_vectors.py": {"require_single_vector"},  # a dense-only command handed a ColBERT model
     "vembed/retrieval/maxsim_search.py": {"set_pool_factor"},  # --pool-factor, document_pool_factor
-    "vembed/entrypoints/evaluate.py": {"_evaluate_corpus", "run.body", "_named_sources", "_check_reranking"},
-    "vembed/entrypoints/mine.py": {"run.body"},
+    "vembed/entrypoints/evaluate.py": {"_evaluate_corpus", "_named_sources", "_check_reranking"},
     "vembed/reranking/__init__.py": {"load_reranker"},  # a saved reranker folder
     "vembed/entrypoints/extract.py": {"run.body", "_mode"},
 }
