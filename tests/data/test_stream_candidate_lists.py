@@ -147,3 +147,85 @@ def test_a_tar_sample_whose_image_is_its_positive_is_not_a_candidate_list(tmp_pa
     [example], end = _streamed(str(shard))  # open_clip's pairing: as a file with a positive_image column and lists
     assert example.positive.image is not None and example.positive.text is None and example.score is None
     assert example.query.text == "a photo of a red square 0" and not end.skipped  # the .json's query names it
+
+
+# --- what the loss reads, per streamed sample (rows read whole are refused before training by check_loss_inputs) ---
+
+
+def _decoded_with(train: Path, loss_type: str, **data) -> tuple[list, SlotPosition]:
+    from vembed.components import LOSSES
+    from vembed.losses.inputs import record_lacks
+
+    config = DataConfig(train=str(train), streaming=True, **data)
+    backend, shards = open_stream(config)
+    decoder = SampleDecoder(config.columns.model_dump(), None, config.num_hard_negatives or 0, None,
+                            lacks=record_lacks(LOSSES.get(loss_type), loss_type))
+    stream = ShardStream(backend, shards, decoder, list, batch_size=1, seed=0, shuffle_buffer=4)
+    stream.start_epoch(0)
+    items = list(stream)
+    return [example for _, batch in items if batch for example in batch], SlotPosition.from_dict(items[-1][0])
+
+
+PAIRS = [{"query": f"q {i}", "positive": f"p {i}", "score": float(i % 5), "label": f"c{i % 3}"} for i in range(8)]
+
+
+@pytest.mark.parametrize("loss_type, cell, value, reason, words", [
+    ("cosent", "score", None, "bad_score", "has no score; loss_type cosent needs one number per pair"),
+    ("cosent", "score", [1.0, 2.0], "bad_score", "has a list of teacher scores; loss_type cosent needs one number"),
+    ("distill_kl", "score", 3.0, "bad_score", "has one number; loss_type distill_kl needs a list of teacher scores"),
+    ("batch_hard_triplet", "label", None, "missing_label", "has no label (data.columns.label); loss_type "
+                                                           "batch_hard_triplet mines on labels"),
+])
+def test_a_streamed_sample_lacking_what_the_loss_reads_is_a_counted_skip_naming_its_row(tmp_path, loss_type, cell,
+                                                                                        value, reason, words):
+    """Before, the sample reached a batch: `CoSENTLoss needs a score per pair ...; the batch has none`, a ValueError
+    traceback at the step, or a TypeError building the score tensor from a None."""
+    rows = [dict(row) for row in PAIRS]
+    if loss_type == "distill_kl":
+        rows = [dict(row, negatives=[f"n {i}"], score=[1.0, 0.5]) for i, row in enumerate(rows)]
+    rows[3][cell] = value
+    negatives = {"num_hard_negatives": 1} if loss_type == "distill_kl" else {}
+    examples, end = _decoded_with(_jsonl(tmp_path / "pairs.jsonl", rows), loss_type, **negatives)
+    assert len(examples) == 7 and end.skipped == {reason: 1}
+    [bad] = end.bad_rows
+    assert bad["row"] == 4 and words in bad["detail"], bad
+    _, kept = _decoded_with(_jsonl(tmp_path / "all.jsonl", rows), "infonce", **negatives)
+    assert not kept.skipped  # a loss that reads neither keeps every sample
+
+
+@pytest.mark.parametrize("loss_type, column, words", [
+    ("cosent", "score", "loss_type cosent needs one number per pair"),
+    ("batch_hard_triplet", "label", "loss_type batch_hard_triplet mines on labels"),
+])
+def test_a_stream_without_the_column_the_loss_reads_is_refused_before_training(tmp_path, tiny_tokenizer_dir,
+                                                                               loss_type, column, words):
+    from vembed.components import recipe_from_dict
+    from vembed.errors import RecipeError
+    from vembed.recipe_checks import check_recipe
+
+    rows = [{key: value for key, value in row.items() if key != column} for row in PAIRS]
+    train = _jsonl(tmp_path / "pairs.jsonl", rows)
+    raw = {**text_model_keys(tiny_tokenizer_dir), "loss_type": loss_type, "max_steps": 1,
+           "data": {"train": str(train), "streaming": True}}
+    with pytest.raises(RecipeError) as refused:  # before: every sample a skip, found only when training
+        check_recipe(recipe_from_dict(raw))
+    assert refused.value.key == f"data.columns.{column}" and words in str(refused.value)
+    assert f"the first sample of {train} has no {column}" in str(refused.value)
+    check_recipe(recipe_from_dict({**raw, "loss_type": "infonce"}))
+
+
+def test_a_streamed_training_skips_and_counts_the_sample_without_a_score(tmp_path, tiny_tokenizer_dir):
+    from vembed.components import recipe_from_dict
+    from vembed.training.loop import Trainer
+
+    rows = [dict(row) for row in PAIRS] * 2
+    rows[5] = dict(rows[5], score=float("nan"))  # a NaN cell is a missing score, as in rows read whole
+    train = _jsonl(tmp_path / "pairs.jsonl", rows)
+    out = tmp_path / "run"
+    raw = {**text_model_keys(tiny_tokenizer_dir), "loss_type": "cosent", "output_dir": str(out), "batch_size": 5,
+           "data": {"train": str(train), "streaming": True, "max_bad_fraction": 0.1}, "max_steps": 3, "seed": 0,
+           "logging_steps": 1, "eval_before_training": False}
+    Trainer(recipe_from_dict(raw)).run()
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert len(metrics["loss_history"]) == 3
+    assert "bad_score" in json.dumps(metrics)  # the skip is reported with the run

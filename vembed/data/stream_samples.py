@@ -111,7 +111,11 @@ class SampleDecoder:
 
     def __init__(self, columns: dict[str, str], image_root: str | None, num_negatives: int,
                  max_images_per_side: int | None, defaults: dict[str, str] | None = None, keep_encoded: bool = False,
-                 required_modalities: frozenset[str] = frozenset()):
+                 required_modalities: frozenset[str] = frozenset(),
+                 lacks: Callable[[Example], tuple[str, str] | None] | None = None):
+        # What the loss reads that a record may lack (vembed.losses.inputs.record_lacks): such samples are counted
+        # skips, as rows read whole are refused before training, never a batch the loss cannot read.
+        self.lacks = lacks
         self.keep_encoded = keep_encoded  # return images still compressed (checked by one decode): samples held long
         self.required_modalities = required_modalities  # the adapter's modalities_per_record
         self.columns = columns
@@ -133,6 +137,9 @@ class SampleDecoder:
             missing = sorted(self.required_modalities - fed)
             if missing:
                 raise SampleSkipped("missing_modality", f"has no {' or '.join(missing)}")
+            lacked = self.lacks(example) if self.lacks is not None else None
+            if lacked is not None:
+                raise SampleSkipped(*lacked)
             decoded = _decoded(example)
             return example if self.keep_encoded else decoded
         except SampleSkipped as skip:

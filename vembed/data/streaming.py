@@ -32,7 +32,7 @@ import glob
 import json
 import os
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +60,7 @@ EXTRA_SKIP_FIXES = {  # reasons a stream meets beside the map-style ones (source
     "bad_shard": "check the shard: it is missing, truncated or not a tar / data file",
     "too_many_images": "give one image per side (only qwen_vl embeds several)",
     "missing_modality": "give every sample text and an image (a dual encoder trains both towers every step)",
+    "missing_label": "give every sample a label (data.columns.label), or map it to the column that holds them",
     "documents_and_negatives": "give a documents list (the positive, then the hard negatives) or a negatives list, "
                                "not both",
 }
@@ -526,17 +527,18 @@ class ShardStream(IterableDataset):
         yield position.to_dict(), None
 
 
-def open_stream(data_cfg: "DataConfig") -> tuple[str, list[Shard]]:
+def open_stream(data_cfg: "DataConfig", required: Mapping[str, str] | None = None) -> tuple[str, list[Shard]]:
     """The training shards with their sizes, checked: backend installed, files present, and the first sample has
-    the columns of a query and a positive. Reading that sample also loads the readers' modules in this process, so
-    DataLoader workers forked from it start at once (a first `datasets.load_dataset` takes seconds)."""
+    the columns of a query and a positive, and of each part in `required` (part -> what needs it). Reading that
+    sample also loads the readers' modules in this process, so DataLoader workers forked from it start at once (a
+    first `datasets.load_dataset` takes seconds)."""
     backend, paths = find_shards(data_cfg)
     require_backend(backend)
-    _check_first_sample(backend, paths[0], data_cfg.columns.model_dump())
+    _check_first_sample(backend, paths[0], data_cfg.columns.model_dump(), required or {})
     return backend, [Shard(path, size) for path, size in zip(paths, read_sizes(paths))]
 
 
-def _check_first_sample(backend: str, path: str, columns: dict[str, str]) -> None:
+def _check_first_sample(backend: str, path: str, columns: dict[str, str], required: Mapping[str, str]) -> None:
     errors: list[str] = []
     record = next(READERS[backend]([path], lambda file, exn: errors.append(f"{type(exn).__name__}: {exn}")), None)
     if record is None:
@@ -550,21 +552,34 @@ def _check_first_sample(backend: str, path: str, columns: dict[str, str]) -> Non
         return  # a bad first sample is counted like any other; the columns are not the problem
     for side in ("query", "positive"):
         if side not in parts and f"{side}_image" not in parts:
-            fields = sorted(name for name in record.fields if name != "__key__")
-            if "json" in record.fields:
-                try:
-                    fields += [f"json:{name}" for name in json.loads(record.fields["json"])]
-                except ValueError:
-                    pass
             lists = f", or a list {columns['documents']!r} (data.columns.documents)" if side == "positive" else ""
             raise RecipeError(f"data.columns.{side}", f"the first sample of {path} has no {side} (looked for "
                                                       f"{columns[side]!r} and {columns[side + '_image']!r}{lists}; it "
-                                                      f"has {fields}); map yours with data.columns.{side}=<name>")
+                                                      f"has {_field_names(record)}); map yours with "
+                                                      f"data.columns.{side}=<name>")
+    for part, why in required.items():  # a column the loss reads: absent from the first sample, absent throughout
+        if part not in parts:
+            raise RecipeError(f"data.columns.{part}", f"the first sample of {path} has no {part} (looked for "
+                                                      f"{columns[part]!r}; it has {_field_names(record)}); {why}: "
+                                                      f"map yours with data.columns.{part}=<name>")
 
 
-def check_stream_recipe(data_cfg: "DataConfig", max_steps: int | None) -> None:
-    """Before any model is built: the shards exist, their reader is installed, and the schedule can be sized."""
-    backend, shards = open_stream(data_cfg)
+def _field_names(record: RawRecord) -> list[str]:
+    """A sample's field names, a tar sample's `.json` keys as `json:name`."""
+    fields = sorted(name for name in record.fields if name != "__key__")
+    if "json" in record.fields:
+        try:
+            fields += [f"json:{name}" for name in json.loads(record.fields["json"])]
+        except ValueError:
+            pass
+    return fields
+
+
+def check_stream_recipe(data_cfg: "DataConfig", max_steps: int | None, required: Mapping[str, str] | None = None,
+                        ) -> None:
+    """Before any model is built: the shards exist, their reader is installed, the first sample has the parts the
+    loss reads (`required`: part -> what needs it), and the schedule can be sized."""
+    backend, shards = open_stream(data_cfg, required)
     unknown = [shard.path for shard in shards if shard.num_samples is None]
     if unknown and max_steps is None:
         raise RecipeError("max_steps", f"is required to stream data.train without a {SIZES_FILE} that gives the "

@@ -4,17 +4,24 @@ that lacks it, not an error in the first step."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from vembed.errors import DataError
 
 if TYPE_CHECKING:
     from vembed.data.corpus import CorpusPairs
+    from vembed.data.records import Example
     from vembed.data.rows import PairRows
     from vembed.losses.base import EmbeddingLoss
     from vembed.recipe import Recipe
 
 HAS = {"none": "has no score", "number": "has one number", "list": "has a list of teacher scores"}  # SCORE_SHAPES
+# The score shapes each `needs_scores` refuses, as check_loss_inputs refuses them in rows read whole.
+REFUSED_SHAPES = {"pair": ("none", "list"), "candidates": ("none", "number"), "candidates_or_margin": ("none",)}
+NEEDS = {"pair": "needs one number per pair",
+         "candidates": "needs a list of teacher scores [positive, negatives...] per pair",
+         "candidates_or_margin": "needs a teacher margin (one number) or a list of teacher scores per pair"}
 
 
 def check_loss_inputs(loss: "type[EmbeddingLoss]", recipe: "Recipe", rows: "PairRows | CorpusPairs") -> None:
@@ -38,10 +45,9 @@ def check_loss_inputs(loss: "type[EmbeddingLoss]", recipe: "Recipe", rows: "Pair
     counts = {"none": none, "number": numbers, "list": lists}
     name = recipe.loss_type
     if needs == "pair":
-        _refuse(rows, ("none", "list"), counts, f"loss_type {name} needs one number per pair")
+        _refuse(rows, REFUSED_SHAPES[needs], counts, f"loss_type {name} {NEEDS[needs]}")
     if needs == "candidates":
-        _refuse(rows, ("none", "number"), counts,
-                f"loss_type {name} needs a list of teacher scores [positive, negatives...] per pair")
+        _refuse(rows, REFUSED_SHAPES[needs], counts, f"loss_type {name} {NEEDS[needs]}")
     if needs == "candidates_or_margin":
         rarer = ("number",) if numbers <= lists else ("list",)  # mixed: the odd ones out are named
         _refuse(rows, ("none",) + (rarer if numbers and lists else ()), counts,
@@ -52,6 +58,36 @@ def check_loss_inputs(loss: "type[EmbeddingLoss]", recipe: "Recipe", rows: "Pair
             raise DataError(f"loss_type {name}: a single score per pair is the teacher's margin over one "
                             f"hard negative, but the records keep {negatives}; set data.num_hard_negatives: 1 or give "
                             "lists of teacher scores")
+
+
+def record_lacks(loss: "type[EmbeddingLoss]", loss_type: str) -> "Callable[[Example], tuple[str, str] | None]":
+    """For a streamed sample, which no check reads beforehand: a function giving (skip reason, why) when one record
+    lacks what `loss` reads (its label, a score of the shape it needs), in check_loss_inputs' words; else None."""
+    refused = REFUSED_SHAPES.get(loss.needs_scores or "", ())
+    needs_label = loss.needs_labels
+
+    def lacks(example: "Example") -> tuple[str, str] | None:
+        if needs_label and example.label is None:
+            return "missing_label", f"has no label (data.columns.label); loss_type {loss_type} mines on labels"
+        shape = score_shape(example.score)
+        if shape in refused:
+            return "bad_score", f"data.columns.score {HAS[shape]}; loss_type {loss_type} {NEEDS[loss.needs_scores]}"
+        return None
+
+    return lacks
+
+
+def required_parts(loss: "type[EmbeddingLoss]", loss_type: str) -> dict[str, str]:
+    """The record parts (data.columns keys) `loss` reads, each with why: what a stream's first sample must have."""
+    parts = {"label": f"loss_type {loss_type} mines on labels"} if loss.needs_labels else {}
+    if loss.needs_scores:
+        parts["score"] = f"loss_type {loss_type} {NEEDS[loss.needs_scores]}"
+    return parts
+
+
+def score_shape(score: float | list[float] | None) -> str:
+    """A record's score as one of SCORE_SHAPES' names."""
+    return "none" if score is None else "list" if isinstance(score, list) else "number"
 
 
 def _refuse(rows: "PairRows | CorpusPairs", shapes: tuple[str, ...], counts: dict[str, int], needs: str) -> None:

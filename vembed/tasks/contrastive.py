@@ -141,7 +141,10 @@ class ContrastiveTask(Task):
         streamed = wants_streaming(recipe.data)
         if streamed and for_training:
             _check_not_streamed(recipe)
-            check_stream_recipe(recipe.data, recipe.max_steps)
+            from vembed.components import loss_class
+            from vembed.losses.inputs import required_parts
+
+            check_stream_recipe(recipe.data, recipe.max_steps, required_parts(loss_class(recipe), recipe.loss_type))
         in_shards = held_out_shard_splits(recipe.data)  # read by load_eval_split from the shards (bounded)
         check_data_paths(recipe.data, [split for split in ("train", "validation", "test")
                                        if split not in in_shards and not (split == "train" and streamed)])
@@ -284,8 +287,12 @@ class ContrastiveTask(Task):
 
         recipe, data = self.recipe, self.recipe.data
         adapter_cls = MODELS.get(recipe.model_type)
+        from vembed.components import loss_class
+        from vembed.losses.inputs import record_lacks
+
         decoder = SampleDecoder(data.columns.model_dump(), data.image_root, data.num_hard_negatives or 0,
-                                adapter_cls.max_images_per_side, required_modalities=adapter_cls.modalities_per_record)
+                                adapter_cls.max_images_per_side, required_modalities=adapter_cls.modalities_per_record,
+                                lacks=record_lacks(loss_class(recipe), recipe.loss_type))
         collate = PairCollator(objective.adapter, labels=self._label_ids(), guide=objective.guide)
         return ShardStream(self.stream_backend, self.stream_shards, decoder, collate,
                            batch_size=recipe.batch_size, seed=recipe.seed, shuffle_buffer=data.shuffle_buffer)
