@@ -7,7 +7,7 @@ demo:
 
 test:
 	bash scripts/setup.sh dev
-	HF_HUB_OFFLINE=1 WANDB_MODE=offline .venv/bin/python -m pytest -q
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline .venv/bin/python -m pytest -q --durations=30
 
 setup:
 	bash scripts/setup.sh dev

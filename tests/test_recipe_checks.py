@@ -69,6 +69,7 @@ ELSEWHERE: dict[str, set[str]] = {
     "vembed/losses/contrastive.py": {"InfoNCELoss.from_recipe", "SigLIPLoss.from_recipe"},
     "vembed/losses/late_interaction.py": {"LateInteractionLoss.from_recipe"},
     "vembed/losses/metric_learning.py": {"SubCenterArcFaceLoss.from_recipe"},  # num_classes, after the task's check
+    "vembed/losses/pml.py": {"PMLLoss.from_recipe"},  # num_classes of a proxy loss, after the task's check
     "vembed/training/objective.py": {"parameter_groups"},  # layer_lr_decay on a model stage 6 could not build on meta
     "vembed/training/streamed.py": {"StreamedEpochs._check_compatible"},
     # --- not recipes: saved model folders, and command lines whose flag is not a literal ---

@@ -14,6 +14,8 @@ import yaml
 
 pytest.importorskip("pytorch_metric_learning")
 
+from vembed.errors import DataError  # noqa: E402
+
 VIT = {"model_type": "vit", "hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2,
        "num_attention_heads": 4, "image_size": 32, "patch_size": 8, "hidden_dropout_prob": 0.0,
        "attention_probs_dropout_prob": 0.0}
@@ -163,6 +165,7 @@ def test_a_pair_based_loss_saves_no_loss_state(digits, tmp_path):
     ("num_labels", "num_labels: is not used by metric learning"),
     ("head_init", "head_init: is not used by metric learning"),
     ("metric", "metric_for_best_model: 'accuracy' is not a retrieval metric"),
+    ("pml_argument", r"pml_arguments.gamma: MultiSimilarityLoss takes no argument 'gamma'; it takes: alpha, base"),
 ])
 def test_bad_input_stops_with_one_line_and_writes_nothing(digits, tmp_path, capsys, case, message):
     import re
@@ -176,6 +179,8 @@ def test_bad_input_stops_with_one_line_and_writes_nothing(digits, tmp_path, caps
         (tmp_path / "train.csv").write_text(rows)
     elif case in ("num_labels", "head_init"):
         raw.update({"num_labels": 3} if case == "num_labels" else {"head_init": "class_names"})
+    elif case == "pml_argument":
+        raw.update(loss_type="pml", pml_loss="MultiSimilarityLoss", pml_arguments={"gamma": 1})
     else:
         raw["metric_for_best_model"] = "accuracy"
     assert train(raw, tmp_path / "recipe.yaml") == 2
@@ -192,6 +197,31 @@ def test_a_class_of_one_image_is_fine_for_arcface(digits, tmp_path):
     raw = recipe(digits, tmp_path / "run", loss_type="subcenter_arcface",
                  data={"train": str(tmp_path / "train.csv"), "image_root": str(digits / "train")})
     check_recipe(recipe_from_dict(raw))
+
+
+def test_a_pml_proxy_loss_by_name_trains_its_proxies_and_final_restores_them(digits, tmp_path):
+    """`loss_type: pml` with a proxy loss: the proxies are sized from the data and the model, trained, saved in
+    final/'s loss.safetensors and rebuilt by `vembed.load` with the step's values; a class of one image is fine."""
+    import vembed
+    from vembed.components import recipe_from_dict
+    from vembed.recipe_checks import check_recipe
+    from vembed.training.loop import Trainer
+
+    raw = recipe(digits, tmp_path / "run", loss_type="pml", pml_loss="ProxyAnchorLoss",
+                 pml_arguments={"margin": 0.1, "alpha": 32}, max_steps=3)
+    trainer = Trainer(recipe_from_dict(raw))
+    trainer.run()
+    proxies = trainer.objective.loss.loss.proxies.detach()
+    assert proxies.shape == (3, 16)  # the digits' 3 classes, projection_dim 16
+    model = vembed.load(str(tmp_path / "run" / "final"), device="cpu")
+    assert torch.equal(model.loss.module.loss.proxies, proxies)
+    assert model.loss.config["name"] == "ProxyAnchorLoss" and model.loss.module.loss.margin == 0.1
+    (tmp_path / "train.csv").write_text("image,label\nzero/0.png,zero\nzero/10.png,zero\none/1.png,one\n")
+    one_image = {"train": str(tmp_path / "train.csv"), "image_root": str(digits / "train")}
+    check_recipe(recipe_from_dict({**raw, "data": one_image}))
+    with pytest.raises(DataError, match="loss_type pml needs two or more images"):  # a pair loss needs positives
+        check_recipe(recipe_from_dict({**raw, "data": one_image, "pml_loss": "MultiSimilarityLoss",
+                                       "pml_arguments": {}}))
 
 
 SPREAD = [0, 13, 25, 1, 14, 26, 2, 15]  # rows of the ImageFolder dataset from all three classes; 4 per rank

@@ -19,7 +19,7 @@ LOSSES: Registry[type[EmbeddingLoss]] = Registry(
 CLASSIFICATION_LOSSES: Registry = Registry("loss_type", modules=("vembed.losses.classification",))
 # Losses on labelled embeddings computed by pytorch-metric-learning (the metric_learning task): their own contract,
 # embeddings and class ids, and their own parameters (ArcFace's centres).
-METRIC_LOSSES: Registry = Registry("loss_type", modules=("vembed.losses.metric_learning",))
+METRIC_LOSSES: Registry = Registry("loss_type", modules=("vembed.losses.metric_learning", "vembed.losses.pml"))
 
 
 def build_loss(recipe: "Recipe") -> EmbeddingLoss:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 EXTRA = "metric-learning"  # setup.cfg's extra that installs pytorch-metric-learning
 
 
-def _pml_losses(loss_type: str) -> Any:
+def pml_losses(loss_type: str) -> Any:
     try:
         from pytorch_metric_learning import losses
     except ImportError:
@@ -41,7 +41,7 @@ def _pml_losses(loss_type: str) -> Any:
 def require_library(loss_type: str) -> None:
     """pytorch-metric-learning, which computes every loss here, checked with the recipe: the loss is built after the
     model, so a missing extra was found only once the weights were read."""
-    _pml_losses(loss_type)
+    pml_losses(loss_type)
 
 
 class MetricLossSettings(Settings):
@@ -75,7 +75,20 @@ class MetricLoss(nn.Module):
         labels = gather_no_grad(labels)
         # PML computes in the embeddings' dtype; autocast would run its matmuls in half precision.
         with torch.autocast(device_type=embeddings.device.type, enabled=False):
-            return self.loss(embeddings, labels)
+            return self.global_loss(embeddings, labels)
+
+    def global_loss(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The library's loss of the global batch (every rank's rows), in float32."""
+        return self.loss(embeddings, labels)
+
+    @classmethod
+    def check_recipe(cls, recipe: "Recipe") -> None:
+        """The loss's own rules beyond its Settings' (names it resolves in the library); none by default."""
+
+    @classmethod
+    def positives_needed(cls, settings: MetricLossSettings) -> bool:
+        """Whether every anchor needs another image of its class (`needs_positives`, which settings may decide)."""
+        return cls.needs_positives
 
     @classmethod
     def views_per_image(cls, settings: MetricLossSettings) -> int:
@@ -108,7 +121,7 @@ class SupConLoss(MetricLoss):
     def __init__(self, temperature: float = 0.1):
         super().__init__()
         self.settings = {"temperature": float(temperature)}
-        self.loss = _pml_losses("supcon").SupConLoss(temperature=float(temperature))
+        self.loss = pml_losses("supcon").SupConLoss(temperature=float(temperature))
 
     @classmethod
     def from_recipe(cls, recipe: "Recipe", **sizes: int | None) -> "SupConLoss":
@@ -132,7 +145,7 @@ class NTXentLoss(MetricLoss):
     def __init__(self, temperature: float = 0.07, positives: str = "labels"):
         super().__init__()
         self.settings = {"temperature": float(temperature), "positives": positives}
-        self.loss = _pml_losses("ntxent").NTXentLoss(temperature=float(temperature))
+        self.loss = pml_losses("ntxent").NTXentLoss(temperature=float(temperature))
 
     @classmethod
     def from_recipe(cls, recipe: "Recipe", **sizes: int | None) -> "NTXentLoss":
@@ -165,7 +178,7 @@ class SubCenterArcFaceLoss(MetricLoss):
         super().__init__()
         self.settings = {"num_classes": int(num_classes), "embedding_dim": int(embedding_dim),
                          "margin": float(margin), "scale": float(scale), "sub_centers": int(sub_centers)}
-        self.loss = _pml_losses("subcenter_arcface").SubCenterArcFaceLoss(
+        self.loss = pml_losses("subcenter_arcface").SubCenterArcFaceLoss(
             num_classes=int(num_classes), embedding_size=int(embedding_dim), margin=float(margin), scale=float(scale),
             sub_centers=int(sub_centers))
 

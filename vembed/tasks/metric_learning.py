@@ -125,13 +125,15 @@ class MetricLearningTask(Task):
                               f"{recipe.metric_for_best_model!r} is not a retrieval metric of labelled images; use "
                               f"one of: {', '.join(METRICS)}")
         require_library(recipe.loss_type)
+        loss_class(recipe).check_recipe(recipe)
         if data.train is not None:
             train = read_split(recipe, "train", None)
             declared = getattr(recipe.loss, "num_classes", None)
             if declared is not None and declared != len(train.names):
                 raise RecipeError("num_classes", f"is {declared} but {data.train} has {len(train.names)} classes; "
                                                  f"set num_classes: {len(train.names)} or remove it")
-            if loss_class(recipe).needs_positives and loss_class(recipe).views_per_image(recipe.loss) == 1:
+            loss = loss_class(recipe)
+            if loss.positives_needed(recipe.loss) and loss.views_per_image(recipe.loss) == 1:
                 check_positives(train, recipe.loss_type)
             for split in ("validation", "test"):
                 if getattr(data, split) is not None:
