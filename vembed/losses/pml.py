@@ -7,8 +7,9 @@
     miner_arguments: {epsilon: 0.1}
 
 The names and arguments are checked against the installed library's classes with the recipe, before any weight is
-read (an unknown name or argument, or a required one missing, is one line naming the key). `num_classes` and the embedding size (`embedding_size`, `descriptors_dim`) of
-proxy and class-centre losses are filled from the training data and the model, as sub-center ArcFace's are. A `distance`,
+read (an unknown name or argument, or a required one missing, is one line naming the key). `num_classes` and the
+embedding size (`embedding_size`, `descriptors_dim`) of proxy and class-centre losses are filled from the training
+data and the model, as sub-center ArcFace's are. A `distance`,
 `reducer` or `*_regularizer` argument given as a name is that PML class built with its defaults.
 
 Computed as every metric-learning loss here (vembed/losses/metric_learning.py): on the global batch gathered from
