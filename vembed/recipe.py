@@ -221,6 +221,10 @@ class DataConfig(_Strict):
     # Keep records sharing a text or image (query, positive or negative) out of one contrastive batch (all ranks
     # together), as sentence-transformers' no-duplicates sampler: a duplicate would be a false in-batch negative.
     no_duplicates: bool = False
+    # Labelled images (metric learning, classification): every batch holds this many images of each class it draws
+    # (class-balanced batches, as pytorch-metric-learning's MPerClassSampler), so a pair-based loss always finds
+    # positives; batch_size must be a multiple of it. Unset: a plain shuffle.
+    m_per_class: int | None = Field(default=None, ge=2)
     # Records sharing a `label` (data.columns.label) are not each other's in-batch negatives (InfoNCE, SigLIP): with
     # 10 classes at batch 64, most in-batch "negatives" would otherwise be the same class.
     mask_same_label: bool = True

@@ -76,6 +76,7 @@ def check_recipe(recipe: "Recipe", *, for_training: bool = True) -> None:
     task = check_components(recipe)
     check_keys(recipe, for_training=for_training)
     check_augmentation(recipe, task)
+    check_class_balance(recipe, task)
     task.check_gradient_cache(recipe)
     task.check_recipe(recipe, for_training=for_training)  # data files, model config, task-specific keys
     if for_training and recipe.layer_lr_decay is not None:
@@ -115,6 +116,24 @@ def check_augmentation(recipe: "Recipe", task: type["Task"]) -> None:
         readers = [name for name in TASKS.names() if TASKS.get(name).augments_images]
         raise RecipeError("augmentation", f"is read by the {' and '.join(readers)} task{'s' * (len(readers) > 1)} "
                                           f"only, but this recipe trains {task.name}; remove it")
+
+
+def check_class_balance(recipe: "Recipe", task: type["Task"]) -> None:
+    """Stage 3, continued: `data.m_per_class` is for the tasks whose records have a class
+    (`Task.class_balanced_batches`), and a batch holds whole classes."""
+    from vembed.tasks import TASKS
+
+    m = recipe.data.m_per_class
+    if m is None:
+        return
+    if not task.class_balanced_batches:
+        readers = [name for name in TASKS.names() if TASKS.get(name).class_balanced_batches]
+        raise RecipeError("data.m_per_class", f"balances batches of labelled images ({' and '.join(readers)}), but "
+                                              f"this recipe trains {task.name}; remove it")
+    if recipe.batch_size % m:
+        raise RecipeError("data.m_per_class", f"{m} images of a class per batch need a batch_size that is a "
+                                              f"multiple of {m} (each process's batch holds whole classes); "
+                                              f"batch_size is {recipe.batch_size}")
 
 
 def check_launch(recipe: "Recipe", kind: "LaunchKind", *, on_cpu: bool,

@@ -216,3 +216,57 @@ def test_no_duplicates_that_cannot_fill_a_batch_is_a_data_error():
     keys = _keys_from_texts([[f"query {i % 3}"] for i in range(30)])  # 3 distinct texts, batches of 4
     with pytest.raises(DataError, match="cannot fill a batch of 4 records without repeating"):
         list(SourceBatchSampler([(0, 30)], batch_size=4, world_size=1, duplicate_keys=keys))
+
+
+# --- class-balanced batches (data.m_per_class) -----------------------------------------------------------------------
+
+from vembed.data.sampler import MPerClassBatchSampler  # noqa: E402
+from vembed.errors import DataError  # noqa: E402
+
+# 7 classes of 6, 9, 5, 12, 7, 8 and 10 images, interleaved as an ImageFolder listing would not be (order is irrelevant)
+CLASS_SIZES = [6, 9, 5, 12, 7, 8, 10]
+CLASS_LABELS = [label for label, size in enumerate(CLASS_SIZES) for _ in range(size)][::-1]
+
+
+@pytest.mark.parametrize("m, batch_size, world_size", [(2, 4, 2), (3, 6, 2), (4, 8, 1), (2, 2, 3)])
+def test_every_global_batch_holds_m_of_each_class_and_each_rank_whole_classes(m, batch_size, world_size):
+    make = lambda: MPerClassBatchSampler(CLASS_LABELS, m, batch_size, world_size, seed=3)  # noqa: E731
+    shards = _sharded(make, epoch=1, world_size=world_size)
+    steps = len(CLASS_LABELS) // (batch_size * world_size)
+    assert [len(shard) for shard in shards] == [steps] * world_size  # as many steps as the plain shuffle
+    drawn = []
+    for step in range(steps):
+        global_batch = []
+        for rank in range(world_size):
+            labels = [CLASS_LABELS[i] for i in shards[rank][step]]
+            assert len(labels) == batch_size
+            counts = {label: labels.count(label) for label in labels}
+            assert set(counts.values()) == {m}, (step, rank, labels)  # whole classes, m images each, on each rank
+            global_batch += shards[rank][step]
+        classes = [CLASS_LABELS[i] for i in global_batch]
+        assert all(classes.count(c) == m for c in classes)  # no class split across two ranks' slices either
+        assert len(set(global_batch)) == len(global_batch)  # m distinct images (every class has at least m)
+        drawn += global_batch
+    for label, size in enumerate(CLASS_SIZES):  # each class's images come round evenly: a shuffled cycle per class
+        seen = [drawn.count(i) for i, found in enumerate(CLASS_LABELS) if found == label]
+        assert max(seen) - min(seen) <= 1, (label, seen)
+
+
+def test_class_balanced_order_is_a_function_of_seed_and_epoch_and_is_pinned():
+    sampler = MPerClassBatchSampler(CLASS_LABELS, 2, 4, 1, seed=11)
+    assert _order(sampler, 0) == _order(MPerClassBatchSampler(CLASS_LABELS, 2, 4, 1, seed=11), 0)
+    assert _order(sampler, 0) != _order(sampler, 1)
+    assert _order(sampler, 0) != _order(MPerClassBatchSampler(CLASS_LABELS, 2, 4, 1, seed=12), 0)
+    # Pinned: a change to the draws (which would silently change every resumed run's order) shows here.
+    assert _order(sampler, 0)[:3] == [[18, 24, 9, 5], [51, 54, 3, 4], [56, 55, 39, 40]]
+    tagged = MPerClassBatchSampler(CLASS_LABELS, 2, 4, 1, seed=11, tags_epochs=True)
+    assert _order(tagged, 2)[0] == [(2, i) for i in _order(sampler, 2)[0]]  # augmented images: (epoch, index)
+
+
+def test_data_that_cannot_fill_a_class_balanced_batch_is_one_line():
+    with pytest.raises(DataError, match=r"data.m_per_class is 6 but class 'two' has 5 image\(s\) \(1 class\(es\)"):
+        MPerClassBatchSampler(CLASS_LABELS, 6, 6, 1).check(names=["zero", "one", "two", "3", "4", "5", "6"])
+    MPerClassBatchSampler(CLASS_LABELS, 5, 10, 1).check()  # exactly the smallest class's count: fine
+    with pytest.raises(DataError, match=r"global batch of 32 with 8 classes, but the data has 7"):
+        MPerClassBatchSampler(CLASS_LABELS, 4, 16, 2).check()
+    MPerClassBatchSampler(CLASS_LABELS, 4, 14, 2).check()  # 7 classes: exactly enough

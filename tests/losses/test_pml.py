@@ -18,6 +18,7 @@ pytest.importorskip("pytorch_metric_learning")
 
 WORLD, B, IN, OUT, CLASSES = 2, 6, 12, 8, 4
 LABELS = torch.tensor([0, 1, 0, 2, 1, 3, 1, 0, 2, 3, 0, 1])  # some positives only on the other rank (classes 2, 3)
+BALANCED = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3])  # 3 of each class, as data.m_per_class: 3 gives
 MAX_RELATIVE_DIFFERENCE = 1e-5
 # Required arguments vembed cannot fill, as a user gives them.
 GIVEN = {"RankedListLoss": {"margin": 0.4, "Tn": 10}}
@@ -54,9 +55,10 @@ def _library(name: str, ours) -> nn.Module:
     return reference
 
 
-def _value_and_gradient(loss: nn.Module, embeddings: torch.Tensor, *extra) -> tuple[torch.Tensor, torch.Tensor]:
+def _value_and_gradient(loss: nn.Module, embeddings: torch.Tensor, *extra, labels: torch.Tensor = LABELS,
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     leaf = embeddings.clone().requires_grad_(True)
-    value = loss(leaf, LABELS, *extra)
+    value = loss(leaf, labels, *extra)
     value.backward()
     return value.detach(), leaf.grad
 
@@ -76,9 +78,12 @@ def test_every_selectable_library_loss_is_offered():
 @pytest.mark.parametrize("name", _selectable() if __import__("importlib").util.find_spec("pytorch_metric_learning")
                          else [])
 def test_each_loss_by_name_equals_the_librarys_own(name):
+    from vembed.losses.pml import EQUAL_CLASS_COUNTS
+
+    labels = BALANCED if name in EQUAL_CLASS_COUNTS else LABELS  # what data.m_per_class batches hold
     ours = _ours(name)
-    expected_value, expected_gradient = _value_and_gradient(_library(name, ours), _embeddings())
-    value, gradient = _value_and_gradient(ours, _embeddings())
+    expected_value, expected_gradient = _value_and_gradient(_library(name, ours), _embeddings(), labels=labels)
+    value, gradient = _value_and_gradient(ours, _embeddings(), labels=labels)
     torch.testing.assert_close(value, expected_value, rtol=1e-6, atol=1e-7, equal_nan=True)
     torch.testing.assert_close(gradient, expected_gradient, rtol=1e-6, atol=1e-7, equal_nan=True)
     assert ours.config["name"] == name
@@ -183,6 +188,8 @@ def test_two_ranks_give_the_loss_and_gradients_of_one_process_on_the_whole_batch
      "miner_arguments.margn", "TripletMarginMiner takes no argument 'margn' (did you mean margin?)"),
     ({"pml_loss": "TripletMarginLoss", "miner_arguments": {"margin": 0.2}}, "miner_arguments",
      "are given but miner is not"),
+    ({"pml_loss": "SmoothAPLoss"}, "pml_loss", "SmoothAPLoss needs the same number of images of every class in a "
+                                               "batch; set data.m_per_class"),
 ])
 def test_a_bad_name_or_argument_is_one_line_naming_the_key(changes, key, words):
     from vembed.components import recipe_from_dict

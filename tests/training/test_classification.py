@@ -229,6 +229,24 @@ def test_augmentation_is_refused_where_no_task_reads_it(tmp_path):
         check_recipe(parsed)
 
 
+def test_class_balanced_batches_are_refused_where_records_have_no_class_and_checked_against_the_classes(digits,
+                                                                                                      tmp_path):
+    from vembed.components import recipe_from_dict
+    from vembed.errors import DataError, RecipeError
+    from vembed.recipe_checks import check_recipe
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text('{"query": "a", "positive": "b"}\n')
+    parsed = recipe_from_dict({"model_type": "clip", "data": {"train": str(data), "m_per_class": 2}})
+    with pytest.raises(RecipeError, match="data.m_per_class: balances batches of labelled images \\(classification "
+                                          "and metric_learning\\), but this recipe trains contrastive"):
+        check_recipe(parsed)
+    raw = recipe(digits, tmp_path / "run")
+    check_recipe(recipe_from_dict(dict(raw, batch_size=12, data=dict(raw["data"], m_per_class=4))))
+    with pytest.raises(DataError, match="data.m_per_class is 13 but class"):  # the classifier's classes too
+        check_recipe(recipe_from_dict(dict(raw, batch_size=13, data=dict(raw["data"], m_per_class=13))))
+
+
 @pytest.mark.slow
 def test_zero3_on_two_ranks_trains_and_evaluates_as_one_process(digits, tmp_path):
     """`accelerate launch` with the shipped ZeRO-3 config (2 gloo ranks, 6 images each) against one process on the

@@ -166,6 +166,9 @@ def test_a_pair_based_loss_saves_no_loss_state(digits, tmp_path):
     ("head_init", "head_init: is not used by metric learning"),
     ("metric", "metric_for_best_model: 'accuracy' is not a retrieval metric"),
     ("pml_argument", r"pml_arguments.gamma: MultiSimilarityLoss takes no argument 'gamma'; it takes: alpha, base"),
+    ("m_per_class_batch", r"data.m_per_class: 4 images of a class per batch need a batch_size that is a multiple of 4"),
+    ("m_per_class_images", r"train: data.m_per_class is 13 but class '\w+' has 12 image\(s\) \(3 class\(es\)"),
+    ("m_per_class_views", r"data.m_per_class: balances classes, but with positives: views"),
 ])
 def test_bad_input_stops_with_one_line_and_writes_nothing(digits, tmp_path, capsys, case, message):
     import re
@@ -181,6 +184,11 @@ def test_bad_input_stops_with_one_line_and_writes_nothing(digits, tmp_path, caps
         raw.update({"num_labels": 3} if case == "num_labels" else {"head_init": "class_names"})
     elif case == "pml_argument":
         raw.update(loss_type="pml", pml_loss="MultiSimilarityLoss", pml_arguments={"gamma": 1})
+    elif case.startswith("m_per_class"):
+        m = {"m_per_class_batch": 4, "m_per_class_images": 13, "m_per_class_views": 2}[case]
+        raw.update(data=dict(raw["data"], m_per_class=m), batch_size=26 if m == 13 else 6)
+        if case == "m_per_class_views":
+            raw.update(loss_type="ntxent", positives="views")
     else:
         raw["metric_for_best_model"] = "accuracy"
     assert train(raw, tmp_path / "recipe.yaml") == 2
@@ -197,6 +205,42 @@ def test_a_class_of_one_image_is_fine_for_arcface(digits, tmp_path):
     raw = recipe(digits, tmp_path / "run", loss_type="subcenter_arcface",
                  data={"train": str(tmp_path / "train.csv"), "image_root": str(digits / "train")})
     check_recipe(recipe_from_dict(raw))
+
+
+def test_class_balanced_batches_train_every_step_on_m_of_each_class_and_resume_exactly(digits, tmp_path, monkeypatch):
+    """data.m_per_class through the loop: each step's batch holds m images of each class it draws (read from the
+    labels the loss receives), and a run stopped at a checkpoint and resumed across an epoch boundary ends with the
+    weights of the whole run."""
+    from interrupts import stop_after_checkpoint
+
+    from vembed.components import recipe_from_dict
+    from vembed.losses.metric_learning import SupConLoss
+    from vembed.training.loop import Trainer
+
+    seen: list[list[int]] = []
+    library_loss = SupConLoss.global_loss
+
+    def recording(self, embeddings, labels):  # the global batch's labels, as the loss receives them
+        seen.append(labels.tolist())
+        return library_loss(self, embeddings, labels)
+
+    def run(raw: dict) -> Trainer:
+        trainer = Trainer(recipe_from_dict(raw))
+        trainer.run()
+        return trainer
+
+    raw = recipe(digits, tmp_path / "whole", data=dict(recipe(digits, tmp_path)["data"], m_per_class=3),
+                 max_steps=8, save_steps=4, eval_steps=100)  # 6 steps an epoch: the resume crosses into epoch 1
+    monkeypatch.setattr(SupConLoss, "global_loss", recording)
+    whole = run(raw)
+    monkeypatch.undo()
+    assert len(seen) == 8 and all(sorted(batch.count(label) for label in set(batch)) == [3, 3] for batch in seen)
+    interrupted = dict(raw, output_dir=str(tmp_path / "interrupted"))
+    stop_after_checkpoint(lambda: run(interrupted), 4)
+    resumed = run(dict(interrupted, resume_from="auto"))
+    final = dict(resumed.objective.adapter.named_parameters())
+    for name, value in whole.objective.adapter.named_parameters():
+        assert torch.equal(final[name], value), name
 
 
 def test_a_pml_proxy_loss_by_name_trains_its_proxies_and_final_restores_them(digits, tmp_path):

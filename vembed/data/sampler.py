@@ -153,6 +153,82 @@ class SourceBatchSampler:
             yield batch
 
 
+class MPerClassBatchSampler:
+    """Class-balanced batches (`data.m_per_class`, pytorch-metric-learning's MPerClassSampler): every global batch
+    (`batch_size × world_size` images) holds `m` images of each of `global batch / m` classes, and each rank's slice
+    holds whole classes (`batch_size / m` of them), so a pair-based loss finds positives on every rank and in the
+    gathered batch.
+
+    Per global batch, its classes are drawn without replacement; each class gives its next `m` images from its own
+    shuffled cycle, so the images of a class are seen equally often. An epoch has `len(labels) // global batch`
+    steps, as the plain shuffle has. Everything is a function of (seed, epoch), so a resumed run replays the order;
+    with `tags_epochs` it yields `(epoch, index)` keys (augmented images)."""
+
+    drop_last = True
+
+    def __init__(self, labels: list[int], m: int, batch_size: int, world_size: int, seed: int = 0,
+                 tags_epochs: bool = False):
+        self.m, self.batch_size, self.world_size, self.seed = m, batch_size, world_size, seed
+        self.tags_epochs, self.epoch = tags_epochs, 0
+        self.global_batch = batch_size * world_size
+        self.classes_per_batch = self.global_batch // m
+        by_class: dict[int, list[int]] = {}
+        for index, label in enumerate(labels):
+            by_class.setdefault(int(label), []).append(index)
+        self.classes = sorted(by_class)
+        self.indices = [np.asarray(by_class[label], dtype=np.int64) for label in self.classes]
+        self.steps = len(labels) // self.global_batch
+
+    def check(self, file: str | None = None, names: list[str] | None = None) -> None:
+        """One line for data that cannot fill a class-balanced batch: too few classes, or a class with fewer than m
+        images."""
+        if len(self.classes) < self.classes_per_batch:
+            raise DataError(f"data.m_per_class: {self.m} images of each class fill a global batch of "
+                            f"{self.global_batch} with {self.classes_per_batch} classes, but the data has "
+                            f"{len(self.classes)}; lower batch_size or raise m_per_class", file=file)
+        small = [(label, len(found)) for label, found in zip(self.classes, self.indices) if len(found) < self.m]
+        if small:
+            label, count = small[0]
+            name = names[label] if names else label
+            raise DataError(f"data.m_per_class is {self.m} but class {name!r} has {count} image(s) ({len(small)} "
+                            f"class(es) have fewer than {self.m}); lower m_per_class or add images", file=file)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.steps * self.world_size
+
+    def _generator(self, purpose: int, item: int = 0, cycle: int = 0) -> np.random.Generator:
+        return np.random.default_rng([self.seed % 2**63, self.epoch, purpose, item, cycle])
+
+    def _draws(self, number: int) -> Iterator[list[int]]:
+        """Class `number`'s images, m distinct ones at a time, from a fresh order each pass over the class: a draw
+        that crosses into the next pass takes that pass's first images that are not already in it."""
+        images, left = self.indices[number], []
+        for cycle in itertools.count():
+            order = images[self._generator(1, number, cycle).permutation(len(images))].tolist()
+            if left:
+                fill = [index for index in order if index not in left][: self.m - len(left)]
+                yield left + fill
+                order = [index for index in order if index not in fill]
+            while len(order) >= self.m:
+                yield order[: self.m]
+                order = order[self.m :]
+            left = order
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        draws = [self._draws(number) for number in range(len(self.classes))]
+        per_rank = self.batch_size
+        for step in range(self.steps):
+            chosen = self._generator(0, step).choice(len(self.classes), self.classes_per_batch, replace=False)
+            batch = [index for number in chosen.tolist() for index in next(draws[number])]
+            if self.tags_epochs:
+                batch = [(self.epoch, index) for index in batch]
+            for rank in range(self.world_size):
+                yield batch[rank * per_rank : (rank + 1) * per_rank]
+
+
 def _ints(order: "torch.Tensor | np.ndarray", chunk: int = 65536) -> Iterator[int]:
     """The values of a permutation as Python ints, a chunk at a time: the order stays one 8-byte-per-row array, not a
     list of n Python ints (~38 bytes per row: 190 MB for 5 M rows, per rank)."""

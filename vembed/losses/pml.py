@@ -41,9 +41,9 @@ NOT_SELECTABLE = {
     "GenericPairLoss": "a base class, not a loss",
     "VICRegLoss": "self-supervised: it takes two views' embeddings and no labels (use ntxent with positives: views)",
     "ManifoldLoss": "it takes no labels (an unsupervised loss on the embeddings' manifold)",
-    "SmoothAPLoss": "it needs the same number of images of every class in each batch, which vembed's batches do not "
-                    "promise",
 }
+# Losses that need every class of a batch equally often: class-balanced batches (data.m_per_class) give that.
+EQUAL_CLASS_COUNTS = ("SmoothAPLoss",)
 # Constructor arguments vembed fills: the classes of data.train, and the size of the model's embeddings.
 FROM_THE_DATA = ("num_classes",)
 FROM_THE_MODEL = ("embedding_size", "descriptors_dim")
@@ -176,6 +176,9 @@ class PMLLoss(MetricLoss):
         problem = name_problem(settings.pml_loss, losses, "pytorch-metric-learning loss")
         if problem:
             raise RecipeError("pml_loss", problem)
+        if settings.pml_loss in EQUAL_CLASS_COUNTS and not recipe.data.m_per_class:
+            raise RecipeError("pml_loss", f"{settings.pml_loss} needs the same number of images of every class in a "
+                                          "batch; set data.m_per_class (class-balanced batches)")
         problem = argument_problem("pml_arguments", losses[settings.pml_loss], settings.pml_arguments,
                                    FROM_THE_DATA + FROM_THE_MODEL)
         if problem:

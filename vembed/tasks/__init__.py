@@ -40,6 +40,8 @@ class Task:
     no_gradient_cache: ClassVar[str | None] = None
     # The task's training collation reads `augmentation:` (vembed/data/augment.py).
     augments_images: ClassVar[bool] = False
+    # Its training data has a class per record, so batches can be class-balanced (data.m_per_class).
+    class_balanced_batches: ClassVar[bool] = False
     # Its loss scores the gathered global batch against itself (a batch x batch matrix): `vembed plan` counts it.
     batch_wide_loss: ClassVar[bool] = False
     # What `vembed plan` calls the global batch.

@@ -42,6 +42,16 @@ class ClassificationObjective(nn.Module):
         return self.loss(self.adapter.classify(batch["inputs"]), batch["labels"])
 
 
+def check_class_balance(data: "LabelledImages", recipe: "Recipe") -> None:
+    """data.m_per_class against the labelled images: each class has m images, and there are classes enough for one
+    process's batch (the launch checks the global batch once its size is known)."""
+    if recipe.data.m_per_class:
+        from vembed.data.sampler import MPerClassBatchSampler
+
+        sampler = MPerClassBatchSampler(data.labels, recipe.data.m_per_class, recipe.batch_size, 1)
+        sampler.check(file=data.source, names=list(data.names))
+
+
 class LabelledImageDataset(Dataset):
     """`dataset[i]` or `dataset[(epoch, i)]` -> `((epoch, i), image, label)` (a path, a lazily opened image or cached
     pixels: `LabelledImages.image`): the key is what the training
@@ -59,6 +69,14 @@ class LabelledImageDataset(Dataset):
     def __getitem__(self, key: int | tuple[int, int]) -> tuple[tuple[int, int], Any, int]:
         epoch, index = key if isinstance(key, tuple) else (0, key)
         return (epoch, index), self.data.image(index), self.data.labels[index]
+
+    def class_labels(self) -> list[int]:
+        """Each image's class id (what data.m_per_class balances batches on)."""
+        return list(self.data.labels)
+
+    @property
+    def class_names(self) -> list[str]:
+        return list(self.data.names)
 
 
 class ClassificationCollator:
@@ -135,6 +153,7 @@ def class_names(recipe: "Recipe") -> list[str]:
 class ClassificationTask(Task):
     name = "classification"
     augments_images = True
+    class_balanced_batches = True  # data.m_per_class: each record has a class
     no_gradient_cache = "is not supported for classification; remove it"
 
     @classmethod
@@ -159,6 +178,8 @@ class ClassificationTask(Task):
         model_class(recipe).check_recipe(recipe)  # the backbone's config; a text tower for head_init: class_names
         if data.train is not None:
             names = class_names(recipe)
+            if data.m_per_class:
+                check_class_balance(read_split(recipe, "train", names), recipe)
             for split in ("validation", "test"):
                 if getattr(data, split) is not None:
                     read_split(recipe, split, names)

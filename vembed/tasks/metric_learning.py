@@ -17,7 +17,13 @@ from torch import nn
 
 from vembed.errors import DataError, RecipeError
 from vembed.tasks import TASKS, Task
-from vembed.tasks.classification import ClassificationCollator, LabelledImageDataset, read_split, with_image_cache
+from vembed.tasks.classification import (
+    ClassificationCollator,
+    LabelledImageDataset,
+    check_class_balance,
+    read_split,
+    with_image_cache,
+)
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -94,6 +100,7 @@ class MetricLearningTask(Task):
     name = "metric_learning"
     batch_wide_loss = True  # pairs and triplets over the batch gathered from every rank (vembed/losses/metric_learning.py)
     augments_images = True  # crops and flips; mixup/cutmix mix labels, which these losses do not take
+    class_balanced_batches = True  # data.m_per_class: each record has a class
     no_gradient_cache = ("is not used by metric learning (it trains embeddings, with no classification head); "
                          "remove it")
 
@@ -133,6 +140,10 @@ class MetricLearningTask(Task):
                 raise RecipeError("num_classes", f"is {declared} but {data.train} has {len(train.names)} classes; "
                                                  f"set num_classes: {len(train.names)} or remove it")
             loss = loss_class(recipe)
+            if data.m_per_class and loss.views_per_image(recipe.loss) > 1:
+                raise RecipeError("data.m_per_class", "balances classes, but with positives: views each image is its "
+                                                      "own class; remove one of them")
+            check_class_balance(train, recipe)
             if loss.positives_needed(recipe.loss) and loss.views_per_image(recipe.loss) == 1:
                 check_positives(train, recipe.loss_type)
             for split in ("validation", "test"):

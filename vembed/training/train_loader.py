@@ -1,7 +1,7 @@
 """The training DataLoader of one stage, and how many batches each process takes from it per epoch.
 
-Which sampler draws the batches is decided here: named sources (one source per step, the same on every rank) or
-data.no_duplicates take a batch sampler; else the plain per-epoch shuffle with whole batches only.
+Which sampler draws the batches is decided here: named sources (one source per step, the same on every rank),
+data.no_duplicates or data.m_per_class take a batch sampler; else the plain per-epoch shuffle with whole batches only.
 """
 
 from __future__ import annotations
@@ -24,9 +24,12 @@ def train_loader(dataset: Any, collate: Any, recipe: "Recipe", num_processes: in
 
     from vembed.data.sampler import EpochShuffleSampler, build_batch_sampler
 
-    batch_sampler = build_batch_sampler(dataset, recipe.batch_size, num_processes, recipe.seed,
-                                        stage=stage.index, weights=stage.weights, only=stage.only,
-                                        no_duplicates=recipe.data.no_duplicates)
+    if recipe.data.m_per_class:  # labelled images (the tasks that declare class_balanced_batches)
+        batch_sampler = class_balanced_sampler(dataset, recipe, num_processes)
+    else:
+        batch_sampler = build_batch_sampler(dataset, recipe.batch_size, num_processes, recipe.seed,
+                                            stage=stage.index, weights=stage.weights, only=stage.only,
+                                            no_duplicates=recipe.data.no_duplicates)
     common = dict(collate_fn=collate, num_workers=recipe.data.num_workers,
                   persistent_workers=recipe.data.num_workers > 0,  # not re-forked (model and all) every epoch
                   pin_memory=torch.cuda.is_available(),
@@ -39,6 +42,16 @@ def train_loader(dataset: Any, collate: Any, recipe: "Recipe", num_processes: in
     sampler = EpochShuffleSampler(len(dataset), seed=recipe.seed, tags_epochs=getattr(dataset, "tags_epochs", False))
     # drop_last: every rank must gather equally many embeddings
     return DataLoader(dataset, batch_size=recipe.batch_size, sampler=sampler, drop_last=True, **common), None
+
+
+def class_balanced_sampler(dataset: Any, recipe: "Recipe", num_processes: int) -> Any:
+    """`data.m_per_class` batches over the dataset's class labels, checked against this launch's global batch."""
+    from vembed.data.sampler import MPerClassBatchSampler
+
+    sampler = MPerClassBatchSampler(dataset.class_labels(), recipe.data.m_per_class, recipe.batch_size, num_processes,
+                                    recipe.seed, tags_epochs=getattr(dataset, "tags_epochs", False))
+    sampler.check(file=str(recipe.data.train), names=getattr(dataset, "class_names", None))
+    return sampler
 
 
 def batches_per_process(num_batches: int, num_processes: int) -> int:
