@@ -53,3 +53,28 @@ def test_small_chunks_give_the_same_numbers(monkeypatch):
     whole = retrieval_metrics(embeddings, labels)
     monkeypatch.setattr(module, "_CHUNK_CELLS", 7 * 40)  # 7 queries a chunk
     assert retrieval_metrics(embeddings, labels) == whole
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_query_gallery_metrics_equal_pytorch_metric_learning_with_a_separate_reference(seed):
+    """The In-Shop protocol: queries searched against a gallery they are not part of (PML's ref_includes_query=False);
+    a query whose class the gallery lacks counts in no average, as in PML."""
+    import torch
+    from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
+
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(12, 16))
+    query_labels, gallery_labels = rng.integers(0, 10, size=60), rng.integers(0, 10, size=140)
+    query_labels[:3] = 11  # a class only the queries have
+    queries = (rng.normal(size=(60, 16)) + 1.2 * centres[query_labels]).astype(np.float32)
+    gallery = (rng.normal(size=(140, 16)) + 1.2 * centres[gallery_labels]).astype(np.float32)
+    ours = retrieval_metrics(queries, query_labels, reference_embeddings=gallery, reference_labels=gallery_labels)
+    calculator = AccuracyCalculator(include=("precision_at_1", "r_precision", "mean_average_precision_at_r"),
+                                    device=torch.device("cpu"))
+    theirs = calculator.get_accuracy(queries, query_labels, gallery, gallery_labels, ref_includes_query=False)
+    for key in ("precision_at_1", "r_precision", "mean_average_precision_at_r"):
+        assert ours[key] == pytest.approx(theirs[key], rel=1e-12, abs=1e-12), key
+    assert 0.1 < ours["mean_average_precision_at_r"] < 0.9
+    assert (ours["num_queries"], ours["num_gallery"], ours["num_gallery_classes"]) == (57, 140, 10)
+    loo = retrieval_metrics(queries, query_labels)
+    assert loo["precision_at_1"] != ours["precision_at_1"]  # the gallery, not the other queries, is searched

@@ -87,6 +87,46 @@ def saved_model_metrics(run: Path, digits: Path) -> dict:
     return retrieval_metrics(embeddings, data.labels)
 
 
+def test_a_query_set_and_a_gallery_are_evaluated_as_the_saved_model_searches_the_gallery(digits, tmp_path):
+    """data.validation: {query, gallery}: each validation image searched among the gallery's (the training images
+    here, with their own class ids until matched by name), as pytorch-metric-learning's ref_includes_query=False."""
+    import vembed
+    from vembed.data.labelled import read_labelled_images
+    from vembed.evaluation.metric_learning import retrieval_metrics
+
+    query, gallery = str(digits / "validation" / "labels.csv"), str(digits / "train")
+    raw = recipe(digits, tmp_path / "run", eval_steps=3, data={"train": str(digits / "train"), "validation": {
+        "query": query, "gallery": gallery}})
+    assert train(raw, tmp_path / "recipe.yaml") == 0
+    validation = json.loads((tmp_path / "run" / "metrics.json").read_text())["validation"]
+    assert (validation["num_queries"], validation["num_gallery"], validation["num_gallery_classes"]) == (18, 36, 3)
+
+    model = vembed.load(str(tmp_path / "run" / "final"), device="cpu")
+    queries, references = (read_labelled_images(path, "x") for path in (query, gallery))
+    assert queries.names == references.names  # one name per id here, so the saved ids can be compared directly
+    again = retrieval_metrics(model.encode(images=[queries.image(i) for i in range(len(queries))]).numpy(),
+                              queries.labels, reference_embeddings=model.encode(
+                                  images=[references.image(i) for i in range(len(references))]).numpy(),
+                              reference_labels=references.labels)
+    for key in ("precision_at_1", "recall_at_4", "r_precision", "mean_average_precision_at_r"):
+        assert again[key] == pytest.approx(validation[key], abs=1e-6), key
+
+
+@pytest.mark.parametrize("validation, words", [
+    ({"query": "q", "shelf": "g"}, "or a query set and a gallery: {query: ..., gallery: ...}"),
+    ({"query": ["a", "b"], "gallery": "g"}, "query and gallery each take one ImageFolder directory"),
+])
+def test_a_held_out_split_of_other_sets_is_refused_naming_the_split(digits, tmp_path, validation, words):
+    from vembed.components import recipe_from_dict
+    from vembed.errors import RecipeError
+    from vembed.recipe_checks import check_recipe
+
+    raw = recipe(digits, tmp_path / "run", data={"train": str(digits / "train"), "validation": validation})
+    with pytest.raises(RecipeError, match="data.validation: ") as refused:
+        check_recipe(recipe_from_dict(raw))
+    assert words in str(refused.value)
+
+
 def test_arcface_centres_are_trained_checkpointed_and_resumed(digits, tmp_path):
     from interrupts import stop_after_checkpoint
 

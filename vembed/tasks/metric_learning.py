@@ -10,8 +10,10 @@ classes): its labels are only compared with each other.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -98,7 +100,7 @@ def check_positives(data: "LabelledImages", loss_type: str) -> None:
 @TASKS.register("metric_learning")
 class MetricLearningTask(Task):
     name = "metric_learning"
-    batch_wide_loss = True  # pairs and triplets over the batch gathered from every rank (vembed/losses/metric_learning.py)
+    batch_wide_loss = True  # pairs and triplets over the batch gathered from every rank (losses/metric_learning.py)
     augments_images = True  # crops and flips; mixup/cutmix mix labels, which these losses do not take
     class_balanced_batches = True  # data.m_per_class: each record has a class
     no_gradient_cache = ("is not used by metric learning (it trains embeddings, with no classification head); "
@@ -119,9 +121,16 @@ class MetricLearningTask(Task):
             raise RecipeError("data.streaming", "metric learning reads its labelled images whole; "
                                                 "remove it")
         for split in ("train", "validation", "test"):
-            if isinstance(getattr(data, split), (dict, list)):
+            value = getattr(data, split)
+            query_gallery = split != "train" and isinstance(value, dict) and set(value) == set(QUERY_GALLERY)
+            if isinstance(value, list) or (isinstance(value, dict) and not query_gallery):
                 raise RecipeError(f"data.{split}", "metric learning takes one ImageFolder directory, CSV/JSONL "
-                                                   "file or `datasets` folder/Parquet file per split")
+                                                   "file or `datasets` folder/Parquet file per split"
+                                                   + ("" if split == "train" else ", or a query set and a gallery: "
+                                                      "{query: ..., gallery: ...}"))
+            if query_gallery and any(not isinstance(value[part].files, str) for part in QUERY_GALLERY):
+                raise RecipeError(f"data.{split}", "query and gallery each take one ImageFolder directory, CSV/JSONL "
+                                                   "file or `datasets` folder/Parquet file")
         for key, value in (("stages", recipe.stages), ("num_labels", recipe.model.num_labels),
                            ("head_init", recipe.model.head_init != "random")):
             if value:
@@ -148,7 +157,7 @@ class MetricLearningTask(Task):
                 check_positives(train, recipe.loss_type)
             for split in ("validation", "test"):
                 if getattr(data, split) is not None:
-                    read_split(recipe, split, None)
+                    read_held_out(recipe, split)
 
     def load_train_data(self) -> "LabelledImages":
         self.train_data = read_split(self.recipe, "train", None)
@@ -180,27 +189,74 @@ class MetricLearningTask(Task):
                     ClassificationCollator(objective.adapter, recipe.augmentation, recipe.seed))
         return RowsOfImages(self.train_data), ViewsCollator(objective.adapter, views, recipe.augmentation, recipe.seed)
 
-    def held_out_images(self, data: "LabelledImages | None") -> list[Any]:
+    def held_out_images(self, data: "LabelledImages | QueryGallery | None") -> list[Any]:
+        if isinstance(data, QueryGallery):
+            return self.held_out_images(data.query) + self.held_out_images(data.gallery)
         return [data.image(i) for i in range(len(data))] if data else []
 
-    def load_eval_split(self, split: str) -> "LabelledImages | None":
+    def load_eval_split(self, split: str) -> "LabelledImages | QueryGallery | None":
         if getattr(self.recipe.data, split) is None:
             return None
-        return read_split(self.recipe, split, None).head(self.recipe.data.eval_max_samples)
+        return read_held_out(self.recipe, split).head(self.recipe.data.eval_max_samples)
 
-    def evaluate(self, model: nn.Module, data: "LabelledImages | None", accelerator: "Accelerator",
+    def evaluate(self, model: nn.Module, data: "LabelledImages | QueryGallery | None", accelerator: "Accelerator",
                  prepared: nn.Module | None = None) -> dict[str, Any]:
         """Every rank embeds the whole split (ZeRO-3 needs every rank in each forward); all get the same metrics."""
         from vembed.evaluation.metric_learning import retrieval_metrics
 
         if not data:
             return {}
-        embeddings = embed_images(model, data, accelerator, self.recipe.resolved_eval_batch_size, prepared)
+        size = self.recipe.resolved_eval_batch_size
+        if isinstance(data, QueryGallery):
+            queries = embed_images(model, data.query, accelerator, size, prepared)
+            gallery = embed_images(model, data.gallery, accelerator, size, prepared)
+            return retrieval_metrics(queries.numpy(), np.asarray(data.query.labels),
+                                     reference_embeddings=gallery.numpy(),
+                                     reference_labels=np.asarray(data.gallery.labels))
+        embeddings = embed_images(model, data, accelerator, size, prepared)
         return retrieval_metrics(embeddings.numpy(), torch.tensor(data.labels).numpy())
 
     def headline(self, metrics: dict[str, Any]) -> str:
         return "  ".join(f"{k}={metrics[k]:.4f}" for k in ("recall_at_1", "recall_at_4", "mean_average_precision_at_r")
                          if k in metrics)
+
+
+# A held-out split given as {query: ..., gallery: ...}: each query image is searched in the gallery (In-Shop style).
+QUERY_GALLERY = ("query", "gallery")
+
+
+@dataclass
+class QueryGallery:
+    """A held-out split of two sets, their labels mapped onto one list of class names."""
+
+    query: "LabelledImages"
+    gallery: "LabelledImages"
+
+    def __bool__(self) -> bool:
+        return bool(self.query) and bool(self.gallery)
+
+    def head(self, limit: int | None) -> "QueryGallery":
+        return QueryGallery(self.query.head(limit), self.gallery.head(limit))
+
+
+def read_held_out(recipe: "Recipe", split: str) -> "LabelledImages | QueryGallery":
+    """A held-out split: one set searched leave-one-out, or a query set and a gallery, whose class names are matched
+    by name (each set's ids are its own until then)."""
+    from dataclasses import replace
+
+    from vembed.data.labelled import read_labelled_images
+
+    value, data = getattr(recipe.data, split), recipe.data
+    if not isinstance(value, dict):
+        return read_split(recipe, split, None)
+    parts = {part: read_labelled_images(value[part].files, f"data.{split}.{part}", label_column=data.columns.label,
+                                        image_root=value[part].image_root or data.image_root,
+                                        max_bad_fraction=data.max_bad_fraction) for part in QUERY_GALLERY}
+    names = sorted({name for part in parts.values() for name in part.names})
+    ids = {name: i for i, name in enumerate(names)}
+    mapped = {key: replace(part, names=names, labels=[ids[part.names[label]] for label in part.labels])
+              for key, part in parts.items()}
+    return QueryGallery(mapped["query"], mapped["gallery"])
 
 
 def embed_images(model: nn.Module, data: "LabelledImages", accelerator: "Accelerator", batch_size: int,
