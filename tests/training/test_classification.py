@@ -33,7 +33,8 @@ def test_trains_saves_and_the_saved_model_classifies_as_the_run_measured(digits,
     assert set(validation["per_class"]) == set(CLASSES) and validation["num_samples"] == 18
     assert sum(map(sum, validation["confusion_matrix"]["counts"])) == 18
     assert metrics["train"]["loss"] == {"name": "CrossEntropyLoss", "label_smoothing": 0.1}
-    assert (tmp_path / "run" / "confusion_matrix.png").is_file()
+    assert (tmp_path / "run" / "confusion_matrix.png").is_file() and (tmp_path / "run" / "reliability.png").is_file()
+    assert 0 <= validation["ece"] <= 1 and validation["nll"] > 0 and len(validation["calibration"]) == 15
 
     model = load_adapter(tmp_path / "run" / "final").eval()
     assert model.settings.label_names == sorted(CLASSES) and model.settings.num_labels == 3

@@ -1,6 +1,9 @@
 """Classification metrics from class scores: top-1/top-k accuracy, the confusion matrix, per-class precision,
 recall and F1 with their macro and micro averages, and the most-confused class pairs (as scikit-learn defines them,
-with 0 where a ratio has no denominator; tests/evaluation/test_classification_metrics.py checks them against it)."""
+with 0 where a ratio has no denominator; tests/evaluation/test_classification_metrics.py checks them against it); and
+calibration, from the softmax of the scores: the negative log-likelihood (scikit-learn's log_loss) and the expected
+calibration error over equal-width confidence bins (torchmetrics' L1 `multiclass_calibration_error`), with the bins
+a reliability diagram draws."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from typing import Any
 import numpy as np
 
 MOST_CONFUSED = 10  # class pairs reported
+CALIBRATION_BINS = 15  # equal-width confidence bins of the ECE (the usual choice since Guo et al. 2017)
 
 
 def confusion_matrix(labels: np.ndarray, predictions: np.ndarray, num_classes: int) -> np.ndarray:
@@ -52,11 +56,72 @@ def classification_metrics(scores: np.ndarray, labels: np.ndarray, names: list[s
         "micro_f1": float(_ratio(2 * tp.sum(), predicted.sum() + actual.sum())),
         "num_samples": int(len(labels)),
     }
+    metrics.update(calibration_metrics(scores, labels))
     metrics["per_class"] = {name: {"precision": float(precision[i]), "recall": float(recall[i]),
                                    "f1": float(f1[i]), "support": int(actual[i])} for i, name in enumerate(names)}
     metrics["confusion_matrix"] = {"labels": list(names), "counts": counts.tolist()}
     metrics["most_confused"] = most_confused(counts, names)
     return metrics
+
+
+def softmax(scores: np.ndarray) -> np.ndarray:
+    shifted = scores - scores.max(axis=1, keepdims=True)
+    exp = np.exp(shifted)
+    return exp / exp.sum(axis=1, keepdims=True)
+
+
+def calibration_metrics(scores: np.ndarray, labels: np.ndarray, bins: int = CALIBRATION_BINS) -> dict[str, Any]:
+    """`nll`: mean -log p(true class); `ece`: sum over confidence bins of |accuracy - mean confidence| weighted by
+    the bin's share of samples (confidence: the top class's probability; bins (lower, upper]); `calibration`: each
+    bin's edges, count, accuracy and mean confidence (empty bins too, for the diagram)."""
+    if not len(labels):
+        return {"nll": float("nan"), "ece": float("nan"), "calibration": []}
+    probabilities = softmax(scores)
+    true = probabilities[np.arange(len(labels)), labels]
+    nll = float(-np.log(np.clip(true, np.finfo(np.float64).tiny, None)).mean())
+    confidence, correct = probabilities.max(axis=1), probabilities.argmax(axis=1) == labels
+    edges = np.linspace(0.0, 1.0, bins + 1)
+    which = np.clip(np.searchsorted(edges, confidence, side="left") - 1, 0, bins - 1)  # (lower, upper]
+    table, ece = [], 0.0
+    for b in range(bins):
+        inside = which == b
+        count = int(inside.sum())
+        accuracy = float(correct[inside].mean()) if count else 0.0
+        mean_confidence = float(confidence[inside].mean()) if count else 0.0
+        ece += count / len(labels) * abs(accuracy - mean_confidence)
+        table.append({"lower": float(edges[b]), "upper": float(edges[b + 1]), "count": count, "accuracy": accuracy,
+                      "confidence": mean_confidence})
+    return {"nll": nll, "ece": float(ece), "calibration": table}
+
+
+def plot_reliability(calibration: list[dict[str, Any]], path: str | Path, title: str = "") -> Path | None:
+    """A PNG reliability diagram: each confidence bin's accuracy against the diagonal of perfect calibration, with
+    the share of samples per bin below."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from vembed.evaluation.plots import _save
+
+    if not calibration or not sum(b["count"] for b in calibration):
+        return None
+    fig = Figure(figsize=(5, 6.5))
+    FigureCanvasAgg(fig)
+    top, bottom = fig.subplots(2, 1, gridspec_kw={"height_ratios": (3, 1)})
+    centres = [(b["lower"] + b["upper"]) / 2 for b in calibration]
+    width = calibration[0]["upper"] - calibration[0]["lower"]
+    top.bar(centres, [b["accuracy"] for b in calibration], width=width, edgecolor="black", label="accuracy")
+    top.plot([0, 1], [0, 1], linestyle="--", color="grey", label="perfectly calibrated")
+    top.set_xlim(0, 1)
+    top.set_ylim(0, 1)
+    top.set_ylabel("accuracy")
+    top.legend(loc="upper left")
+    top.set_title(title or "reliability")
+    total = sum(b["count"] for b in calibration)
+    bottom.bar(centres, [b["count"] / total for b in calibration], width=width, color="grey")
+    bottom.set_xlim(0, 1)
+    bottom.set_xlabel("confidence (top class's probability)")
+    bottom.set_ylabel("share")
+    return _save(fig, path)
 
 
 def most_confused(counts: np.ndarray, names: list[str], limit: int = MOST_CONFUSED) -> list[dict[str, Any]]:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 METRICS = ("accuracy", "top5_accuracy", "macro_f1", "micro_f1", "macro_precision", "macro_recall")
 CONFUSION_PNG = "confusion_matrix.png"
+RELIABILITY_PNG = "reliability.png"  # the held-out split's calibration: accuracy per confidence bin
 
 
 class ClassificationObjective(nn.Module):
@@ -248,12 +249,15 @@ class ClassificationTask(Task):
         return None
 
     def plots(self, metrics: dict[str, Any], output_dir: Path) -> list[Path]:
-        from vembed.evaluation.classification import plot_confusion_matrix
+        from vembed.evaluation.classification import plot_confusion_matrix, plot_reliability
 
         split = "test" if metrics.get("test") else "validation"
-        confusion = (metrics.get(split) or {}).get("confusion_matrix")
-        if not confusion:
+        report = metrics.get(split) or {}
+        if not report.get("confusion_matrix"):
             return []
-        path = plot_confusion_matrix(confusion, output_dir / CONFUSION_PNG,
-                                     title=f"{split}: accuracy {metrics[split]['accuracy']:.3f}")
-        return [path] if path is not None else []
+        paths = [plot_confusion_matrix(report["confusion_matrix"], output_dir / CONFUSION_PNG,
+                                       title=f"{split}: accuracy {report['accuracy']:.3f}"),
+                 plot_reliability(report.get("calibration") or [], output_dir / RELIABILITY_PNG,
+                                  title=f"{split}: ECE {report.get('ece', float('nan')):.3f}, NLL "
+                                        f"{report.get('nll', float('nan')):.3f}")]
+        return [path for path in paths if path is not None]
