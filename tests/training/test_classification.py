@@ -230,6 +230,40 @@ def test_augmentation_is_refused_where_no_task_reads_it(tmp_path):
         check_recipe(parsed)
 
 
+def test_a_frozen_backbone_is_a_linear_probe_whose_backbone_stays_as_loaded(digits, tmp_path):
+    """freeze_backbone: the head trains, the backbone's weights end as they were built (and final/ holds them);
+    without it, the same steps move the backbone (so the test sees the switch)."""
+    from vembed.components import recipe_from_dict
+    from vembed.training.loop import Trainer
+
+    moved = {}
+    for frozen in (True, False):
+        trainer = Trainer(recipe_from_dict(recipe(digits, tmp_path / f"run-{frozen}", freeze_backbone=frozen,
+                                                  max_steps=3)))
+        trainer.build()
+        adapter = trainer.objective.adapter
+        before = {name: p.detach().clone() for name, p in adapter.named_parameters()}
+        trainer.run()
+        after = dict(trainer.objective.adapter.named_parameters())
+        moved[frozen] = {name for name, value in before.items() if not torch.equal(after[name], value)}
+    assert moved[True] == {"classifier.weight", "classifier.bias"}
+    assert {"classifier.weight", "classifier.bias"} < moved[False] and any(n.startswith("model.") for n in moved[False])
+
+
+@pytest.mark.parametrize("changes, key", [
+    ({"use_lora": True}, "use_lora"),
+    ({"gradient_checkpointing": True}, "gradient_checkpointing"),
+])
+def test_a_frozen_backbone_refuses_what_would_train_or_recompute_it(digits, tmp_path, changes, key):
+    from vembed.components import recipe_from_dict
+    from vembed.errors import RecipeError
+    from vembed.recipe_checks import check_recipe
+
+    with pytest.raises(RecipeError) as refused:
+        check_recipe(recipe_from_dict(recipe(digits, tmp_path / "run", freeze_backbone=True, **changes)))
+    assert refused.value.key == key and "freeze_backbone keeps as loaded" in str(refused.value)
+
+
 def test_class_balanced_batches_are_refused_where_records_have_no_class_and_checked_against_the_classes(digits,
                                                                                                       tmp_path):
     from vembed.components import recipe_from_dict

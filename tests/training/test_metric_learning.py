@@ -209,6 +209,7 @@ def test_a_pair_based_loss_saves_no_loss_state(digits, tmp_path):
     ("m_per_class_batch", r"data.m_per_class: 4 images of a class per batch need a batch_size that is a multiple of 4"),
     ("m_per_class_images", r"train: data.m_per_class is 13 but class '\w+' has 12 image\(s\) \(3 class\(es\)"),
     ("m_per_class_views", r"data.m_per_class: balances classes, but with positives: views"),
+    ("freeze_nothing_left", r"freeze_backbone: leaves nothing to train: the embedding is the backbone's output"),
 ])
 def test_bad_input_stops_with_one_line_and_writes_nothing(digits, tmp_path, capsys, case, message):
     import re
@@ -224,6 +225,9 @@ def test_bad_input_stops_with_one_line_and_writes_nothing(digits, tmp_path, caps
         raw.update({"num_labels": 3} if case == "num_labels" else {"head_init": "class_names"})
     elif case == "pml_argument":
         raw.update(loss_type="pml", pml_loss="MultiSimilarityLoss", pml_arguments={"gamma": 1})
+    elif case == "freeze_nothing_left":
+        raw.update(freeze_backbone=True)
+        raw.pop("projection_dim")
     elif case.startswith("m_per_class"):
         m = {"m_per_class_batch": 4, "m_per_class_images": 13, "m_per_class_views": 2}[case]
         raw.update(data=dict(raw["data"], m_per_class=m), batch_size=26 if m == 13 else 6)

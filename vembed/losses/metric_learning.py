@@ -86,6 +86,11 @@ class MetricLoss(nn.Module):
         """The loss's own rules beyond its Settings' (names it resolves in the library); none by default."""
 
     @classmethod
+    def proxies_of(cls, settings: MetricLossSettings) -> bool:
+        """Whether the loss trains a state of its own (class centres, proxies) besides the model."""
+        return not cls.needs_positives
+
+    @classmethod
     def positives_needed(cls, settings: MetricLossSettings) -> bool:
         """Whether every anchor needs another image of its class (`needs_positives`, which settings may decide)."""
         return cls.needs_positives

@@ -194,7 +194,7 @@ class PMLLoss(MetricLoss):
             raise RecipeError(*problem)
 
     @classmethod
-    def proxies(cls, settings: PMLSettings) -> bool:
+    def proxies_of(cls, settings: PMLSettings) -> bool:
         """Whether the loss holds a state per class (proxies, centres): it is then built with the classes' count."""
         return any(name in constructor_arguments(selectable_losses()[settings.pml_loss])[0] for name in FROM_THE_DATA)
 
@@ -203,7 +203,7 @@ class PMLLoss(MetricLoss):
                     embedding_dim: int | None = None) -> "PMLLoss":
         settings = recipe.loss
         num_classes = num_classes or settings.num_classes
-        if cls.proxies(settings) and num_classes is None:
+        if cls.proxies_of(settings) and num_classes is None:
             raise RecipeError("num_classes", f"{settings.pml_loss} holds a proxy per class: set num_classes, or "
                                              "point data.train at the labelled images")
         if embedding_dim is None:  # the callers (the task, the planner) know the adapter's size
@@ -213,7 +213,7 @@ class PMLLoss(MetricLoss):
 
     @classmethod
     def positives_needed(cls, settings: PMLSettings) -> bool:
-        return not cls.proxies(settings)  # a proxy loss pulls each image towards its class's proxy
+        return not cls.proxies_of(settings)  # a proxy loss pulls each image towards its class's proxy
 
     @property
     def config(self) -> dict[str, Any]:

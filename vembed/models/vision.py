@@ -62,6 +62,9 @@ class VisionSettings(PretrainedSettings):
     pooling: Literal["cls", "mean", "gem", "pooler"] = "cls"
     gem_p: float = Field(default=3.0, gt=0)  # GeM's exponent (1: mean; large: towards max)
     projection_dim: int | None = Field(default=None, gt=0)  # a linear projection after pooling (unset: none)
+    # Train only what sits on the backbone (projection, classification head): a linear probe, the backbone's weights
+    # as loaded. It is still saved whole, so final/ is the same complete model.
+    freeze_backbone: bool = False
     # The classification head: classes it predicts (the classification task checks them against its data) and their
     # names, in label-id order (filled from the data when unset).
     num_labels: int | None = Field(default=None, gt=0)
@@ -109,6 +112,8 @@ class VisionAdapter(TransformersAdapter):
         # fails on those, so they are frozen (still saved: the folder stays a complete HF model).
         for name in self.unreached_modules(model, settings.pooling):
             model.get_submodule(name).requires_grad_(False)
+        if settings.freeze_backbone:
+            model.requires_grad_(False)
 
     # --- what the config says --------------------------------------------------------------------------------------
     @staticmethod
@@ -174,6 +179,12 @@ class VisionAdapter(TransformersAdapter):
         if settings.label_names is not None and settings.num_labels not in (None, len(settings.label_names)):
             raise RecipeError("label_names", f"names {len(settings.label_names)} classes but num_labels is "
                                              f"{settings.num_labels}; give one name per class")
+        if settings.freeze_backbone:
+            for wasted, value in (("use_lora", recipe.use_lora), ("gradient_checkpointing",
+                                                                   recipe.gradient_checkpointing)):
+                if value:
+                    raise RecipeError(wasted, "trains or recomputes the backbone, which freeze_backbone keeps as "
+                                              "loaded; remove one of them")
         key = "model_name" if settings.model_name is not None else "model_config"
         config = cls.hf_config(settings)
         if dual_encoder_of(config) is None:

@@ -142,6 +142,10 @@ class MetricLearningTask(Task):
                               f"one of: {', '.join(METRICS)}")
         require_library(recipe.loss_type)
         loss_class(recipe).check_recipe(recipe)
+        frozen = getattr(recipe.model, "freeze_backbone", False)
+        if frozen and recipe.model.projection_dim is None and not loss_class(recipe).proxies_of(recipe.loss):
+            raise RecipeError("freeze_backbone", "leaves nothing to train: the embedding is the backbone's output; "
+                                                 "set projection_dim (a trained projection on the frozen backbone)")
         if data.train is not None:
             train = read_split(recipe, "train", None)
             declared = getattr(recipe.loss, "num_classes", None)
