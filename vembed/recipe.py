@@ -421,6 +421,10 @@ class Recipe(_Strict):
     scheduler_type: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_ratio: float = Field(default=0.0, ge=0.0, lt=1.0)  # cosine and linear only: constant has no warmup
     max_grad_norm: float | None = Field(default=1.0, gt=0)  # unset: no clipping
+    # An exponential moving average of the trained weights, updated after every optimizer step with this decay
+    # (timm's model EMA; 0.999-0.9999 is usual): evaluations and final/ use it in place of the last step's weights,
+    # checkpoints keep it. Unset: none. Single process and DDP (FSDP and DeepSpeed shard the weights).
+    ema_decay: float | None = Field(default=None, gt=0, lt=1)
     # Plain accumulation averages gradients of several batches; it does NOT add negatives to the contrastive batch
     # (use use_gradient_cache for that).
     gradient_accumulation_steps: int = Field(default=1, gt=0)

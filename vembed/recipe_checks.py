@@ -145,6 +145,9 @@ def check_launch(recipe: "Recipe", kind: "LaunchKind", *, on_cpu: bool,
 
     if on_cpu and recipe.mixed_precision == "fp16":
         raise RecipeError("mixed_precision", "fp16 needs a GPU; use bf16 or no on CPU")
+    if recipe.ema_decay is not None and kind in ("fsdp", "deepspeed"):
+        raise RecipeError("ema_decay", f"keeps a whole copy of the trained weights on every process, but this {kind} "
+                                       "launch shards them; launch single-process or DDP, or remove ema_decay")
     if kind == "fsdp":
         check_fsdp_blocks(recipe, meta_model(recipe))
     if recipe.use_fsdp and kind != "fsdp":

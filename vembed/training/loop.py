@@ -178,6 +178,12 @@ class Trainer:
         self.loader = prepared[1] if loader is not None else None
         if self.stages:
             self._prepare_stage_loaders()
+        self.weight_average = None
+        if recipe.ema_decay is not None:  # registered before any resume loads the checkpoint that holds it
+            from vembed.training.ema import WeightAverage
+
+            self.weight_average = WeightAverage(self.adapter, recipe.ema_decay)
+            acc.register_for_checkpointing(self.weight_average)
         sharded = (self.model, self.optimizer, self.scheduler) if plan.fsdp is not None else None
         self.checkpoints = CheckpointManager(acc, self.output_dir, recipe.save_total_limit, recipe.persistent_dir,
                                              sharded=sharded, identity=self.identity)
@@ -251,8 +257,14 @@ class Trainer:
         on the saved weights: forward passes go through the prepared model, with FSDP's weights gathered in float32."""
         from vembed.training.fsdp import full_precision_gathers
 
-        with full_precision_gathers(self.model):
+        with full_precision_gathers(self.model), self._averaged_weights():
             return self.task.evaluate(self.adapter, examples, self.accelerator, prepared=self.model)
+
+    def _averaged_weights(self):
+        """The weight average (ema_decay) lent to the model for an evaluation; nothing without one."""
+        from contextlib import nullcontext
+
+        return nullcontext() if self.weight_average is None else self.weight_average.lent_to(self.adapter)
 
     # --- the loop --------------------------------------------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -459,6 +471,8 @@ class Trainer:
                 self._check_and_clip(state)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            if acc.sync_gradients and self.weight_average is not None:
+                self.weight_average.update(self.adapter)
         return loss
 
     def _decode_counts(self) -> tuple[int, int, int | None]:
@@ -603,6 +617,9 @@ class Trainer:
         acc, recipe = self.accelerator, self.recipe
         self._check_decode_failures()
         acc.wait_for_everyone()
+        if self.weight_average is not None:  # final/ (and its evaluation) is the average, not the last step
+            self.weight_average.copy_into(self.adapter)
+            self.weight_average = None
         full_state = gather_full_state_dict(acc, self.model) if self.plan.sharded else None
         final_dir = save_final_model(acc, self.output_dir, self.adapter, recipe, full_state,
                                      self.checkpoints.last_good, loss=self.objective.loss)
