@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 from torch import nn
-from training_digits import write_digit_splits
 from training_digits import digits_recipe as recipe
+from training_digits import write_digit_splits
 
 DECAY = 0.6  # far from 1, so a few steps move the average visibly away from the weights
 
