@@ -18,7 +18,7 @@ mutate:
 	bash scripts/setup.sh dev
 	bash scripts/mutate.sh $(MODULE) $(TESTS)
 
-# The GPU check (README "Checking the GPU paths"): on a GPU machine, results in $(OUT) (default runs/gpu-check).
+# The GPU check (docs/guides/testing.md, "Checking the GPU paths"): on a GPU machine, results in $(OUT) (default runs/gpu-check).
 OUT ?= runs/gpu-check
 gpu-check:
 	bash scripts/gpu_check.sh --out $(OUT)

@@ -312,7 +312,7 @@ TOOLS = {"vembed": train_vembed, "pylate": train_pylate}
 
 def runs_of(length_chunks: int) -> dict[str, tuple[str, dict[str, Any]]]:
     """Run name -> (tool, changes to the job). `length_chunks` N encodes each side in N length-sorted chunks (less
-    padding on uneven lengths; the same loss and gradients, README's "Length-aware encoding")."""
+    padding on uneven lengths; the same loss and gradients, docs/guides/training.md's `length_chunks` row)."""
     return {"vembed": ("vembed", {}),
             f"vembed length_chunks={length_chunks}": ("vembed", {"length_chunks": length_chunks}),
             "pylate": ("pylate", {})}

@@ -327,7 +327,7 @@ PEER = "sentence-transformers"
 def runs_of(length_chunks: int) -> dict[str, tuple[str, dict[str, Any]]]:
     """Run name -> (tool, changes to the job): vembed, sentence-transformers, and with --length-chunks N > 1 vembed
     with `length_chunks: N` (a batch's pairs in N length-sorted forwards, each padded to its own longest pair: the
-    same loss and gradients; README's "Length-aware encoding")."""
+    same loss and gradients; docs/guides/training.md's `length_chunks` row)."""
     runs = {"vembed": ("vembed", {}), PEER: (PEER, {})}
     if length_chunks > 1:
         runs[f"vembed length_chunks={length_chunks}"] = ("vembed", {"length_chunks": length_chunks})

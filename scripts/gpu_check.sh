@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check: scripts/gpu_check.sh --out DIR [--cpu-dry-run] [--steps gpu_tests,clip_speed,...]
-# All the logic is in bench/gpu_check.py (its docstring says what each step does); README "Checking the GPU paths".
+# All the logic is in bench/gpu_check.py (its docstring says what each step does); docs/guides/testing.md, "Checking the GPU paths".
 # Uses .venv/bin/python where there is one (a development checkout), else $PYTHON or python3 (the lent GPU machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -188,7 +188,7 @@ def test_two_ranks_with_length_chunks_equal_one_process_on_the_whole_batch(uneve
     assert _relative(ddp, one) <= 1e-5
 
 
-# --- with dropout on: what holds (README, recipe.py's `length_chunks`) ---------------------------------------------
+# --- with dropout on: what holds (docs/guides/training.md's recipe table, recipe.py's `length_chunks`) ---
 # A chunk draws its dropout masks from the run's generator in its own order, so a chunked step is not the padded
 # step: it is another draw of the same distribution. What holds instead is pinned here.
 

@@ -1,7 +1,7 @@
 """Streamed training data, for corpora larger than a disk: WebDataset tar shards, or JSONL/CSV/Parquet files read as a
 stream by `datasets`; records are decoded, collated and handed out batch by batch, never all held at once.
 
-What an epoch is (README "Streaming"):
+What an epoch is (docs/guides/data.md, "Streaming"):
 - one pass over every shard (a tar file, or one data file). Each epoch the shard list is shuffled from (seed, epoch)
   and dealt to the ranks evenly by samples, each rank's share to its workers the same way (`deal_shards`): slot =
   rank x data.num_workers + worker, so slots read disjoint shards;
