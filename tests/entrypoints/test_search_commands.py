@@ -362,6 +362,7 @@ def test_the_python_api_searches_and_ranks_as_the_commands_do(models, tmp_path):
     ("index-on-bm25", "--index: indexes a late-interaction model's token vectors, not bm25's words"),
     ("index-knob-without-index", "--hnsw-ef-search: tunes --index hnsw; add --index hnsw or remove it"),
     ("index-knob-zero", "--candidates-per-token: must be at least 1, got 0"),
+    ("index-one-link", "--hnsw-m: must be a whole number of at least 2, got 1"),
 ])
 def test_bad_input_is_one_line_exit_2_and_nothing_written(models, tmp_path, capsys, case, label):
     root, corpus = models
@@ -392,6 +393,8 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(models, tmp_path, caps
                                      "--hnsw_ef_search", "5"],
         "index-knob-zero": ["search", str(root / "colbert"), str(corpus), "--out", str(out), "--index", "hnsw",
                             "--candidates-per-token", "0"],
+        "index-one-link": ["search", str(root / "colbert"), str(corpus), "--out", str(out), "--index", "hnsw",
+                           "--hnsw-m", "1"],
     }[case]
     before = sorted(p.name for p in tmp_path.iterdir())
     assert main(argv) == 2

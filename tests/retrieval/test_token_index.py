@@ -64,12 +64,13 @@ def test_few_candidates_miss_documents_but_every_returned_score_is_exact_maxsim(
 
 
 def test_candidates_are_the_documents_owning_each_query_tokens_nearest_document_tokens():
-    corpus, queries = _corpus(n_documents=60, seed=2), _unit(5, 3, 8, seed=5)
+    corpus, queries = _corpus(n_documents=400, seed=2), _unit(5, 3, 8, seed=5)
     queries[2, 2] = 0  # a query of two tokens: its padding finds nothing
     owners = torch.repeat_interleave(torch.arange(len(corpus)), corpus.lengths)
     similarities = queries.double() @ corpus.vectors.double().T  # (queries, query tokens, document tokens)
     nearest = similarities.topk(3, dim=-1).indices
-    index = TokenIndex(corpus, HnswSettings(candidates_per_token=3, ef_search=500))
+    # A poor graph searched with a candidate list as long as the corpus: exact only if ef_search reaches the search.
+    index = TokenIndex(corpus, HnswSettings(candidates_per_token=3, m=4, ef_construction=8, ef_search=5000))
     for row, candidates in enumerate(index.candidates(queries)):
         tokens = 2 if row == 2 else 3
         assert candidates.tolist() == sorted(set(owners[nearest[row, :tokens]].flatten().tolist())), row
@@ -79,6 +80,8 @@ def test_the_same_corpus_builds_the_same_graph_and_the_index_size_counts_it():
     corpus = _corpus(n_documents=80, seed=3)
     first, second = TokenIndex(corpus), TokenIndex(corpus)
     assert first.graph.as_bytes() == second.graph.as_bytes()
+    tuned = TokenIndex(corpus, HnswSettings(m=5, ef_construction=17))
+    assert (tuned.graph.M, tuned.graph.ef_construction, tuned.graph.num_elements) == (5, 17, len(corpus.vectors))
     assert first.nbytes > corpus.nbytes + len(corpus.vectors) * corpus.dim * 4  # float32 vectors and links besides
 
 
@@ -87,6 +90,13 @@ def test_an_empty_corpus_finds_nothing_and_a_bad_setting_is_refused():
     assert found.indices.tolist() == [[-1] * 4] * 2
     with pytest.raises(ValueError, match="candidates_per_token must be a whole number of at least 1, got 0"):
         HnswSettings(candidates_per_token=0)
+    with pytest.raises(ValueError, match="m must be a whole number of at least 2, got 1"):  # voyager fails at 1
+        HnswSettings(m=1)
+    smallest = HnswSettings(candidates_per_token=1, m=2, ef_construction=1, ef_search=1)
+    corpus = _corpus(n_documents=5)
+    best = TokenIndex(corpus, COVERING).search(_unit(1, 2, 8, seed=1), 1)  # k = 1
+    assert best.indices.tolist() == maxsim_top_k(_unit(1, 2, 8, seed=1), corpus, 1).indices.tolist()
+    assert TokenIndex(corpus, smallest).search(_unit(1, 2, 8, seed=1), 1).indices.shape == (1, 1)
     with pytest.raises(ValueError, match="k must be at least 1"):
         TokenIndex(_corpus(n_documents=5)).search(_unit(1, 2, 8, seed=1), 0)
 

@@ -58,7 +58,7 @@ def add_index_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"--index {HNSW}: document tokens taken per query token (default "
                              f"{defaults.candidates_per_token}; more: better recall, slower)")
     parser.add_argument("--hnsw-m", "--hnsw_m", type=int, default=None,
-                        help=f"--index {HNSW}: links per token vector in the graph (default {defaults.m})")
+                        help=f"--index {HNSW}: links per token vector in the graph (at least 2; default {defaults.m})")
     parser.add_argument("--hnsw-ef-construction", "--hnsw_ef_construction", type=int, default=None,
                         help=f"--index {HNSW}: candidates kept while the graph is built (default "
                              f"{defaults.ef_construction})")
@@ -84,7 +84,12 @@ def index_settings(args: argparse.Namespace) -> "HnswSettings | None":
             raise ArgumentError(f"--{given.replace('_', '-')}", f"tunes --index {HNSW}; add --index {HNSW} or remove it")
         return None
     require_voyager()
-    return HnswSettings(**{name: value for name, value in knobs.items() if value is not None})
+    try:
+        return HnswSettings(**{name: value for name, value in knobs.items() if value is not None})
+    except ValueError as error:  # "<knob> must be ...": named by its flag
+        knob, problem = str(error).split(" ", 1)
+        flag = dict(zip(knobs, flags))[knob]
+        raise ArgumentError(f"--{flag.replace('_', '-')}", problem) from None
 
 
 def add_run_output_arguments(parser: argparse.ArgumentParser, default_split: str) -> None:

@@ -47,8 +47,9 @@ class HnswSettings:
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a whole number of at least 1, got {value!r}")
+            least = 2 if name == "m" else 1  # one link per vector: voyager cannot build the graph (no level spread)
+            if not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be a whole number of at least {least}, got {value!r}")
 
 
 class TokenIndex:
