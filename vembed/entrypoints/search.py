@@ -64,7 +64,7 @@ def add_index_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{defaults.ef_construction})")
     parser.add_argument("--hnsw-ef-search", "--hnsw_ef_search", type=int, default=None,
                         help=f"--index {HNSW}: candidates kept while a query token is searched (default "
-                             f"{defaults.ef_search}; at least --candidates-per-token)")
+                             f"{defaults.ef_search}; raised to --candidates-per-token when below it)")
 
 
 def index_settings(args: argparse.Namespace) -> "HnswSettings | None":
@@ -81,7 +81,8 @@ def index_settings(args: argparse.Namespace) -> "HnswSettings | None":
     if args.index != HNSW:
         given = next((name for name, value in flags.items() if value is not None), None)
         if given is not None:
-            raise ArgumentError(f"--{given.replace('_', '-')}", f"tunes --index {HNSW}; add --index {HNSW} or remove it")
+            raise ArgumentError(f"--{given.replace('_', '-')}",
+                                f"tunes --index {HNSW}; add --index {HNSW} or remove it")
         return None
     require_voyager()
     try:

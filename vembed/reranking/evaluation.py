@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from vembed.data.corpus import CorpusSplit
     from vembed.evaluation.corpus import Cutoffs
     from vembed.models.base import EmbeddingAdapter
+    from vembed.retrieval.token_index import HnswSettings
 
 FIRST_STAGE_DEPTH = 100  # candidates per query reranked in-run (the top 100, as BEIR's reranking setup)
 Scorer = Callable[[Sequence[str], Sequence[str]], "torch.Tensor"]  # (queries, documents) -> (n,) scores
