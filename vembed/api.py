@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
     from vembed.losses.saved_state import SavedLoss
     from vembed.models.base import EmbeddingAdapter
+    from vembed.retrieval.token_index import HnswSettings
 
 ImageInput = Union[str, os.PathLike, "Image.Image"]
 
@@ -156,29 +157,49 @@ class Embedder:
 
     def search(self, queries: str | Sequence[str] | None, corpus: Sequence[Any], top_k: int = 10, *,
                query_images: Sequence[ImageInput] | None = None, batch_size: int = 32,
-               show_progress: bool = False) -> list[list[dict[str, float]]]:
+               show_progress: bool = False, index: "str | HnswSettings" = "exact") -> list[list[dict[str, float]]]:
         """Each query's `top_k` best items of `corpus` (texts, or images: paths or PIL), best first, as
         sentence-transformers' `util.semantic_search` returns them: `[[{"corpus_id": i, "score": s}, ...], ...]`.
 
         Queries are texts (or `query_images`), embedded as queries, the corpus as documents; scores are cosines, or
         MaxSim for a multi_vector (ColBERT, ColQwen) model. The search is `vembed search`'s: exact, equal scores
-        ranked by corpus position."""
+        ranked by corpus position. A multi_vector model can search approximately instead (`vembed search --index
+        hnsw`): `index="hnsw"`, or a `vembed.retrieval.token_index.HnswSettings` for other knobs; the documents it
+        returns keep their exact scores, but some of the exact top_k may be missing (needs voyager)."""
         from vembed.retrieval.maxsim_search import PackedTokens, maxsim_top_k
         from vembed.retrieval.scoring import top_k as cosine_top_k
+        from vembed.retrieval.token_index import TokenIndex
 
         if top_k < 1:
             raise ValueError(f"top_k must be at least 1, got {top_k}")
+        settings = self._index_settings(index)
         texts, images = _corpus_items(corpus)
         kwargs = dict(batch_size=batch_size, show_progress=show_progress)
         if self.multi_vector:
             query_vectors = self.encode_token_vectors(queries, role="query", images=query_images, **kwargs)
             documents = self.encode_token_vectors(texts, role="document", images=images, **kwargs)
-            found = maxsim_top_k(query_vectors, PackedTokens.pack(documents), top_k)
+            packed = PackedTokens.pack(documents)
+            found = maxsim_top_k(query_vectors, packed, top_k) if settings is None else \
+                TokenIndex(packed, settings).search(query_vectors, top_k)
         else:
             found = cosine_top_k(self.encode(queries, images=query_images, role="query", **kwargs),
                                  self.encode(texts, images=images, role="document", **kwargs), top_k)
         return [[{"corpus_id": int(i), "score": float(score)} for i, score in zip(indices, scores) if i >= 0]
                 for indices, scores in zip(found.indices.tolist(), found.scores.tolist())]
+
+    def _index_settings(self, index: "str | HnswSettings") -> "HnswSettings | None":
+        """What `search`'s `index` asks for: None for exact search, else the approximate index's settings."""
+        from vembed.retrieval.token_index import EXACT, HNSW, HnswSettings, require_voyager
+
+        if isinstance(index, str) and index == EXACT:
+            return None
+        if not (index == HNSW or isinstance(index, HnswSettings)):
+            raise ValueError(f"index must be {EXACT!r}, {HNSW!r} or an HnswSettings, got {index!r}")
+        if not self.multi_vector:
+            raise ValueError(f"index={HNSW!r} indexes token vectors; this {self.model_type} model gives one vector "
+                             f"per text (its search is exact cosine)")
+        require_voyager("index")
+        return index if isinstance(index, HnswSettings) else HnswSettings()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(model_type={self.model_type!r}, embedding_dim={self.embedding_dim}, " \

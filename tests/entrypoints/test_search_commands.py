@@ -182,6 +182,48 @@ def test_colbert_search_and_rerank_score_by_maxsim(models, tmp_path, capsys):
             assert score == pytest.approx(whole[query][doc], abs=1e-5)
 
 
+def test_colbert_search_through_an_hnsw_index_covering_the_corpus_writes_the_exact_run(models, tmp_path, capsys):
+    root, corpus = models
+    for pool in ([], ["--pool-factor", "2"]):
+        exact, approximate = tmp_path / "exact.trec", tmp_path / "hnsw.trec"
+        common = [str(root / "colbert"), str(corpus), "--top-k", "6", "--overwrite", *pool]
+        assert main(["search", *common, "--out", str(exact)]) == 0
+        assert main(["search", *common, "--out", str(approximate), "--index", "hnsw", "--candidates-per-token",
+                     "1000", "--hnsw-ef-search", "1000"]) == 0
+        assert "hnsw candidates" in capsys.readouterr().out
+        assert approximate.read_text() == exact.read_text(), pool  # the same documents, order and scores
+
+
+def test_colbert_search_through_a_small_hnsw_index_misses_documents_but_scores_each_exactly(models, tmp_path):
+    from vembed.evaluation.runs import read_run
+
+    root, corpus = models
+    whole, approximate = tmp_path / "whole.trec", tmp_path / "hnsw.trec"
+    assert main(["search", str(root / "colbert"), str(corpus), "--out", str(whole), "--top-k", "36"]) == 0
+    assert main(["search", str(root / "colbert"), str(corpus), "--out", str(approximate), "--top-k", "6",
+                 "--index", "hnsw", "--candidates-per-token", "1", "--hnsw-m", "2", "--hnsw-ef-construction", "2",
+                 "--hnsw-ef-search", "1"]) == 0
+    exact, found = read_run(whole), read_run(approximate)
+    kept = sum(len(set(hits) & set(list(exact[query])[:6])) for query, hits in found.items())
+    assert kept < 6 * len(found)  # some of the exact top 6 were missed
+    for query, hits in found.items():
+        assert hits and all(score == pytest.approx(exact[query][doc], abs=1e-6) for doc, score in hits.items())
+
+
+def test_search_without_voyager_is_one_line_before_any_work(models, tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    root, corpus = models
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "voyager" else real(name, *a))
+    out = tmp_path / "run.trec"
+    assert main(["search", str(root / "colbert"), str(corpus), "--out", str(out), "--index", "hnsw"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "environment error: --index: an approximate MaxSim index (--index hnsw) needs voyager, which is not "
+        "installed: pip install 'vembed[search]'"]
+    assert not out.exists()
+
+
 def test_rerank_writes_the_reranker_scores_and_metrics_equal_pytrec_eval_on_the_file(models, tmp_path, capsys):
     from vembed.data.corpus import load_corpus_split
     from vembed.evaluation.runs import read_run
@@ -258,6 +300,7 @@ def test_the_python_api_searches_and_ranks_as_the_commands_do(models, tmp_path):
     from vembed.api import Embedder, Reranker
     from vembed.data.corpus import load_corpus_split
     from vembed.evaluation.runs import read_run
+    from vembed.retrieval.token_index import HnswSettings
 
     root, corpus = models
     split = load_corpus_split(corpus, "test")
@@ -274,6 +317,18 @@ def test_the_python_api_searches_and_ranks_as_the_commands_do(models, tmp_path):
         for query, hits in zip(queries, found):
             assert [split.corpus.ids[hit["corpus_id"]] for hit in hits] == list(run[query]), name
             assert [hit["score"] for hit in hits] == pytest.approx(list(run[query].values()), abs=1e-5), name
+        if name == "colbert":  # an index whose candidates cover the corpus finds what exact search finds
+            covering = HnswSettings(candidates_per_token=1000, ef_search=1000)
+            assert model.search(texts, documents, top_k=4, index=covering) == found
+            assert model.search(texts, documents, top_k=4, index="hnsw") == found  # the defaults cover 36 documents
+            small = model.search(texts, documents, top_k=4, index=HnswSettings(candidates_per_token=1, m=2,
+                                                                               ef_construction=2, ef_search=1))
+            assert small != found  # an approximation: some of the exact top 4 missed
+            every = model.search(texts, documents, top_k=36)
+            assert all(hit in whole for hits, whole in zip(small, every) for hit in hits)  # each with its exact score
+        else:
+            with pytest.raises(ValueError, match="index='hnsw' indexes token vectors; this text model gives one"):
+                model.search(texts, documents, index="hnsw")
 
     first = write_first_stage_run(split, tmp_path / "first.trec")
     out = tmp_path / "reranked.trec"
@@ -303,6 +358,11 @@ def test_the_python_api_searches_and_ranks_as_the_commands_do(models, tmp_path):
     ("fuse-weights", "one weight per run"),
     ("eval-run-with-model-flag", "--pool-factor: applies to a model"),
     ("fuse-jsonl-without-corpus", "--format: jsonl rows carry the texts"),
+    ("index-on-dense", "--index: hnsw indexes a late-interaction model's token vectors; this model gives one"),
+    ("index-on-bm25", "--index: indexes a late-interaction model's token vectors, not bm25's words"),
+    ("index-knob-without-index", "--hnsw-ef-search: tunes --index hnsw; add --index hnsw or remove it"),
+    ("index-knob-zero", "--candidates-per-token: must be at least 1, got 0"),
+    ("index-one-link", "--hnsw-m: must be a whole number of at least 2, got 1"),
 ])
 def test_bad_input_is_one_line_exit_2_and_nothing_written(models, tmp_path, capsys, case, label):
     root, corpus = models
@@ -327,6 +387,14 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(models, tmp_path, caps
         "fuse-weights": ["fuse", str(good), str(good), "--method", "weighted", "--weights", "1", "--out", str(out)],
         "eval-run-with-model-flag": ["eval", str(good), str(corpus), "--pool-factor", "2"],
         "fuse-jsonl-without-corpus": ["fuse", str(good), str(bad), "--out", str(tmp_path / "fused.jsonl")],
+        "index-on-dense": ["search", embedder, str(corpus), "--out", str(out), "--index", "hnsw"],
+        "index-on-bm25": ["search", "bm25", str(corpus), "--out", str(out), "--index", "hnsw"],
+        "index-knob-without-index": ["search", str(root / "colbert"), str(corpus), "--out", str(out),
+                                     "--hnsw_ef_search", "5"],
+        "index-knob-zero": ["search", str(root / "colbert"), str(corpus), "--out", str(out), "--index", "hnsw",
+                            "--candidates-per-token", "0"],
+        "index-one-link": ["search", str(root / "colbert"), str(corpus), "--out", str(out), "--index", "hnsw",
+                           "--hnsw-m", "1"],
     }[case]
     before = sorted(p.name for p in tmp_path.iterdir())
     assert main(argv) == 2

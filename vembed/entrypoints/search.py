@@ -14,8 +14,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vembed.retrieval.bm25 import BM25
+
+if TYPE_CHECKING:
+    from vembed.retrieval.token_index import HnswSettings
 
 DEFAULT_TOP_K = 100
 
@@ -34,10 +38,59 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pool-factor", "--pool_factor", type=int, default=None,
                         help="late-interaction models: pool each document's token vectors about this many to one "
                              "(default: the model's document_pool_factor, 1 = none)")
+    add_index_arguments(parser)
     parser.add_argument("--image-root", "--image_root", help="folder relative image paths are resolved against")
     parser.add_argument("--trust-remote-code", "--trust_remote_code", action="store_true",
                         help="let the model folder run Python code it ships (only for folders you trust)")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
+
+
+def add_index_arguments(parser: argparse.ArgumentParser) -> None:
+    """--index and the approximate index's knobs (defaults: `token_index.HnswSettings`)."""
+    from vembed.retrieval.token_index import EXACT, HNSW, INDEXES, HnswSettings
+
+    defaults = HnswSettings()
+    parser.add_argument("--index", choices=INDEXES, default=EXACT,
+                        help=f"late-interaction models: {EXACT} scores every document by MaxSim; {HNSW} scores only "
+                             "the documents owning the nearest neighbours of each query token in an HNSW graph of "
+                             "every document token (voyager; approximate: a document may be missed, never misscored)")
+    parser.add_argument("--candidates-per-token", "--candidates_per_token", type=int, default=None,
+                        help=f"--index {HNSW}: document tokens taken per query token (default "
+                             f"{defaults.candidates_per_token}; more: better recall, slower)")
+    parser.add_argument("--hnsw-m", "--hnsw_m", type=int, default=None,
+                        help=f"--index {HNSW}: links per token vector in the graph (at least 2; default {defaults.m})")
+    parser.add_argument("--hnsw-ef-construction", "--hnsw_ef_construction", type=int, default=None,
+                        help=f"--index {HNSW}: candidates kept while the graph is built (default "
+                             f"{defaults.ef_construction})")
+    parser.add_argument("--hnsw-ef-search", "--hnsw_ef_search", type=int, default=None,
+                        help=f"--index {HNSW}: candidates kept while a query token is searched (default "
+                             f"{defaults.ef_search}; raised to --candidates-per-token when below it)")
+
+
+def index_settings(args: argparse.Namespace) -> "HnswSettings | None":
+    """The approximate index --index asks for (None: exact search); its knobs refused without it, and voyager
+    required with it, before any work."""
+    from vembed.entrypoints import require_at_least_one
+    from vembed.errors import ArgumentError
+    from vembed.retrieval.token_index import HNSW, HnswSettings, require_voyager
+
+    knobs = {"candidates_per_token": args.candidates_per_token, "m": args.hnsw_m,
+             "ef_construction": args.hnsw_ef_construction, "ef_search": args.hnsw_ef_search}
+    flags = dict(zip(("candidates_per_token", "hnsw_m", "hnsw_ef_construction", "hnsw_ef_search"), knobs.values()))
+    require_at_least_one(**flags)
+    if args.index != HNSW:
+        given = next((name for name, value in flags.items() if value is not None), None)
+        if given is not None:
+            raise ArgumentError(f"--{given.replace('_', '-')}",
+                                f"tunes --index {HNSW}; add --index {HNSW} or remove it")
+        return None
+    require_voyager()
+    try:
+        return HnswSettings(**{name: value for name, value in knobs.items() if value is not None})
+    except ValueError as error:  # "<knob> must be ...": named by its flag
+        knob, problem = str(error).split(" ", 1)
+        flag = dict(zip(knobs, flags))[knob]
+        raise ArgumentError(f"--{flag.replace('_', '-')}", problem) from None
 
 
 def add_run_output_arguments(parser: argparse.ArgumentParser, default_split: str) -> None:
@@ -84,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
 
         require_at_least_one(top_k=args.top_k, batch_size=args.batch_size, max_queries=args.max_queries,
                              pool_factor=args.pool_factor)
+        settings = index_settings(args)
         check_run_output(args)
         source = CorpusSource(None, args.corpus, args.split, args.image_root, "--split")
         if not Path(args.corpus).is_dir():
@@ -94,8 +148,10 @@ def run(args: argparse.Namespace) -> int:
             require_package("bm25s", "model_dir", "bm25", "search")
             if args.pool_factor is not None:
                 raise ArgumentError("--pool-factor", "applies to a late-interaction model, not to bm25")
+            if settings is not None:
+                raise ArgumentError("--index", "indexes a late-interaction model's token vectors, not bm25's words")
             return _search_bm25(args, source)
-        return _search_model(args, source)
+        return _search_model(args, source, settings)
 
     return run_cli(body, args.debug)
 
@@ -111,7 +167,7 @@ def _search_bm25(args: argparse.Namespace, source) -> int:
     return 0
 
 
-def _search_model(args: argparse.Namespace, source) -> int:
+def _search_model(args: argparse.Namespace, source, settings: "HnswSettings | None") -> int:
     from vembed.entrypoints import quiet_libraries
     from vembed.models.foreign import load_embedding_model, require_embedder
     from vembed.reranking.evaluation import embedder_run
@@ -129,15 +185,34 @@ def _search_model(args: argparse.Namespace, source) -> int:
     accelerator = command_accelerator()
     adapter = load_embedding_model(model_dir, trust_remote_code=args.trust_remote_code)
     set_pool_factor(adapter, args.pool_factor)
+    check_index(adapter, settings, accelerator.num_processes)
     scoring = "MaxSim" if not scoring_of(adapter).faiss else "cosine"
     found = embedder_run(adapter.to(accelerator.device), split, args.top_k, batch_size=args.batch_size,
-                         accelerator=accelerator, max_queries=args.max_queries, show_progress=True)
+                         accelerator=accelerator, max_queries=args.max_queries, show_progress=True, index=settings)
     if accelerator.is_main_process:
-        _write(args, found, split, args.tag or default_tag(args.model_dir), f"exact {scoring}",
-               accelerator.num_processes)
+        from vembed.retrieval.token_index import HNSW
+
+        how = f"exact {scoring}" if settings is None else f"{scoring} of {HNSW} candidates ({settings})"
+        _write(args, found, split, args.tag or default_tag(args.model_dir), how, accelerator.num_processes)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # tears the process group down together (gloo can abort otherwise)
     return 0
+
+
+def check_index(adapter, settings: "HnswSettings | None", processes: int) -> None:
+    """An approximate index needs token vectors, and every one of them in one process."""
+    from vembed.errors import ArgumentError
+    from vembed.retrieval.maxsim_search import MULTI_VECTOR
+    from vembed.retrieval.token_index import HNSW
+
+    if settings is None:
+        return
+    if adapter.embedding_kind != MULTI_VECTOR:
+        raise ArgumentError("--index", f"{HNSW} indexes a late-interaction model's token vectors; this model gives "
+                                       "one vector per text: remove the flag (its search is exact cosine)")
+    if processes > 1:
+        raise ArgumentError("--index", f"{HNSW} builds one index in one process; run without accelerate launch "
+                                       f"({processes} processes)")
 
 
 def _write(args: argparse.Namespace, found, split, tag: str, how: str, processes: int) -> None:

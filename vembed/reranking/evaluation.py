@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from vembed.data.corpus import CorpusSplit
     from vembed.evaluation.corpus import Cutoffs
     from vembed.models.base import EmbeddingAdapter
+    from vembed.retrieval.token_index import HnswSettings
 
 FIRST_STAGE_DEPTH = 100  # candidates per query reranked in-run (the top 100, as BEIR's reranking setup)
 Scorer = Callable[[Sequence[str], Sequence[str]], "torch.Tensor"]  # (queries, documents) -> (n,) scores
@@ -75,16 +76,23 @@ def cutoffs_for(top_k: int) -> "Cutoffs":
 
 def embedder_run(adapter: "EmbeddingAdapter", split: "CorpusSplit", depth: int, *, batch_size: int = 64,
                  accelerator: "Accelerator | None" = None, max_queries: int | None = None,
-                 show_progress: bool = False) -> dict[str, dict[str, float]]:
+                 show_progress: bool = False, index: "HnswSettings | None" = None) -> dict[str, dict[str, float]]:
     """The first stage as a run: each judged query's `depth` nearest documents by the embedder's cosine (the corpus
-    evaluation's exact search over the whole corpus; with an `accelerator`, each process encodes its share)."""
+    evaluation's exact search over the whole corpus; with an `accelerator`, each process encodes its share), or, with
+    an `index`, a multi_vector model's MaxSim over the candidates of an approximate index (one process)."""
     from vembed.evaluation.corpus import judged_queries
     from vembed.retrieval.search import search_corpus
+    from vembed.retrieval.token_index import search_corpus_approximately
 
     query_ids = judged_queries(split, max_queries)
     queries = split.queries
-    top = search_corpus(adapter, [queries.sides[queries.index[q]] for q in query_ids], split.corpus.sides, depth,
-                        batch_size=batch_size, accelerator=accelerator, show_progress=show_progress)
+    query_sides = [queries.sides[queries.index[q]] for q in query_ids]
+    if index is None:
+        top = search_corpus(adapter, query_sides, split.corpus.sides, depth, batch_size=batch_size,
+                            accelerator=accelerator, show_progress=show_progress)
+    else:
+        top = search_corpus_approximately(adapter, query_sides, split.corpus.sides, depth, index,
+                                          batch_size=batch_size, show_progress=show_progress)
     doc_ids = split.corpus.ids
     return {query: {doc_ids[i]: float(s) for i, s in zip(indices, scores) if i >= 0}
             for query, indices, scores in zip(query_ids, top.indices.tolist(), top.scores.tolist())}

@@ -105,10 +105,21 @@ class PackedTokens:
 
     def select(self, rows: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
         """The documents at `rows` (block positions, any order) as float32 `(len(rows), longest, dim)`."""
+        return self.subset(rows).padded(device=device) if len(rows) else torch.zeros(0, 0, self.dim, device=device)
+
+    def subset(self, rows: torch.Tensor) -> "PackedTokens":
+        """The documents at `rows` (block positions, any order), packed in that order, their vectors unchanged."""
         offsets = self._offsets()
         parts = [self.vectors[int(offsets[r]) : int(offsets[r + 1])] for r in rows.tolist()]
-        return PackedTokens.pack(parts, torch.float32).padded(device=device) if parts else \
-            torch.zeros(0, 0, self.dim, device=device)
+        return PackedTokens.pack(parts, self.vectors.dtype) if parts else \
+            PackedTokens(self.vectors[:0], self.lengths[:0])
+
+    @classmethod
+    def joined(cls, blocks: Sequence["PackedTokens"]) -> "PackedTokens":
+        """Blocks one after another as one (a whole corpus, for an index that needs every vector at once)."""
+        if not blocks:
+            return cls(torch.empty(0, 0, dtype=STORED_DTYPE), torch.zeros(0, dtype=torch.long))
+        return cls(torch.cat([block.vectors for block in blocks]), torch.cat([block.lengths for block in blocks]))
 
     def to(self, device: torch.device | str) -> "PackedTokens":
         return PackedTokens(self.vectors.to(device), self.lengths, self.unpooled)
