@@ -63,6 +63,17 @@ def _value_and_gradient(loss: nn.Module, embeddings: torch.Tensor, *extra, label
     return value.detach(), leaf.grad
 
 
+def test_every_library_miner_is_offered_and_nothing_else():
+    from pytorch_metric_learning import miners
+
+    from vembed.losses.pml import selectable_miners
+
+    offered = selectable_miners()
+    assert {"MultiSimilarityMiner", "BatchHardMiner", "TripletMarginMiner"} <= set(offered)
+    assert "BaseMiner" not in offered
+    assert all(isinstance(value, type) and issubclass(value, miners.BaseMiner) for value in offered.values())
+
+
 def test_every_selectable_library_loss_is_offered():
     from pytorch_metric_learning import losses
 
@@ -178,11 +189,13 @@ def test_two_ranks_give_the_loss_and_gradients_of_one_process_on_the_whole_batch
                                                      "MultiSimilarityLoss?)"),
     ({"pml_loss": "VICRegLoss"}, "pml_loss", "cannot be used: self-supervised"),
     ({"pml_loss": "MultiSimilarityLoss", "pml_arguments": {"alpha": 2, "gamma": 1}}, "pml_arguments.gamma",
-     "MultiSimilarityLoss takes no argument 'gamma'"),
+     "MultiSimilarityLoss takes no argument 'gamma'; it takes: alpha, base, beta, distance, embedding_reg_weight, "
+     "embedding_regularizer, reducer"),
     ({"pml_loss": "ProxyAnchorLoss", "pml_arguments": {"num_classes": 3}}, "pml_arguments.num_classes",
      "is filled by vembed"),
     ({"pml_loss": "RankedListLoss", "pml_arguments": {"margin": 0.4}}, "pml_arguments",
-     "RankedListLoss requires Tn"),
+     "RankedListLoss requires Tn; give them, e.g. pml_arguments.Tn=<value>"),
+    ({"pml_loss": "RankedListLoss"}, "pml_arguments", "RankedListLoss requires margin, Tn; give them"),
     ({"pml_loss": "TripletMarginLoss", "miner": "BatchHardMiners"}, "miner", "did you mean BatchHardMiner?"),
     ({"pml_loss": "TripletMarginLoss", "miner": "TripletMarginMiner", "miner_arguments": {"margn": 0.2}},
      "miner_arguments.margn", "TripletMarginMiner takes no argument 'margn' (did you mean margin?)"),

@@ -74,11 +74,11 @@ def selectable_miners() -> dict[str, type]:
             if inspect.isclass(value) and issubclass(value, miners.BaseMiner) and name != "BaseMiner"}
 
 
-def constructor_arguments(cls: type) -> tuple[dict[str, inspect.Parameter], list[str]]:
+def constructor_arguments(cls: type) -> tuple[set[str], list[str]]:
     """(every keyword the class's constructor takes, by name; the ones it requires). PML passes `**kwargs` up its
     bases (reducer, distance, regularizers), so the keywords are those of every `__init__` up the chain; the required
     ones are those of the first `__init__` that does not pass positional arguments (`*args`) on to its base."""
-    accepted: dict[str, inspect.Parameter] = {}
+    accepted: set[str] = set()
     required: list[str] | None = None
     for klass in cls.__mro__:
         if klass is torch.nn.Module:
@@ -90,7 +90,7 @@ def constructor_arguments(cls: type) -> tuple[dict[str, inspect.Parameter], list
         named = [p for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
         for parameter in named:
             if parameter.name not in INTERNAL:
-                accepted.setdefault(parameter.name, parameter)
+                accepted.add(parameter.name)
         if required is None and not any(p.kind is p.VAR_POSITIONAL for p in parameters):
             required = [p.name for p in named if p.default is inspect.Parameter.empty and p.name not in INTERNAL]
     return accepted, required or []
