@@ -462,9 +462,11 @@ def main(argv: list[str] | None = None) -> int:
         spec["overrides"] = train_overrides(spec, seeds[0], Path("RUN_DIR"))
         bm25 = {**score(spec, first_stage), "recall@top_k": recall_at(first_stage, spec["corpus"], args.top_k)}
         print(f"BM25 nDCG@10 {bm25['ndcg@10']:.4f}; {spec['lists']} training lists", flush=True)
-        rounds = {seed: seed_round(spec, seed, number) for number, seed in enumerate(seeds)}
-    summary = summarize(spec, bm25, rounds)
-    (out / "rerank_pipeline_docstrings.json").write_text(json.dumps(summary, indent=2))
+        rounds: dict[int, dict[str, Any]] = {}
+        for number, seed in enumerate(seeds):  # written after every seed: a run cut short keeps the seeds it did
+            rounds[seed] = seed_round(spec, seed, number)
+            summary = summarize({**spec, "seeds": list(rounds)}, bm25, rounds)
+            (out / "rerank_pipeline_docstrings.json").write_text(json.dumps(summary, indent=2))
     print(report(summary))
     print(f"written to {out}")
     return 0
