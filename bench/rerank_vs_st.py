@@ -252,6 +252,8 @@ def train_vembed(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def train_sentence_transformers(spec: dict[str, Any]) -> dict[str, Any]:
+    """One epoch of CrossEncoderTrainer on the job; a caller may set `scheduler`, `weight_decay`, `max_grad_norm` and
+    `seed` (else this script's), and `save_to`: a folder the trained CrossEncoder is saved to."""
     import sentence_transformers
     import torch
     from datasets import Dataset
@@ -286,13 +288,16 @@ def train_sentence_transformers(spec: dict[str, Any]) -> dict[str, Any]:
     model = CrossEncoder(spec["start"], device=spec["device"])
     args = CrossEncoderTrainingArguments(
         output_dir=str(Path(spec["work"], f"{spec['tag']}-run")), per_device_train_batch_size=batch_size,
-        learning_rate=spec["learning_rate"], num_train_epochs=1, lr_scheduler_type="linear",
-        warmup_steps=spec["warmup_steps"], weight_decay=WEIGHT_DECAY, max_grad_norm=1.0, logging_steps=1,
-        save_strategy="no", report_to="none", seed=SEED, dataloader_drop_last=True,
+        learning_rate=spec["learning_rate"], num_train_epochs=1, lr_scheduler_type=spec.get("scheduler", "linear"),
+        warmup_steps=spec["warmup_steps"], weight_decay=spec.get("weight_decay", WEIGHT_DECAY),
+        max_grad_norm=spec.get("max_grad_norm", 1.0), logging_steps=1,
+        save_strategy="no", report_to="none", seed=spec.get("seed", SEED), dataloader_drop_last=True,
         use_cpu=spec["device"] == "cpu", bf16=spec["device"] == "cuda", dataloader_num_workers=spec["num_workers"])
     loss = LOSSES[spec["loss"]][1](model)
     clock = _clock()
     InOrder(model=model, args=args, train_dataset=data, loss=loss).train()
+    if spec.get("save_to"):  # the trained CrossEncoder folder, for a caller that reranks with it (vembed rerank)
+        model.save_pretrained(spec["save_to"])
     out = {"losses": losses, "sentence_transformers": sentence_transformers.__version__, **_timing(clock, spec)}
     if spec["evaluate"]:
         identity = torch.nn.Identity()

@@ -174,6 +174,33 @@ def test_rerank_vs_st_smoke_trains_the_same_job_in_both_tools(smoke_dir):
     assert _written(smoke_dir, "rerank_vs_st.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # the whole pipeline in-process: search, mine, two trainings, two rerankings, three evaluations
+def test_rerank_pipeline_docstrings_smoke_runs_the_pipeline_and_the_reference_on_one_job(smoke_dir):
+    """bench/rerank_pipeline_docstrings.py --smoke: a corpus folder of real docstrings, BM25's first stage, negatives
+    mined, then vembed's recipe and sentence-transformers' CrossEncoderTrainer on the same lists and batches (tiny
+    BERT, no dropout: one loss curve), each reranking the same first stage, judged by `vembed eval`."""
+    bench = _load("rerank_pipeline_docstrings")
+    if not bench.rerank_vs_st.available_peer():
+        pytest.skip("sentence-transformers is not installed (pip install -e .[bench])")
+    assert bench.main(["--smoke"]) == 0
+    summary = json.loads(_written(smoke_dir, "rerank_pipeline_docstrings.json").read_text())
+    counts = summary["corpus_counts"]
+    assert counts["test_queries"] == 8 and counts["train_queries"] == 16 and counts["documents"] > 24
+    assert summary["lists"] == 16 and summary["steps"] == 4 and summary["seeds"] == [0]
+    runs = summary["per_seed"]["0"]
+    assert set(runs) == {"vembed", "sentence-transformers"} and all(len(r["losses"]) == 4 for r in runs.values())
+    # the same start, batches, schedule and loss: the same curve, to float32 rounding (measured: 0.0)
+    assert summary["max_loss_difference"] < 1e-5
+    assert 0.0 < summary["first_stage"]["ndcg@10"] <= 1.0 and summary["first_stage"]["recall@top_k"] == 1.0
+    for tool in runs.values():
+        assert 0.0 <= tool["ndcg@10"] <= 1.0 and tool["train_seconds"] > 0 and tool["rerank_seconds"] > 0
+        # the reranked run is the first stage's top 20 reordered (the rest are not kept): what it finds at any depth
+        # is what the top 20 held
+        assert tool["recall@100"] == pytest.approx(summary["first_stage"]["recall@top_k"], abs=1e-9)
+    assert summary["tools"]["vembed"]["change_ndcg@10"]["mean"] == pytest.approx(
+        runs["vembed"]["ndcg@10"] - summary["first_stage"]["ndcg@10"], abs=1e-9)
+
+
 def _losses_vs_st_smoke(smoke_dir: Path, losses: list[str]) -> dict:
     """bench/losses_vs_st.py --smoke on `losses`: each trained by vembed's door and by SentenceTransformerTrainer
     on the same start, rows and batches, dropout off; the summary it wrote."""
