@@ -149,6 +149,7 @@ class ContrastiveTask(Task):
         adapter_cls.check_recipe(recipe)
         _check_source_and_stage_keys(recipe, adapter_cls)
         _check_token_vectors(recipe)
+        _check_sparse(recipe)
         if getattr(recipe.loss, "gist_guide", None) is not None:
             from vembed.losses.guide import check_guide_folder
 
@@ -545,6 +546,27 @@ def _check_token_vectors(recipe: "Recipe") -> None:
                 raise RecipeError(key, "pair files are evaluated one vector per side; a multi_vector model is "
                                        "evaluated on a corpus folder (corpus.jsonl, queries.jsonl, qrels/): give "
                                        "one, or remove the split")
+
+
+def _check_sparse(recipe: "Recipe") -> None:
+    """FLOPS regularisation goes with sparse vectors (`embedding: sparse`), and a sparse model with neither Matryoshka
+    (prefixes of a vocabulary-sized vector, L2-normalised, mean nothing) nor in-run evaluation, which scores by
+    cosine where a sparse vector is scored by dot product."""
+    sparse = getattr(recipe.model, "embedding", "single") == "sparse"
+    if not sparse:
+        for key in ("flops_query_weight", "flops_document_weight"):
+            if getattr(recipe.loss, key) is not None:
+                raise RecipeError(key, "FLOPS regularises sparse vectors; set embedding: sparse (model_type text) or "
+                                       "remove it")
+        return
+    if recipe.loss.mrl_dims:
+        raise RecipeError("mrl_dims", "Matryoshka truncates and L2-normalises dense vectors; a sparse vector's "
+                                      "dimensions are the vocabulary: remove mrl_dims")
+    for split in ("validation", "test"):
+        if getattr(recipe.data, split) is not None:
+            raise RecipeError(f"data.{split}", "a sparse model is not evaluated during training yet (in-run "
+                                               "evaluation scores by cosine, a sparse vector by dot product): remove "
+                                               "the split and evaluate final/ with vembed.load(path).search")
 
 
 def _check_source_and_stage_keys(recipe: "Recipe", adapter_cls: type) -> None:
