@@ -67,6 +67,24 @@ def require_masked_lm(config: "PretrainedConfig", key: str, pretrained: bool) ->
                                "embedding: single")
 
 
+def sparse_transformers_example(path: str, settings: dict[str, Any], texts: list[str]) -> str:
+    """Python that computes a saved sparse model's vectors of `texts` with plain transformers (the model card's)."""
+    pooled = ("weights.max(dim=1).values" if settings.get("sparse_pooling", "max") == "max"
+              else "weights.sum(dim=1)")
+    return (
+        "import torch\n"
+        "from transformers import AutoModelForMaskedLM, AutoTokenizer\n"
+        f"model = AutoModelForMaskedLM.from_pretrained({path!r}).eval()\n"
+        f"tokenizer = AutoTokenizer.from_pretrained({path!r})\n"
+        f"tokens = tokenizer({texts!r}, padding=True, truncation=True, max_length={settings.get('max_length')}, "
+        "return_tensors=\"pt\")\n"
+        "with torch.no_grad():\n"
+        "    logits = model(**tokens).logits\n"
+        "weights = torch.log1p(torch.relu(logits * tokens[\"attention_mask\"].unsqueeze(-1)))\n"
+        f"embeddings = {pooled}  # (texts, vocabulary), scored by dot product"
+    )
+
+
 def sparse_encoder_config(pooling: str, max_length: int | None) -> dict[str, dict[str, Any] | list[Any]]:
     """The sentence-transformers files (besides the HF model and tokenizer) of a SparseEncoder folder: file name ->
     content, as sentence-transformers 6.2 writes them, with vembed's truncation and dot-product scores."""
@@ -94,4 +112,5 @@ def write_sparse_encoder_files(path: str | Path, pooling: str, max_length: int |
         file.write_text(json.dumps(content, indent=2))
 
 
-__all__ = ["MASKED_LM", "SPARSE", "keep_top_k", "require_masked_lm", "splade_pool", "write_sparse_encoder_files"]
+__all__ = ["MASKED_LM", "SPARSE", "keep_top_k", "require_masked_lm", "sparse_transformers_example", "splade_pool",
+           "write_sparse_encoder_files"]

@@ -31,7 +31,8 @@ from vembed.models.lora import ATTENTION_PROJECTIONS
 from vembed.models.pooling import pool
 from vembed.models.pylate_folder import PROJECTION_FOLDER, write_pylate_files
 from vembed.models.splade import (
-    MASKED_LM, SPARSE, keep_top_k, require_masked_lm, splade_pool, write_sparse_encoder_files)
+    MASKED_LM, SPARSE, keep_top_k, require_masked_lm, sparse_transformers_example, splade_pool,
+    write_sparse_encoder_files)
 from vembed.models.token_projection import TokenVectors, TokenVectorSettings
 from vembed.recipe import InvalidKey
 
@@ -203,10 +204,12 @@ class TextAdapter(TokenVectors, TransformersAdapter):
 
     @classmethod
     def transformers_example(cls, path: str, settings: dict[str, Any], texts: list[str]) -> str | None:
-        """The encoder's last hidden states, pooled as this adapter pools them (`vembed/models/pooling.py`); None
-        for token vectors (prefix tokens, query expansion, skip-list and projection are vembed's)."""
+        """The encoder's last hidden states, pooled as this adapter pools them (`vembed/models/pooling.py`), or the
+        masked-LM head's logits SPLADE-pooled (sparse); None for token vectors (prefix tokens, query expansion, skip-list and projection are vembed's)."""
         if settings.get("embedding") == "multi_vector":
             return None
+        if settings.get("embedding") == SPARSE:
+            return sparse_transformers_example(path, settings, texts)
         pooling = settings.get("pooling", "mean")
         pooled = {
             "mean": "mask = tokens[\"attention_mask\"].unsqueeze(-1).float()\n"
