@@ -1,6 +1,7 @@
 """A sparse (SPLADE) run end to end through `vembed train`'s entrypoint on a tiny BERT with its MLM head: InfoNCE with
-FLOPS regularisation trains (the loss falls), and final/ gives one set of vectors whichever way it is loaded: vembed,
-sentence-transformers' SparseEncoder, and the card's plain-transformers snippet."""
+FLOPS regularisation trains (the loss falls), its corpus validation split is searched by dot product, and final/
+gives one set of vectors whichever way it is loaded: vembed, sentence-transformers' SparseEncoder, and the card's
+plain-transformers snippet."""
 
 from __future__ import annotations
 
@@ -38,12 +39,24 @@ def sparse_run(tmp_path, tiny_tokenizer_dir):
 
 
 def test_a_sparse_model_trains_through_vembed_train_and_its_final_folder_loads_everywhere_alike(sparse_run, tmp_path):
+    from corpora import make_corpus_folder
+
+    from vembed.data.corpus import load_corpus_split
+    from vembed.evaluation.corpus import evaluate_corpus
+
+    corpus = make_corpus_folder(tmp_path / "corpus")
     recipe = tmp_path / "sparse.yaml"
-    recipe.write_text(yaml.safe_dump(sparse_run))
+    recipe.write_text(yaml.safe_dump({**sparse_run, "data": {**sparse_run["data"], "validation": str(corpus)}}))
     train_in_this_process(recipe)
     run = Path(sparse_run["output_dir"])
-    losses = [entry["loss"] for entry in json.loads((run / "metrics.json").read_text())["loss_history"]]
+    metrics = json.loads((run / "metrics.json").read_text())
+    losses = [entry["loss"] for entry in metrics["loss_history"]]
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.1, losses
+    # In-run evaluation searched the corpus as `vembed eval` does with final/: the same metrics.
+    found = json.loads((run / "final" / "card.json").read_text())["evaluation"]["validation"]
+    expected = evaluate_corpus(vembed.load(str(run / "final"), device="cpu").adapter, load_corpus_split(corpus, "dev"))
+    for name in ("corpus/ndcg@10", "corpus/recall@10"):
+        assert found[name] == pytest.approx(expected[name], abs=1e-6), name
 
     final = run / "final"
     model = vembed.load(str(final), device="cpu")
