@@ -110,8 +110,17 @@ def test_a_zero_or_unset_weight_adds_nothing_and_a_negative_weight_is_refused():
     assert FlopsRegularizedLoss(inner, 0.0, None)(q, p).item() == plain
     assert FlopsRegularizedLoss(inner, None, 1.0)(q, p).item() > plain
     assert FlopsRegularizedLoss(inner, 1.0, None)(q, p).item() > plain
-    with pytest.raises(ValueError, match="query_weight must be >= 0"):
+    with pytest.raises(ValueError, match="query_weight must be >= 0, got -1.0"):
         FlopsRegularizedLoss(inner, -1.0, None)
+    with pytest.raises(ValueError, match="document_weight must be >= 0, got -0.5"):
+        FlopsRegularizedLoss(inner, None, -0.5)
+
+
+def test_the_config_names_the_weights_thresholds_and_the_inner_loss():
+    loss = FlopsRegularizedLoss(MarginMSELoss(), 0.5, 0.25, None, 3)
+    assert loss.config == {"name": "FlopsRegularizedLoss", "query_weight": 0.5, "document_weight": 0.25,
+                           "query_threshold": None, "document_threshold": 3, "loss": MarginMSELoss().config}
+    assert loss.gradient_cache_refusal is None and not loss.token_vectors and loss.uses_negatives
 
 
 def test_a_recipe_wraps_its_loss_with_the_flops_keys_and_refuses_a_negative_weight():
