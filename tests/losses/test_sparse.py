@@ -1,6 +1,6 @@
 """FLOPS regularisation (vembed/losses/sparse.py) equals sentence-transformers' SpladeLoss around its sparse losses on
-the same (B, V) vectors: value and gradient w.r.t. every input, to 1e-6 (float64); under two gloo ranks with DDP
-its gradients are those of one process on the whole batch (1e-5); and a recipe builds it from the flops_* keys.
+the same (B, V) vectors: value and gradient w.r.t. every input, to 1e-6 (float64); and a recipe builds it from the
+flops_* keys. (Under two gloo ranks with DDP: tests/losses/test_distributed_losses.py.)
 
 sentence-transformers' SpladeLoss owns a model; here it is the stand-in of test_st_parity (`ColumnModel`), which
 returns fixed vectors for each column, so `SpladeLoss.forward` runs unchanged on exactly the tensors ours receives.
@@ -8,17 +8,15 @@ returns fixed vectors for each column, so `SpladeLoss.forward` runs unchanged on
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
-from ranks import run_on_ranks
-from torch import nn
+from losses.test_st_parity import ColumnModel
 
-from vembed.losses.contrastive import InfoNCELoss
-from vembed.losses.scored import CoSENTLoss, DistillKLDivLoss, MarginMSELoss
-from vembed.losses.sparse import FlopsRegularizedLoss, flops
+sparse_losses = pytest.importorskip("sentence_transformers.sparse_encoder.losses")
+
+from vembed.losses.contrastive import InfoNCELoss  # noqa: E402
+from vembed.losses.scored import CoSENTLoss, DistillKLDivLoss, MarginMSELoss  # noqa: E402
+from vembed.losses.sparse import FlopsRegularizedLoss, flops  # noqa: E402
 
 B, K, V = 6, 2, 12
 TOLERANCE = 1e-6
@@ -34,26 +32,20 @@ def _teacher(seed: int) -> torch.Tensor:
     return torch.randn(B, 1 + K, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-def _sparse_losses():
-    # Imported by the test, not the module: the two-rank test's spawned ranks import this module, and
-    # sentence-transformers takes seconds to import.
-    return pytest.importorskip("sentence_transformers.sparse_encoder.losses")
-
-
 # name: (ours, theirs(model), uses hard negatives, the scores ours reads, the labels theirs reads)
 TEACHER = _teacher(3)
 GOLD = torch.tensor([0.9, 0.1, 0.5, 0.5, 0.0, 0.75], dtype=torch.float64)
 CASES = {
     # sentence-transformers' SparseMultipleNegativesRankingLoss: dot product, scale 1, queries -> documents only.
     "infonce": (lambda: InfoNCELoss(temperature=1.0, symmetric=False),
-                lambda m: _sparse_losses().SparseMultipleNegativesRankingLoss(m), False, None, None),
+                lambda m: sparse_losses.SparseMultipleNegativesRankingLoss(m), False, None, None),
     "infonce_hard_negatives": (lambda: InfoNCELoss(temperature=1.0, symmetric=False),
-                               lambda m: _sparse_losses().SparseMultipleNegativesRankingLoss(m), True, None, None),
-    "margin_mse": (MarginMSELoss, lambda m: _sparse_losses().SparseMarginMSELoss(m), True, TEACHER,
+                               lambda m: sparse_losses.SparseMultipleNegativesRankingLoss(m), True, None, None),
+    "margin_mse": (MarginMSELoss, lambda m: sparse_losses.SparseMarginMSELoss(m), True, TEACHER,
                    TEACHER[:, :1] - TEACHER[:, 1:]),
     "distill_kl": (lambda: DistillKLDivLoss(temperature=2.0),
-                   lambda m: _sparse_losses().SparseDistillKLDivLoss(m, temperature=2.0), True, TEACHER, TEACHER),
-    "cosent": (lambda: CoSENTLoss(scale=20.0), lambda m: _sparse_losses().SparseCoSENTLoss(m, scale=20.0), False, GOLD,
+                   lambda m: sparse_losses.SparseDistillKLDivLoss(m, temperature=2.0), True, TEACHER, TEACHER),
+    "cosent": (lambda: CoSENTLoss(scale=20.0), lambda m: sparse_losses.SparseCoSENTLoss(m, scale=20.0), False, GOLD,
                GOLD),
 }
 # (query weight, document weight, query threshold, document threshold); sentence-transformers' names in the test.
@@ -75,11 +67,9 @@ def test_flops_regularised_losses_equal_sentence_transformers_splade_loss(case, 
     value = loss(q, p, n if with_negatives else None, scores=scores)
     grads = torch.autograd.grad(value, leaves)
 
-    from losses.test_st_parity import ColumnModel
-
     columns = [q, p] + ([n[:, j] for j in range(K)] if with_negatives else [])
     model = ColumnModel(columns)
-    splade = _sparse_losses().SpladeLoss(model, theirs_inner(model), document_regularizer_weight=document_weight,
+    splade = sparse_losses.SpladeLoss(model, theirs_inner(model), document_regularizer_weight=document_weight,
                                       query_regularizer_weight=query_weight,
                                       query_regularizer_threshold=query_threshold,
                                       document_regularizer_threshold=document_threshold)
@@ -141,80 +131,3 @@ def test_a_recipe_wraps_its_loss_with_the_flops_keys_and_refuses_a_negative_weig
         with pytest.raises(RecipeError) as err:
             recipe_from_dict({**raw, **changes})
         assert err.value.key == key
-
-
-# --- two gloo ranks ---------------------------------------------------------------------------------------------------
-WORLD, IN = 2, 16
-
-
-class SparseEncoderWithLoss(nn.Module):
-    """What the loop hands to DDP: a small encoder of non-negative, partly zero vectors and the loss in one module."""
-
-    def __init__(self, loss: nn.Module):
-        super().__init__()
-        torch.manual_seed(0)
-        self.encoder = nn.Linear(IN, V)
-        self.loss = loss
-
-    def forward(self, queries, positives, negatives):
-        return tuple(torch.relu(self.encoder(x)) for x in (queries, positives, negatives))
-
-
-def _distributed_cases() -> dict:
-    return {
-        "infonce": lambda: FlopsRegularizedLoss(InfoNCELoss(temperature=1.0, symmetric=False), 0.5, 0.3),
-        "infonce_thresholds": lambda: FlopsRegularizedLoss(InfoNCELoss(temperature=1.0, symmetric=False), 0.5, 0.3,
-                                                           6, 5),
-        "margin_mse": lambda: FlopsRegularizedLoss(MarginMSELoss(), 0.5, 0.3),
-    }
-
-
-def _global_batch() -> tuple[torch.Tensor, ...]:
-    generator = torch.Generator().manual_seed(1234)
-    return (torch.randn(WORLD * B, IN, generator=generator), torch.randn(WORLD * B, IN, generator=generator),
-            torch.randn(WORLD * B, K, IN, generator=generator))
-
-
-TEACHER_SCORES = torch.randn(WORLD * B, 1 + K, generator=torch.Generator().manual_seed(5))
-
-
-def _loss_and_gradients(model: nn.Module, forward: nn.Module, batch, scores) -> dict:
-    model.zero_grad()
-    loss = model.loss(*forward(*batch), scores=scores)
-    loss.backward()
-    return {"loss": loss.detach(), "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()
-                                             if p.grad is not None}}
-
-
-def _rank_worker(out_dir: str) -> None:
-    torch.set_num_threads(1)
-    rank = dist.get_rank()
-    rows = slice(rank * B, (rank + 1) * B)
-    results = {}
-    for case, build in _distributed_cases().items():
-        model = SparseEncoderWithLoss(build())
-        ddp = nn.parallel.DistributedDataParallel(model)
-        results[case] = _loss_and_gradients(model, ddp, tuple(t[rows] for t in _global_batch()), TEACHER_SCORES[rows])
-    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-
-
-def _relative_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual - expected).abs().max() / expected.abs().max()).item()
-
-
-def test_flops_regularised_losses_ddp_gradients_match_single_process_full_batch(tmp_path):
-    # FLOPS is a function of the global batch's mean: each rank's column sums are summed over ranks with gradients.
-    run_on_ranks(_rank_worker, str(tmp_path), world=WORLD, timeout=120)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
-    for case, build in _distributed_cases().items():
-        model = SparseEncoderWithLoss(build())
-        expected = _loss_and_gradients(model, model, _global_batch(), TEACHER_SCORES)
-        regulariser = expected["loss"] - model.loss.loss(*model(*_global_batch()), scores=TEACHER_SCORES)
-        assert regulariser > 1e-3, case  # the FLOPS terms weigh in the comparison
-        mean_loss = torch.stack([r[case]["loss"] for r in ranks]).mean()
-        assert _relative_difference(mean_loss, expected["loss"]) <= 1e-5, case
-        for r, result in enumerate(ranks):
-            assert result[case]["grads"].keys() == expected["grads"].keys(), case
-            for name, grad in expected["grads"].items():
-                difference = _relative_difference(result[case]["grads"][name], grad)
-                assert difference <= 1e-5, f"{case}, rank {r}, {name}: {difference:.2e}"
