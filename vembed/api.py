@@ -170,8 +170,8 @@ class Embedder:
         sentence-transformers' `util.semantic_search` returns them: `[[{"corpus_id": i, "score": s}, ...], ...]`.
 
         Queries are texts (or `query_images`), embedded as queries, the corpus as documents; scores are cosines,
-        dot products for a sparse (SPLADE) model, or MaxSim for a multi_vector (ColBERT, ColQwen) model. The search is `vembed search`'s: exact, equal scores
-        ranked by corpus position."""
+        dot products for a sparse (SPLADE) model, or MaxSim for a multi_vector (ColBERT, ColQwen) model. The search
+        is `vembed search`'s: exact, equal scores ranked by corpus position."""
         from vembed.retrieval.maxsim_search import PackedTokens, maxsim_top_k
         from vembed.retrieval.scoring import top_k as cosine_top_k
 

@@ -12,8 +12,8 @@ ColBERT is also a PyLate folder (`vembed/models/pylate_folder.py`): `pylate.mode
 from __future__ import annotations
 
 import string
-from dataclasses import replace
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 
 from vembed.errors import RecipeError
-
 from vembed.models import MODELS
 from vembed.models.base import PretrainedSettings, TransformersAdapter
 from vembed.models.batch import forward_argument_names, make_batch
@@ -31,8 +30,14 @@ from vembed.models.lora import ATTENTION_PROJECTIONS
 from vembed.models.pooling import pool
 from vembed.models.pylate_folder import PROJECTION_FOLDER, write_pylate_files
 from vembed.models.splade import (
-    MASKED_LM, SPARSE, keep_top_k, require_masked_lm, sparse_transformers_example, splade_pool,
-    write_sparse_encoder_files)
+    MASKED_LM,
+    SPARSE,
+    keep_top_k,
+    require_masked_lm,
+    sparse_transformers_example,
+    splade_pool,
+    write_sparse_encoder_files,
+)
 from vembed.models.token_projection import TokenVectors, TokenVectorSettings
 from vembed.recipe import InvalidKey
 
@@ -205,7 +210,8 @@ class TextAdapter(TokenVectors, TransformersAdapter):
     @classmethod
     def transformers_example(cls, path: str, settings: dict[str, Any], texts: list[str]) -> str | None:
         """The encoder's last hidden states, pooled as this adapter pools them (`vembed/models/pooling.py`), or the
-        masked-LM head's logits SPLADE-pooled (sparse); None for token vectors (prefix tokens, query expansion, skip-list and projection are vembed's)."""
+        masked-LM head's logits SPLADE-pooled (sparse); None for token vectors (prefix tokens, query expansion,
+        skip-list and projection are vembed's)."""
         if settings.get("embedding") == "multi_vector":
             return None
         if settings.get("embedding") == SPARSE:
