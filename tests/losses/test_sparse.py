@@ -131,3 +131,22 @@ def test_a_recipe_wraps_its_loss_with_the_flops_keys_and_refuses_a_negative_weig
         with pytest.raises(RecipeError) as err:
             recipe_from_dict({**raw, **changes})
         assert err.value.key == key
+
+
+def test_labels_and_other_inputs_reach_the_inner_loss():
+    q, p = _sparse(B, V, seed=6), _sparse(B, V, seed=7)
+    labels = torch.tensor([0, 0, 1, 1, 2, 2])
+    inner = InfoNCELoss(temperature=1.0, symmetric=False)
+    wrapped = FlopsRegularizedLoss(inner, 0.5, 0.25)
+    flops_terms = 0.5 * flops(q) + 0.25 * flops(p)
+    assert wrapped(q, p, labels=labels).item() == pytest.approx((inner(q, p, labels=labels) + flops_terms).item())
+    assert inner(q, p, labels=labels).item() != pytest.approx(inner(q, p).item())  # the labels change the loss
+
+    class Recording(InfoNCELoss):
+        def forward(self, *args, **kwargs):
+            self.seen = kwargs
+            return torch.zeros(())
+
+    recording = Recording()
+    FlopsRegularizedLoss(recording, 0.5, None)(q, p, guide=("guide",))
+    assert recording.seen["guide"] == ("guide",)
