@@ -30,6 +30,7 @@ ELSEWHERE: dict[str, set[str]] = {
     "vembed/tasks/__init__.py": {"task_name_for",  # stage 2: the model and the loss train the same task
                                  "Task.check_gradient_cache"},  # stage 3: GradCache asked of a per-sample task
     "vembed/tasks/contrastive.py": {"_check_not_streamed", "_check_source_and_stage_keys", "_check_token_vectors",
+                                    "_check_sparse",
                                     "_resolve_best_metric", "_check_teacher_embeddings",  # stage 4
                                     "ContrastiveTask.load_train_data"},  # the teacher's rows, as the data is read
     "vembed/tasks/classification.py": {"class_names"},  # stage 4, ClassificationTask.check_recipe
@@ -41,6 +42,7 @@ ELSEWHERE: dict[str, set[str]] = {
                               "EmbeddingAdapter.set_pixel_budget", "EmbeddingAdapter.saved_settings", "load_adapter",
                               "read_adapter_file"},
     "vembed/models/hf.py": {"require_model_type", "auto_config", "_loading", "resolve_max_length"},  # configs
+    "vembed/models/splade.py": {"require_masked_lm"},  # embedding: sparse needs an MLM head: the config's rule
     "vembed/losses/guide.py": {"check_guide_folder", "load_guide"},  # stage 4; load: when the loss is built
     "vembed/generation/dit.py": {"config_from_recipe", "Blip3oDiT.on_meta"},  # stage 4 (flow) and the planner
     "vembed/planning.py": {"choose_gradient_cache", "EncoderShape.from_config"},  # stage 6; the planner's shapes

@@ -75,7 +75,7 @@ class Embedder:
         images: ImageInput | Sequence[ImageInput | Sequence[ImageInput]] | None = None,
         batch_size: int = 32,
         show_progress: bool = False,
-        normalize: bool = True,
+        normalize: bool | None = None,
         role: str | None = None,
     ) -> torch.Tensor:
         """Embed texts, images, or both; returns a CPU float32 tensor `(n, embedding_dim)`.
@@ -90,7 +90,8 @@ class Embedder:
 
         A single string or image is treated as a list of one. Images are file paths or PIL images; with qwen_vl an
         item may itself be a list of them (several images in one side). Rows are
-        L2-normalised unless `normalize=False` (then they are whatever the model outputs).
+        L2-normalised unless `normalize=False` (then they are whatever the model outputs); a sparse (SPLADE) model's
+        only when asked (`normalize=True`): its vectors are scored by dot product.
         """
         if self.multi_vector:
             raise ValueError("this is a multi_vector (late-interaction: ColBERT, ColQwen) model: it gives token "
@@ -98,6 +99,8 @@ class Embedder:
                              "and score(queries, documents)")
         sides = _sides(texts, images, role, "encode")
         embeddings = encode_sides(self.adapter, sides, batch_size=batch_size, show_progress=show_progress)
+        if normalize is None:
+            normalize = not self.sparse
         if normalize:
             embeddings = F.normalize(embeddings, dim=-1)
         return embeddings.cpu()
@@ -131,6 +134,12 @@ class Embedder:
         """Whether the model gives token vectors (`embedding: multi_vector`: ColBERT, ColQwen) rather than one per side."""
         return getattr(self.adapter.settings, "embedding", "single") == "multi_vector"
 
+    @property
+    def sparse(self) -> bool:
+        """Whether the model gives sparse vocabulary-sized vectors (`embedding: sparse`: SPLADE), scored by dot
+        product."""
+        return getattr(self.adapter.settings, "embedding", "single") == "sparse"
+
     def encode_token_vectors(self, texts: str | Sequence[str] | None = None, role: str | None = None,
                              batch_size: int = 32, show_progress: bool = False,
                              images: ImageInput | Sequence[ImageInput | Sequence[ImageInput]] | None = None,
@@ -161,11 +170,12 @@ class Embedder:
         """Each query's `top_k` best items of `corpus` (texts, or images: paths or PIL), best first, as
         sentence-transformers' `util.semantic_search` returns them: `[[{"corpus_id": i, "score": s}, ...], ...]`.
 
-        Queries are texts (or `query_images`), embedded as queries, the corpus as documents; scores are cosines, or
-        MaxSim for a multi_vector (ColBERT, ColQwen) model. The search is `vembed search`'s: exact, equal scores
-        ranked by corpus position. A multi_vector model can search approximately instead (`vembed search --index
-        hnsw`): `index="hnsw"`, or a `vembed.retrieval.token_index.HnswSettings` for other knobs; the documents it
-        returns keep their exact scores, but some of the exact top_k may be missing (needs voyager)."""
+        Queries are texts (or `query_images`), embedded as queries, the corpus as documents; scores are cosines,
+        dot products for a sparse (SPLADE) model, or MaxSim for a multi_vector (ColBERT, ColQwen) model. The search
+        is `vembed search`'s: exact, equal scores ranked by corpus position. A multi_vector model can search
+        approximately instead (`vembed search --index hnsw`): `index="hnsw"`, or a
+        `vembed.retrieval.token_index.HnswSettings` for other knobs; the documents it returns keep their exact
+        scores, but some of the exact top_k may be missing (needs voyager)."""
         from vembed.retrieval.maxsim_search import PackedTokens, maxsim_top_k
         from vembed.retrieval.scoring import top_k as cosine_top_k
         from vembed.retrieval.token_index import TokenIndex
@@ -183,7 +193,8 @@ class Embedder:
                 TokenIndex(packed, settings).search(query_vectors, top_k)
         else:
             found = cosine_top_k(self.encode(queries, images=query_images, role="query", **kwargs),
-                                 self.encode(texts, images=images, role="document", **kwargs), top_k)
+                                 self.encode(texts, images=images, role="document", **kwargs), top_k,
+                                 normalize=not self.sparse)
         return [[{"corpus_id": int(i), "score": float(score)} for i, score in zip(indices, scores) if i >= 0]
                 for indices, scores in zip(found.indices.tolist(), found.scores.tolist())]
 

@@ -53,6 +53,30 @@ def gather_with_grad(tensor: torch.Tensor) -> torch.Tensor:
     return _GatherWithGrad.apply(tensor.contiguous())
 
 
+class _AllReduceSumWithGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        total = tensor.contiguous().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        # Every rank's loss reads the sum; the gradient of all ranks' losses w.r.t. this rank's term is the sum of
+        # their gradients w.r.t. the total (as for `gather_with_grad`, whose slices are here one shared tensor).
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        return grad
+
+
+def all_reduce_with_grad(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum of `tensor` (same shape on every rank) over ranks, with gradients flowing back: each rank's term gets
+    the summed gradient of every rank's use of the total (a loss of a global-batch statistic, as FLOPS's mean)."""
+    if not is_distributed():
+        return tensor
+    return _AllReduceSumWithGrad.apply(tensor)
+
+
 def gather_no_grad(tensor: torch.Tensor) -> torch.Tensor:
     if not is_distributed():
         return tensor

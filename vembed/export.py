@@ -75,6 +75,9 @@ def export_sentence_transformers(
         raise ExportError(f"{str(model_dir)!r} is a multi_vector (ColBERT) model: it needs no export, the folder "
                           "itself loads in PyLate (pylate.models.ColBERT(path)) and in sentence-transformers >= 6 "
                           "(MultiVectorEncoder(path)); with vembed: vembed.load(path).encode_token_vectors")
+    if info.get("settings", {}).get("embedding") == "sparse":
+        raise ExportError(f"{str(model_dir)!r} is a sparse (SPLADE) model: it needs no export, the folder itself "
+                          "loads in sentence-transformers (SparseEncoder(path)); with vembed: vembed.load(path).encode")
     if out_dir.resolve() == model_dir.resolve():
         raise ExportError(f"the output folder must differ from the model folder {str(model_dir)!r}")
     if out_dir.exists() and not out_dir.is_dir():

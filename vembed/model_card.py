@@ -179,6 +179,12 @@ def _multi_vector(model: Mapping[str, Any]) -> bool:
     return (model.get("settings") or {}).get("embedding") == "multi_vector"
 
 
+def _sparse(model: Mapping[str, Any]) -> bool:
+    """Whether the model gives sparse vocabulary-sized vectors (SPLADE), whose folder loads in sentence-transformers
+    as it is (`SparseEncoder(path)`): no export."""
+    return (model.get("settings") or {}).get("embedding") == "sparse"
+
+
 def _token_vectors_of(model: Mapping[str, Any]) -> Any:
     """The adapter class of a multi_vector model (its card facts: `vembed.models.token_projection.TokenVectors`)."""
     from vembed.models.token_projection import TokenVectors
@@ -189,7 +195,8 @@ def _token_vectors_of(model: Mapping[str, Any]) -> Any:
 
 def _exportable(model: Mapping[str, Any]) -> bool:
     adapter = _adapter_class(model.get("model_type"))
-    return adapter is not None and adapter.has_sentence_transformers_equivalent() and not _multi_vector(model)
+    return (adapter is not None and adapter.has_sentence_transformers_equivalent() and not _multi_vector(model)
+            and not _sparse(model))
 
 
 def _front_matter(card: Mapping[str, Any], flavour: Flavour) -> str:
@@ -199,8 +206,10 @@ def _front_matter(card: Mapping[str, Any], flavour: Flavour) -> str:
     tags = ["vembed", str(model_type), "feature-extraction"]
     if _multi_vector(model):
         tags += list(_token_vectors_of(model).card_tags)  # what the Hub lists late-interaction models under
-    if flavour == "sentence-transformers" or _exportable(model):
+    if flavour == "sentence-transformers" or _exportable(model) or _sparse(model):
         tags.insert(1, "sentence-transformers")
+    if _sparse(model):
+        tags += ["sparse-encoder", "sparse", "splade"]  # what the Hub lists sentence-transformers' sparse models under
     if modalities == {"text"}:
         tags.append("sentence-similarity")
     if "image" in modalities:
@@ -210,7 +219,7 @@ def _front_matter(card: Mapping[str, Any], flavour: Flavour) -> str:
     if reranker is not None:  # scores pairs: what the Hub lists rerankers under, and the library that loads it
         tags = ["vembed", *reranker.card_tags, str(model_type), "reranker", "text-ranking"]
         meta.update(library_name=reranker.card_library, pipeline_tag="text-ranking")
-    elif flavour == "sentence-transformers":
+    elif flavour == "sentence-transformers" or _sparse(model):
         meta["library_name"] = "sentence-transformers"
         meta["pipeline_tag"] = "sentence-similarity" if modalities == {"text"} else "feature-extraction"
     else:
@@ -239,6 +248,8 @@ def _title(card: Mapping[str, Any], flavour: Flavour, source_path: str | None) -
     what = f"Embeddings of {dim} dimensions{normalized}" if dim else "A model"
     if reranker:
         what = "One relevance score (a logit: higher ranks first) per (query, document) pair read jointly"
+    if _sparse(model):
+        what = f"Sparse vectors (SPLADE: one weight per vocabulary token) of {dim} dimensions{normalized}"
     if _multi_vector(model):
         what = (f"Token vectors ({_token_vectors_of(model).late_interaction_name} late interaction) of {dim} "
                 f"dimensions{normalized}")
@@ -526,6 +537,9 @@ def _load_section(model: Mapping[str, Any], flavour: Flavour, path: str, source_
                  f"{model.get('embedding_dim')})",
                  f"documents = model.encode_token_vectors({documents}, role='document')",
                  "scores = model.score(queries, documents)  # late interaction (MaxSim)"]
+    elif _sparse(model):
+        usage = [f"embeddings = model.encode(texts={EXAMPLE_TEXTS!r})  # {shape}, mostly zeros",
+                 "scores = embeddings[:1] @ embeddings.T  # scored by dot product"]
     else:
         usage = [f"embeddings = model.encode(texts={EXAMPLE_TEXTS!r})  # {shape}"
                  if "text" in adapter.modalities else "embeddings = model.encode(images=['photo.jpg'])"]
@@ -556,6 +570,11 @@ def _load_section(model: Mapping[str, Any], flavour: Flavour, path: str, source_
         lines += ["With sentence-transformers: export it first (the export embeds as vembed does, checked on "
                   "probe inputs), then load the export:", "", "```bash", f"vembed export {path} --out {export}",
                   "```", "", *_sentence_transformers_lines(export, images), "", *_mteb_lines(export, images)]
+    elif _sparse(model):
+        lines += ["With sentence-transformers (>= 5), which reads the folder as it is (MLM transformer, SPLADE "
+                  "pooling):", "", "```python", "from sentence_transformers import SparseEncoder",
+                  f"model = SparseEncoder({path!r})", f"embeddings = model.encode({EXAMPLE_TEXTS!r})",
+                  "scores = model.similarity(embeddings[:1], embeddings)  # dot product", "```"]
     elif _multi_vector(model) and _token_vectors_of(model).pylate_folder:
         lines += [*_pylate_lines(path), "", "sentence-transformers >= 6 reads the same folder: "
                   f"`MultiVectorEncoder({path!r})`."]

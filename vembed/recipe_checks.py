@@ -22,8 +22,10 @@ tests/test_recipe_checks.py fails when a recipe error is raised anywhere else.
      (`vembed.data.streaming.check_stream_recipe`); the data files exist (`vembed.data.paths.check_data_paths`);
      the adapter's own rules (`check_recipe` of its class in `vembed/models/`: model_name or model_config, a
      tokenizer for a random-init text tower, ...); per-source instructions and stage image sizes the adapter can
-     honour; token vectors and the loss agree; the GISTEmbed guide folder holds a model (`vembed/losses/guide.py`);
-     metric_for_best_model is a validation metric; mrl_dims fit the embedding size the model's config declares.
+     honour; token vectors and the loss agree; FLOPS keys, Matryoshka and in-run evaluation fit sparse vectors (a
+     masked-LM head for them: `vembed/models/splade.py`); the GISTEmbed guide folder holds a model
+     (`vembed/losses/guide.py`); metric_for_best_model is a validation metric; mrl_dims fit the embedding size the
+     model's config declares.
    - classification (`vembed/tasks/classification.py`): one file or ImageFolder per split, no streaming, GradCache
      or stages; a classification metric; the adapter's own rules (`check_recipe` in `vembed/models/vision.py`: a
      backbone it drives, a CLIP/SigLIP text tower for head_init: class_names, no pooling or projection_dim over a

@@ -243,3 +243,73 @@ def test_scored_and_triplet_losses_ddp_gradients_match_single_process_full_batch
             for name, grad in expected["grads"].items():
                 difference = _relative_difference(result[case]["grads"][name], grad)
                 assert difference <= MAX_RELATIVE_DIFFERENCE, f"{case}, rank {r}, {name}: {difference:.2e}"
+
+
+# --- FLOPS regularisation of sparse vectors (vembed/losses/sparse.py) ------------------------------------------------
+SPARSE_B, VOCAB = 6, 12
+
+
+class SparseEncoderWithLoss(nn.Module):
+    """What the loop hands to DDP: a small encoder of non-negative, partly zero vectors and the loss in one module."""
+
+    def __init__(self, loss: nn.Module):
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = nn.Linear(IN, VOCAB)
+        self.loss = loss
+
+    def forward(self, queries, positives, negatives):
+        return tuple(torch.relu(self.encoder(x)) for x in (queries, positives, negatives))
+
+
+def _flops_cases() -> dict:
+    from vembed.losses.scored import MarginMSELoss
+    from vembed.losses.sparse import FlopsRegularizedLoss
+
+    return {
+        "infonce": lambda: FlopsRegularizedLoss(InfoNCELoss(temperature=1.0, symmetric=False), 0.5, 0.3),
+        "infonce_thresholds": lambda: FlopsRegularizedLoss(InfoNCELoss(temperature=1.0, symmetric=False), 0.5, 0.3,
+                                                           6, 5),
+        "margin_mse": lambda: FlopsRegularizedLoss(MarginMSELoss(), 0.5, 0.3),
+    }
+
+
+def _sparse_batch() -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(1234)
+    return (torch.randn(WORLD * SPARSE_B, IN, generator=generator),
+            torch.randn(WORLD * SPARSE_B, IN, generator=generator),
+            torch.randn(WORLD * SPARSE_B, K, IN, generator=generator))
+
+
+SPARSE_TEACHER_SCORES = torch.randn(WORLD * SPARSE_B, 1 + K, generator=torch.Generator().manual_seed(5))
+
+
+def _flops_rank_worker(out_dir: str) -> None:
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    rows = slice(rank * SPARSE_B, (rank + 1) * SPARSE_B)
+    results = {}
+    for case, build in _flops_cases().items():
+        model = SparseEncoderWithLoss(build())
+        ddp = nn.parallel.DistributedDataParallel(model)
+        local = tuple(t[rows] for t in _sparse_batch())
+        results[case] = _scored_loss_and_gradients(model, ddp, local, {"scores": SPARSE_TEACHER_SCORES[rows]})
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+
+
+def test_flops_regularised_losses_ddp_gradients_match_single_process_full_batch(tmp_path):
+    # FLOPS is a function of the global batch's mean: each rank's column sums are summed over ranks with gradients.
+    run_on_ranks(_flops_rank_worker, str(tmp_path), world=WORLD, timeout=120)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    for case, build in _flops_cases().items():
+        model = SparseEncoderWithLoss(build())
+        expected = _scored_loss_and_gradients(model, model, _sparse_batch(), {"scores": SPARSE_TEACHER_SCORES})
+        regulariser = expected["loss"] - model.loss.loss(*model(*_sparse_batch()), scores=SPARSE_TEACHER_SCORES)
+        assert regulariser > 1e-3, case  # the FLOPS terms weigh in the comparison
+        mean_loss = torch.stack([r[case]["loss"] for r in ranks]).mean()
+        assert _relative_difference(mean_loss, expected["loss"]) <= MAX_RELATIVE_DIFFERENCE, case
+        for r, result in enumerate(ranks):
+            assert result[case]["grads"].keys() == expected["grads"].keys(), case
+            for name, grad in expected["grads"].items():
+                difference = _relative_difference(result[case]["grads"][name], grad)
+                assert difference <= MAX_RELATIVE_DIFFERENCE, f"{case}, rank {r}, {name}: {difference:.2e}"

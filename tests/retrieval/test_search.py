@@ -80,3 +80,20 @@ def test_two_ranks_each_encoding_a_share_find_what_one_process_finds(tmp_path):
     found = torch.load(out, weights_only=True)
     assert torch.equal(found["indices"], expected_indices)
     assert torch.allclose(found["scores"], expected_scores, atol=1e-6)
+
+
+def test_sparse_vectors_are_searched_and_paired_by_dot_product_whatever_the_caller_asks():
+    from vembed.retrieval import SCORINGS
+
+    generator = torch.Generator().manual_seed(3)
+    queries = torch.relu(torch.randn(4, 50, generator=generator))
+    documents = torch.relu(torch.randn(30, 50, generator=generator)) * torch.linspace(0.1, 3.0, 30).unsqueeze(1)
+    scoring = SCORINGS.get("sparse")
+    found = search(queries, [(0, documents[:17]), (17, documents[17:])], 5, score_block=scoring.top_k)
+    dots = queries @ documents.T
+    expected = dots.topk(5, dim=1)
+    assert torch.equal(found.indices, expected.indices)
+    torch.testing.assert_close(found.scores, expected.values)
+    assert not torch.equal(found.indices, top_k(queries, documents, 5).indices)  # cosine would rank otherwise
+    rows = torch.tensor([3, 0, 29, 7])
+    torch.testing.assert_close(scoring.pair_scores(queries, documents, rows), dots[torch.arange(4), rows])

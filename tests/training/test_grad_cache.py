@@ -197,6 +197,26 @@ def test_cached_gradients_equal_whole_batch_for_colbert_token_vectors(text_pairs
     assert ("loss._infonce.log_scale" in cached) == (loss == "late_interaction")
 
 
+@pytest.mark.parametrize("loss", ["infonce", "margin_mse"])
+def test_cached_gradients_equal_whole_batch_for_sparse_vectors_with_flops(text_pairs, loss):
+    # The FLOPS terms read the whole batch's mean, so they need the whole batch's vectors, which GradCache caches.
+    config = {**text_pairs["model_config"], "vocab_size": 300}
+    raw = dict(text_pairs, model_config=config, embedding="sparse", pooling="mean", loss_type=loss, temperature=1.0,
+               learnable_temperature=False, flops_query_weight=0.05, flops_document_weight=0.03,
+               use_gradient_cache=True, gradient_cache_chunk_size=3)
+    if loss == "margin_mse":
+        rows = [{"query": f"question {i}", "positive": f"answer {i}: a shape {i % 5}", "negatives": [f"wrong {i}"],
+                 "teacher": [2.0 - i % 3, 0.5 * (i % 2)]} for i in range(16)]
+        path = Path(text_pairs["data"]["train"]).with_name("teacher.jsonl")
+        path.write_text("\n".join(json.dumps(r) for r in rows))
+        raw["data"] = {"train": str(path), "columns": {"score": "teacher"}}
+    rows = list(range(BATCH))
+    cached, cached_loss = _cached_step(raw, rows)
+    reference, reference_loss = _reference_step(raw, rows, chunk=3)
+    assert cached_loss == pytest.approx(reference_loss, rel=1e-6)
+    print(f"relative gradient difference: {_assert_close(cached, reference):.2e}")
+
+
 @pytest.fixture
 def scored_text_pairs(text_pairs, tmp_path):
     """The text pairs with a label, a gold score per pair (`gold`) and teacher scores of [positive, negatives]

@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         adapter = load_embedding_model(model_dir, trust_remote_code=args.trust_remote_code).to(accelerator.device)
         scoring = scoring_of(adapter)
         if args.faiss == "yes" and not scoring.faiss:  # before the cache folder is made: nothing written
-            raise RecipeError("--faiss", f"{model_dir} gives token vectors (multi_vector), scored exactly by MaxSim; "
+            raise RecipeError("--faiss", f"{model_dir} gives {scoring.vectors}, scored exactly by {scoring.name}; "
                                          "faiss's flat index scores one vector per document: pass --faiss no")
         use_faiss = args.faiss == "yes" or (args.faiss == "auto" and faiss_available() and scoring.faiss)
         set_pool_factor(adapter, args.pool_factor)
@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{out}: {len(rows)} rows from {stats.mined} of {stats.queries} queries, {settings.num_negatives} "
                   f"negatives each; {rule}; {stats.too_few} queries had fewer than {settings.num_negatives} "
                   f"negatives left and were left out; search: "
-                  f"{'faiss' if use_faiss else 'exact (torch' + (', MaxSim)' if not scoring.faiss else ')')}{where}; "
+                  f"{'faiss' if use_faiss else 'exact (torch' + (f', {scoring.name})' if not scoring.faiss else ')')}{where}; "
                   f"{accelerator.num_processes} process(es)")
             if "index" in stats.extra:  # token vectors: the size --pool-factor promises to shrink
                 print(stats.extra["index"].describe(pool_factor_of(adapter)))

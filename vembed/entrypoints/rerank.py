@@ -80,15 +80,14 @@ def _scorer(model_dir: Path, args: argparse.Namespace):
     from vembed.errors import ArgumentError
     from vembed.models.foreign import load_embedding_model
     from vembed.reranking import load_reranker, saved_reranker_type
-    from vembed.retrieval.maxsim_search import maxsim_pair_scorer
-    from vembed.retrieval.search import scoring_of
+    from vembed.retrieval.maxsim_search import MULTI_VECTOR, maxsim_pair_scorer
 
     quiet_libraries()
     if saved_reranker_type(model_dir):
         reranker = load_reranker(model_dir, trust_remote_code=args.trust_remote_code)
         return lambda queries, documents: reranker.score(queries, documents, batch_size=args.batch_size)
     adapter = load_embedding_model(model_dir, trust_remote_code=args.trust_remote_code)
-    if scoring_of(adapter).faiss:  # one vector per text
+    if adapter.embedding_kind != MULTI_VECTOR:  # one vector per text (dense or sparse): no token vectors
         raise ArgumentError("model_dir", f"{model_dir} is an embedding model (one vector per text): it cannot reorder "
                                        "candidates beyond what its own search found; search with it (vembed search "
                                        f"{args.model_dir} CORPUS --out run.trec), and rerank with a reranker or a "

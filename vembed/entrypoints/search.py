@@ -1,8 +1,8 @@
 """Search a corpus folder and write the ranking as a run file: `vembed search MODEL_DIR|bm25 CORPUS_FOLDER --out
 run.trec [--top-k 100] [--split test]`.
 
-MODEL_DIR is an embedding model (one vector per text: exact cosine search) or a late-interaction one (ColBERT,
-ColQwen: exact MaxSim), saved by vembed, sentence-transformers or transformers; `bm25` searches the corpus's words
+MODEL_DIR is an embedding model (one vector per text: exact cosine search; a sparse SPLADE one: exact dot product)
+or a late-interaction one (ColBERT, ColQwen: exact MaxSim), saved by vembed, sentence-transformers or transformers; `bm25` searches the corpus's words
 with bm25s. Every query the split judges is searched against the whole corpus; the run is a TREC run file (what
 trec_eval, pyserini, BEIR and ranx read; `--format jsonl` writes one JSON row per hit with the texts). It is what a
 reranker recipe's `data.first_stage_run` names, what `vembed rerank` reorders, `vembed fuse` combines and
@@ -186,7 +186,7 @@ def _search_model(args: argparse.Namespace, source, settings: "HnswSettings | No
     adapter = load_embedding_model(model_dir, trust_remote_code=args.trust_remote_code)
     set_pool_factor(adapter, args.pool_factor)
     check_index(adapter, settings, accelerator.num_processes)
-    scoring = "MaxSim" if not scoring_of(adapter).faiss else "cosine"
+    scoring = scoring_of(adapter).name
     found = embedder_run(adapter.to(accelerator.device), split, args.top_k, batch_size=args.batch_size,
                          accelerator=accelerator, max_queries=args.max_queries, show_progress=True, index=settings)
     if accelerator.is_main_process:

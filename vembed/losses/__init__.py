@@ -1,4 +1,5 @@
-"""Losses on embeddings, chosen by `loss_type` through the LOSSES registry; `build_loss` adds the Matryoshka wrapper."""
+"""Losses on embeddings, chosen by `loss_type` through the LOSSES registry; `build_loss` adds the Matryoshka and the
+FLOPS (sparse vectors) wrappers."""
 
 from __future__ import annotations
 
@@ -28,6 +29,12 @@ def build_loss(recipe: "Recipe") -> EmbeddingLoss:
         from vembed.losses.matryoshka import MatryoshkaLoss
 
         loss = MatryoshkaLoss(loss, recipe.loss.mrl_dims, recipe.loss.mrl_weights)
+    if recipe.loss.flops_regularized:
+        from vembed.losses.sparse import FlopsRegularizedLoss
+
+        settings = recipe.loss
+        loss = FlopsRegularizedLoss(loss, settings.flops_query_weight, settings.flops_document_weight,
+                                    settings.flops_query_threshold, settings.flops_document_threshold)
     return loss
 
 

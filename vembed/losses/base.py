@@ -26,6 +26,21 @@ class EmbeddingLossSettings(Settings):
     learnable_temperature: bool = False
     mrl_dims: list[int] | None = None  # Matryoshka: the loss at each truncated dimension (vembed.losses.matryoshka)
     mrl_weights: list[float] | None = None  # per-dimension weights (unset: all 1)
+    # FLOPS regularisation of sparse vectors (embedding: sparse; vembed/losses/sparse.py), added to the loss as
+    # sentence-transformers' SpladeLoss does: this weight * sum over the vocabulary of the squared mean weight over
+    # the global batch's queries (SPLADE papers' lambda_q, about 1e-4 to 1e-2); unset: no such term.
+    flops_query_weight: float | None = Field(default=None, ge=0)
+    # The same over the batch's documents, positives and hard negatives together (lambda_d); unset: no such term.
+    flops_document_weight: float | None = Field(default=None, ge=0)
+    # Only queries with more than this many non-zero weights count in their mean (unset: all).
+    flops_query_threshold: int | None = Field(default=None, ge=0)
+    # Only documents with more than this many non-zero weights count in their mean (unset: all).
+    flops_document_threshold: int | None = Field(default=None, ge=0)
+
+    @property
+    def flops_regularized(self) -> bool:
+        """Whether a FLOPS term is asked for (a weight set, even 0)."""
+        return self.flops_query_weight is not None or self.flops_document_weight is not None
 
     @model_validator(mode="after")
     def _matryoshka(self) -> "EmbeddingLossSettings":
@@ -39,6 +54,10 @@ class EmbeddingLossSettings(Settings):
             if self.mrl_dims != sorted(self.mrl_dims, reverse=True):
                 raise InvalidKey("mrl_dims", f"{self.mrl_dims} is not from largest to smallest; write "
                                              f"{sorted(self.mrl_dims, reverse=True)}")
+        for side in ("query", "document"):
+            if getattr(self, f"flops_{side}_threshold") is not None and getattr(self, f"flops_{side}_weight") is None:
+                raise InvalidKey(f"flops_{side}_threshold", f"does nothing without flops_{side}_weight; set it or "
+                                                            "remove the threshold")
         if self.mrl_weights is not None:
             if self.mrl_dims is None:
                 raise InvalidKey("mrl_weights", "is set but mrl_dims is not; set mrl_dims or remove mrl_weights")

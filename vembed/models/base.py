@@ -350,6 +350,11 @@ class TransformersAdapter(EmbeddingAdapter):
         raise NotImplementedError(f"{cls.__name__} embeds no images")
 
     @classmethod
+    def auto_class_for(cls, settings: PretrainedSettings) -> str:
+        """The transformers Auto class that builds `self.model` with these settings (default: `auto_class`)."""
+        return cls.auto_class
+
+    @classmethod
     def check_config(cls, config: "PretrainedConfig", key: str) -> None:
         """Refuse a config this adapter cannot drive (`key`: the recipe key to blame)."""
 
@@ -399,16 +404,16 @@ class TransformersAdapter(EmbeddingAdapter):
     def from_recipe(cls, recipe: "Recipe") -> "TransformersAdapter":
         import transformers
 
-        AutoModel = getattr(transformers, cls.auto_class)
         cls.check_recipe(recipe)
         settings = cls.settings_of(recipe)
+        AutoModel = getattr(transformers, cls.auto_class_for(settings))
         tokenizer = load_tokenizer(settings.tokenizer_name or settings.model_name, settings.trust_remote_code)
         config = cls.hf_config(settings, tokenizer)  # config-level checks before any weights are read
         if settings.model_name is not None:
             model = load_model(settings.model_name, None, key="model_name",
                                trust_remote_code=settings.trust_remote_code,
                                attn_implementation=settings.attn_implementation, model_type=cls.hf_model_type,
-                               auto_class=cls.auto_class)
+                               auto_class=cls.auto_class_for(settings))
         else:
             model = AutoModel.from_config(config, **hf_kwargs(settings.trust_remote_code, settings.attn_implementation))
         processor = cls.image_processor_for(settings.model_name, model.config, settings) if cls._images() else None
@@ -418,9 +423,9 @@ class TransformersAdapter(EmbeddingAdapter):
     def on_meta(cls, recipe: "Recipe") -> "TransformersAdapter":
         import transformers
 
-        AutoModel = getattr(transformers, cls.auto_class)
         cls.check_recipe(recipe)
         settings = cls.settings_of(recipe)
+        AutoModel = getattr(transformers, cls.auto_class_for(settings))
         config = cls.hf_config(settings)
         with torch.device("meta"):
             model = AutoModel.from_config(config, **hf_kwargs(settings.trust_remote_code, settings.attn_implementation))
@@ -437,7 +442,7 @@ class TransformersAdapter(EmbeddingAdapter):
     def load_weights(cls, path: str | Path, info: dict[str, Any], settings: PretrainedSettings) -> "PreTrainedModel":
         return load_model(str(path), None, key="model", trust_remote_code=settings.trust_remote_code,
                           attn_implementation=settings.attn_implementation, model_type=cls.hf_model_type,
-                          auto_class=cls.auto_class)
+                          auto_class=cls.auto_class_for(settings))
 
     def save(self, path: str | Path) -> None:
         save_hf_model(self.model, path)

@@ -1,5 +1,6 @@
 """A text-only embedding model: any HF text encoder (`AutoModel`: BERT, BGE, MiniLM, ...) with cls, mean or last-token
-pooling, or (`embedding: multi_vector`) ColBERT's token vectors. Sides with images are rejected.
+pooling, (`embedding: multi_vector`) ColBERT's token vectors, or (`embedding: sparse`) SPLADE's vocabulary-sized
+vectors from the masked-LM head (`vembed/models/splade.py`). Sides with images are rejected.
 
 ColBERT, as PyLate and the ColBERT papers build it: a query is `query_prefix + text` padded to exactly `query_length`
 tokens with the tokenizer's mask token, every position attended and kept (query expansion); a document is
@@ -11,17 +12,16 @@ ColBERT is also a PyLate folder (`vembed/models/pylate_folder.py`): `pylate.mode
 from __future__ import annotations
 
 import string
-from dataclasses import replace
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from vembed.errors import RecipeError
-
 from vembed.models import MODELS
 from vembed.models.base import PretrainedSettings, TransformersAdapter
 from vembed.models.batch import forward_argument_names, make_batch
@@ -29,7 +29,17 @@ from vembed.models.hf import freeze_unused_pooler, resolve_max_length
 from vembed.models.lora import ATTENTION_PROJECTIONS
 from vembed.models.pooling import pool
 from vembed.models.pylate_folder import PROJECTION_FOLDER, write_pylate_files
+from vembed.models.splade import (
+    MASKED_LM,
+    SPARSE,
+    keep_top_k,
+    require_masked_lm,
+    sparse_transformers_example,
+    splade_pool,
+    write_sparse_encoder_files,
+)
 from vembed.models.token_projection import TokenVectors, TokenVectorSettings
+from vembed.recipe import InvalidKey
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -44,7 +54,16 @@ VECTOR_MASK = "token_vector_mask"
 
 
 class TextSettings(PretrainedSettings, TokenVectorSettings):
+    # single: one vector per side (`pooling`); multi_vector: ColBERT's token vectors (keys below); sparse: SPLADE, one
+    # vocabulary-sized vector per side from the masked-LM head, scored by dot product, never L2-normalised.
+    embedding: Literal["single", "multi_vector", "sparse"] = "single"
     pooling: Literal["cls", "mean", "last"] = "mean"  # cls: first token; mean: attended tokens; last: last attended
+    # embedding: sparse: how log(1 + relu(MLM logits)) of a side's tokens are pooled into its vector (max: SPLADE v2
+    # and later; sum: the first SPLADE).
+    sparse_pooling: Literal["max", "sum"] = "max"
+    # embedding: sparse: keep each vector's this many largest weights, at inference only (encoding for search, never
+    # in training; sentence-transformers' max_active_dims); unset: all.
+    sparse_top_k: int | None = Field(default=None, gt=0)
     # embedding, multi_vector_dim: vembed/models/token_projection.py; with multi_vector (ColBERT, as described at the
     # top of this file) these keys apply too:
     query_prefix: str = "[Q] "  # put before every query's text
@@ -58,6 +77,26 @@ class TextSettings(PretrainedSettings, TokenVectorSettings):
     token_vector_keys: ClassVar[tuple[str, ...]] = (
         "multi_vector_dim", "query_prefix", "document_prefix", "query_length", "skip_punctuation",
         "document_pool_factor")
+    sparse_keys: ClassVar[tuple[str, ...]] = ("sparse_pooling", "sparse_top_k")
+
+    @model_validator(mode="after")
+    def _sparse_keys(self) -> "TextSettings":
+        if self.embedding != SPARSE:
+            for key in self.sparse_keys:  # by value, not by presence: a saved recipe must read back
+                if getattr(self, key) != type(self).model_fields[key].default:
+                    raise InvalidKey(key, "applies to sparse vectors only; set embedding: sparse or remove it")
+            return self
+        if self.pooling != type(self).model_fields["pooling"].default:
+            raise InvalidKey("pooling", "embedding: sparse pools with sparse_pooling (max or sum); remove pooling")
+        if self.normalize and self.explicit("normalize"):
+            raise InvalidKey("normalize", "sparse vectors are scored by dot product and never L2-normalised; "
+                                          "remove normalize: true or use embedding: single")
+        self.__dict__["normalize"] = False  # what is saved and read back; set without re-validating
+        return self
+
+    @property
+    def sparse(self) -> bool:
+        return self.embedding == SPARSE
 
 
 @MODELS.register("text")
@@ -88,6 +127,28 @@ class TextAdapter(TokenVectors, TransformersAdapter):
         return config.hidden_size
 
     @classmethod
+    def auto_class_for(cls, settings: TextSettings) -> str:
+        return MASKED_LM if settings.sparse else cls.auto_class
+
+    @classmethod
+    def hf_config(cls, settings: TextSettings, tokenizer: Any = None) -> "PretrainedConfig":
+        config = super().hf_config(settings, tokenizer)
+        if settings.sparse:  # before any weight is read
+            pretrained = settings.model_name is not None
+            require_masked_lm(config, "model_name" if pretrained else "model_config", pretrained)
+        return config
+
+    @classmethod
+    def embedding_dim_for(cls, recipe: "Recipe") -> int:
+        settings = cls.settings_of(recipe)
+        return cls.hf_config(settings).vocab_size if settings.sparse else super().embedding_dim_for(recipe)
+
+    @property
+    def embedding_dim(self) -> int:
+        """The size of one vector: the vocabulary's (sparse), a token's (multi_vector) or a side's (single)."""
+        return self.model.config.vocab_size if self.settings.sparse else super().embedding_dim
+
+    @classmethod
     def resolve(cls, settings: PretrainedSettings, tokenizer: Any, config: "PretrainedConfig") -> PretrainedSettings:
         resolved = super().resolve(settings, tokenizer, config)
         if resolved.multi_vector:
@@ -106,6 +167,8 @@ class TextAdapter(TokenVectors, TransformersAdapter):
 
     def save(self, path: str | Path) -> None:
         super().save(path)
+        if self.settings.sparse:
+            write_sparse_encoder_files(path, self.settings.sparse_pooling, self.settings.max_length)
         if self.settings.multi_vector:
             skipped = punctuation_tokens(self.tokenizer) if self.settings.skip_punctuation else []
             write_pylate_files(path, self.settings, self.projection.weight, skipped)
@@ -146,10 +209,13 @@ class TextAdapter(TokenVectors, TransformersAdapter):
 
     @classmethod
     def transformers_example(cls, path: str, settings: dict[str, Any], texts: list[str]) -> str | None:
-        """The encoder's last hidden states, pooled as this adapter pools them (`vembed/models/pooling.py`); None
-        for token vectors (prefix tokens, query expansion, skip-list and projection are vembed's)."""
+        """The encoder's last hidden states, pooled as this adapter pools them (`vembed/models/pooling.py`), or the
+        masked-LM head's logits SPLADE-pooled (sparse); None for token vectors (prefix tokens, query expansion,
+        skip-list and projection are vembed's)."""
         if settings.get("embedding") == "multi_vector":
             return None
+        if settings.get("embedding") == SPARSE:
+            return sparse_transformers_example(path, settings, texts)
         pooling = settings.get("pooling", "mean")
         pooled = {
             "mean": "mask = tokens[\"attention_mask\"].unsqueeze(-1).float()\n"
@@ -203,12 +269,20 @@ class TextAdapter(TokenVectors, TransformersAdapter):
 
     def encode(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         tokens = {key: value for key, value in inputs.items() if key in self._text_keys}
+        if self.settings.sparse:
+            return self._sparse_vectors(tokens)
         hidden = self.model(**tokens).last_hidden_state
         if self.settings.multi_vector:
             return self.token_vectors(hidden, inputs[VECTOR_MASK])
         # Every side has text, so TEXT_INDEX is 0..n-1 and rows are already in side order.
         embeddings = pool(hidden, tokens.get("attention_mask"), self.settings.pooling).float()
         return F.normalize(embeddings, dim=-1) if self.settings.normalize else embeddings
+
+    def _sparse_vectors(self, tokens: dict[str, torch.Tensor]) -> torch.Tensor:
+        """`(n, vocab_size)` SPLADE weights (`vembed.models.splade`); pruned to sparse_top_k only outside training."""
+        weights = splade_pool(self.model(**tokens).logits, tokens["attention_mask"], self.settings.sparse_pooling)
+        top_k = self.settings.sparse_top_k
+        return keep_top_k(weights, top_k) if top_k is not None and not self.training else weights
 
 
 def punctuation_tokens(tokenizer: Any) -> list[str]:

@@ -352,7 +352,8 @@ def _maxsim_in_float64(queries: torch.Tensor, documents: torch.Tensor) -> torch.
 
 
 SCORINGS.register(MULTI_VECTOR)(Scoring(top_k=maxsim_top_k, pair_scores=maxsim_pairs, encode_share=encode_token_share,
-                                        documents_per_block=DOCUMENTS_PER_BLOCK, stored=PackedTokens, faiss=False))
+                                        documents_per_block=DOCUMENTS_PER_BLOCK, stored=PackedTokens, faiss=False,
+                                        name="MaxSim", vectors="token vectors (multi_vector)"))
 
 __all__ = ["IndexSize", "PackedTokens", "encode_token_share", "maxsim_pair_scorer", "maxsim_pairs", "maxsim_top_k",
            "pack_documents", "pool_factor_key", "pool_tokens", "require_token_pooling", "set_pool_factor"]

@@ -219,12 +219,13 @@ def mine_hard_negatives(
 ) -> tuple[list[dict[str, Any]], MiningStats]:
     """Mine `split`'s queries against its corpus; returns the training rows (`training_rows`) and the counts.
     Every process returns the same rows. `cache`: an opened `EmbeddingCache` for this model and corpus. The score
-    is the adapter's (`search.scoring_of`: cosine, or MaxSim for token vectors; faiss only for the former)."""
+    is the adapter's (`search.scoring_of`: cosine, dot product for sparse vectors, or MaxSim for token vectors; faiss
+    only for the first)."""
     settings.check()
     scoring = scoring_of(adapter)
     if use_faiss and not scoring.faiss:
-        raise RecipeError("--faiss", "faiss's flat index scores one vector per document; this model gives token "
-                                     "vectors (scored exactly by MaxSim): pass --faiss no")
+        raise RecipeError("--faiss", f"faiss's flat index scores one vector per document by cosine; this model "
+                                     f"gives {scoring.vectors} (scored exactly by {scoring.name}): pass --faiss no")
     corpus, queries = split.corpus, split.queries
     relevant = [[corpus.index[d] for d in split.relevant(q)] for q in queries.ids]
     judged = [q for q, docs in enumerate(relevant) if docs]

@@ -152,6 +152,7 @@ class ContrastiveTask(Task):
         adapter_cls.check_recipe(recipe)
         _check_source_and_stage_keys(recipe, adapter_cls)
         _check_token_vectors(recipe)
+        _check_sparse(recipe)
         if getattr(recipe.loss, "gist_guide", None) is not None:
             from vembed.losses.guide import check_guide_folder
 
@@ -531,7 +532,6 @@ def _check_token_vectors(recipe: "Recipe") -> None:
     side with the others; they are evaluated on corpus folders (MaxSim search, vembed/retrieval/maxsim_search.py),
     not on pair files, whose metrics score one vector per side."""
     from vembed.components import loss_class
-    from vembed.data.corpus import corpus_sources
     from vembed.losses import LOSSES
 
     multi = getattr(recipe.model, "embedding", "single") == "multi_vector"
@@ -542,16 +542,43 @@ def _check_token_vectors(recipe: "Recipe") -> None:
                                            f"gives token vectors: use a loss_type that scores them ({scoring})")
         raise RecipeError("loss_type", f"{recipe.loss_type} scores token vectors; set embedding: multi_vector "
                                        "(model_type text or qwen_vl) or choose another loss_type")
-    if multi:
-        for split in ("validation", "test"):
-            sources = recipe.data.sources(split)
-            parts = [None] if sources is None else list(sources)
-            pairs = [name for name in parts if name not in corpus_sources(recipe.data, split)]
-            if getattr(recipe.data, split) is not None and pairs:
-                key = f"data.{split}" if pairs == [None] else f"data.{split}.{pairs[0]}"
-                raise RecipeError(key, "pair files are evaluated one vector per side; a multi_vector model is "
-                                       "evaluated on a corpus folder (corpus.jsonl, queries.jsonl, qrels/): give "
-                                       "one, or remove the split")
+    key = _held_out_pair_files(recipe) if multi else None
+    if key is not None:
+        raise RecipeError(key, "pair files are evaluated one vector per side; a multi_vector model is evaluated on a "
+                               "corpus folder (corpus.jsonl, queries.jsonl, qrels/): give one, or remove the split")
+
+
+def _held_out_pair_files(recipe: "Recipe") -> str | None:
+    """The key of the first held-out split (or source) that is a pair file, not a corpus folder; None if none."""
+    from vembed.data.corpus import corpus_sources
+
+    for split in ("validation", "test"):
+        sources = recipe.data.sources(split)
+        parts = [None] if sources is None else list(sources)
+        pairs = [name for name in parts if name not in corpus_sources(recipe.data, split)]
+        if getattr(recipe.data, split) is not None and pairs:
+            return f"data.{split}" if pairs == [None] else f"data.{split}.{pairs[0]}"
+    return None
+
+
+def _check_sparse(recipe: "Recipe") -> None:
+    """FLOPS regularisation goes with sparse vectors (`embedding: sparse`), and a sparse model with neither Matryoshka
+    (prefixes of a vocabulary-sized vector, L2-normalised, mean nothing) nor pair files to evaluate on, whose metrics
+    are cosines; corpus folders are searched by dot product (`vembed.retrieval.search`'s sparse Scoring)."""
+    sparse = getattr(recipe.model, "embedding", "single") == "sparse"
+    if not sparse:
+        for key in ("flops_query_weight", "flops_document_weight"):
+            if getattr(recipe.loss, key) is not None:
+                raise RecipeError(key, "FLOPS regularises sparse vectors; set embedding: sparse (model_type text) or "
+                                       "remove it")
+        return
+    if recipe.loss.mrl_dims:
+        raise RecipeError("mrl_dims", "Matryoshka truncates and L2-normalises dense vectors; a sparse vector's "
+                                      "dimensions are the vocabulary: remove mrl_dims")
+    key = _held_out_pair_files(recipe)
+    if key is not None:
+        raise RecipeError(key, "pair files are evaluated by cosine; a sparse model is scored by dot product, on a "
+                               "corpus folder (corpus.jsonl, queries.jsonl, qrels/): give one, or remove the split")
 
 
 def _check_source_and_stage_keys(recipe: "Recipe", adapter_cls: type) -> None:

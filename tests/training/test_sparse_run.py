@@ -1,0 +1,75 @@
+"""A sparse (SPLADE) run end to end through `vembed train`'s entrypoint on a tiny BERT with its MLM head: InfoNCE with
+FLOPS regularisation trains (the loss falls), its corpus validation split is searched by dot product, and final/
+gives one set of vectors whichever way it is loaded: vembed, sentence-transformers' SparseEncoder, and the card's
+plain-transformers snippet."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from launching import train_in_this_process
+
+import vembed
+from vembed.model_card import EXAMPLE_TEXTS
+
+DOCUMENTS = ["answer 3: a shape 3", "wrong answer 1", "question 2 about shape 2"]
+
+
+@pytest.fixture
+def sparse_run(tmp_path, tiny_tokenizer_dir):
+    rows = [{"query": f"question {i} about shape {i % 5}", "positive": f"answer {i}: a shape {i % 5}",
+             "negatives": [f"wrong answer {i}"]} for i in range(16)]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return {
+        "model_type": "text", "tokenizer_name": tiny_tokenizer_dir, "embedding": "sparse",
+        "model_config": {"model_type": "bert", "vocab_size": 300, "hidden_size": 32, "intermediate_size": 37,
+                         "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 32,
+                         "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
+        # sentence-transformers' SparseMultipleNegativesRankingLoss: dot products, scale 1, queries -> documents
+        "loss_type": "infonce", "temperature": 1.0, "symmetric_loss": False,
+        "flops_query_weight": 1e-3, "flops_document_weight": 1e-3,
+        "data": {"train": str(path), "num_hard_negatives": 1}, "output_dir": str(tmp_path / "run"), "batch_size": 8,
+        "max_steps": 4, "learning_rate": 2e-3, "logging_steps": 1, "seed": 0, "eval_before_training": False,
+    }
+
+
+def test_a_sparse_model_trains_through_vembed_train_and_its_final_folder_loads_everywhere_alike(sparse_run, tmp_path):
+    from corpora import make_corpus_folder
+
+    from vembed.data.corpus import load_corpus_split
+    from vembed.evaluation.corpus import evaluate_corpus
+
+    corpus = make_corpus_folder(tmp_path / "corpus")
+    recipe = tmp_path / "sparse.yaml"
+    recipe.write_text(yaml.safe_dump({**sparse_run, "data": {**sparse_run["data"], "validation": str(corpus)}}))
+    train_in_this_process(recipe)
+    run = Path(sparse_run["output_dir"])
+    metrics = json.loads((run / "metrics.json").read_text())
+    losses = [entry["loss"] for entry in metrics["loss_history"]]
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.1, losses
+    # In-run evaluation searched the corpus as `vembed eval` does with final/: the same metrics.
+    found = json.loads((run / "final" / "card.json").read_text())["evaluation"]["validation"]
+    expected = evaluate_corpus(vembed.load(str(run / "final"), device="cpu").adapter, load_corpus_split(corpus, "dev"))
+    for name in ("corpus/ndcg@10", "corpus/recall@10"):
+        assert found[name] == pytest.approx(expected[name], abs=1e-6), name
+
+    final = run / "final"
+    model = vembed.load(str(final), device="cpu")
+    vectors = model.encode(DOCUMENTS)
+    assert vectors.shape == (3, 300) and (vectors >= 0).all() and (vectors == 0).any()
+    st = pytest.importorskip("sentence_transformers")
+    theirs = st.SparseEncoder(str(final), device="cpu").encode(DOCUMENTS, convert_to_tensor=True).to_dense()
+    torch.testing.assert_close(theirs, vectors, atol=1e-5, rtol=0)
+
+    # The card says what it is, and its plain-transformers snippet computes the same vectors.
+    card = (final / "README.md").read_text()
+    assert "Sparse vectors (SPLADE" in card and "SparseEncoder(" in card and "vembed export" not in card
+    snippet = card.split("With plain transformers:", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(snippet.replace(repr(EXAMPLE_TEXTS), repr(DOCUMENTS)), namespace)
+    torch.testing.assert_close(namespace["embeddings"], vectors, atol=1e-5, rtol=0)
