@@ -131,7 +131,7 @@ class Embedder:
 
     @property
     def multi_vector(self) -> bool:
-        """Whether the model gives token vectors (`embedding: multi_vector`: ColBERT, ColQwen) rather than one per side."""
+        """Whether the model gives token vectors (`embedding: multi_vector`: ColBERT, ColQwen), not one per side."""
         return getattr(self.adapter.settings, "embedding", "single") == "multi_vector"
 
     @property

@@ -2,11 +2,12 @@
 run.trec [--top-k 100] [--split test]`.
 
 MODEL_DIR is an embedding model (one vector per text: exact cosine search; a sparse SPLADE one: exact dot product)
-or a late-interaction one (ColBERT, ColQwen: exact MaxSim), saved by vembed, sentence-transformers or transformers; `bm25` searches the corpus's words
-with bm25s. Every query the split judges is searched against the whole corpus; the run is a TREC run file (what
-trec_eval, pyserini, BEIR and ranx read; `--format jsonl` writes one JSON row per hit with the texts). It is what a
-reranker recipe's `data.first_stage_run` names, what `vembed rerank` reorders, `vembed fuse` combines and
-`vembed eval RUN_FILE CORPUS_FOLDER` measures. Under `accelerate launch` each process encodes its share.
+or a late-interaction one (ColBERT, ColQwen: exact MaxSim, or approximate with --index hnsw), saved by vembed,
+sentence-transformers or transformers; `bm25` searches the corpus's words with bm25s. Every query the split judges
+is searched against the whole corpus; the run is a TREC run file (what trec_eval, pyserini, BEIR and ranx read;
+`--format jsonl` writes one JSON row per hit with the texts). It is what a reranker recipe's `data.first_stage_run`
+names, what `vembed rerank` reorders, `vembed fuse` combines and `vembed eval RUN_FILE CORPUS_FOLDER` measures.
+Under `accelerate launch` each process encodes its share.
 """
 
 from __future__ import annotations
