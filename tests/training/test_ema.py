@@ -41,6 +41,9 @@ def test_the_average_is_the_exponential_average_of_the_trainable_weights_and_is_
     again = WeightAverage(module, decay=0.5)
     again.load_state_dict(average.state_dict())
     assert torch.equal(again.average["weight"], average.average["weight"]) and again.updates == 2
+    module.bias.requires_grad_(True)  # another model: a checkpoint of the first does not fit it
+    with pytest.raises(ValueError, match=r"differ in parameters \(bias\)"):
+        WeightAverage(module, decay=0.5).load_state_dict(average.state_dict())
 
 
 def _adapter_weights(trainer) -> dict[str, torch.Tensor]:

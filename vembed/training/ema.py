@@ -60,12 +60,12 @@ class WeightAverage:
 
     # What accelerate's save_state / load_state keep of a registered object (custom_checkpoint_N.pkl).
     def state_dict(self) -> dict[str, Any]:
-        return {"decay": self.decay, "updates": self.updates, "average": self.average}
+        return {"updates": self.updates, "average": self.average}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if set(state["average"]) != set(self.average):
-            missing = sorted(set(self.average) ^ set(state["average"]))[:3]
-            raise ValueError(f"the checkpoint's weight average holds other parameters than this model ({missing})")
+            differing = ", ".join(sorted(set(self.average) ^ set(state["average"]))[:3])
+            raise ValueError(f"the checkpoint's weight average and this model differ in parameters ({differing})")
         device = next(iter(self.average.values())).device if self.average else None
         self.average = {name: tensor.to(device) for name, tensor in state["average"].items()}
         self.updates = int(state["updates"])
