@@ -362,6 +362,11 @@ class AugmentationConfig(_Strict):
     crop_scale: tuple[float, float] | None = None
     crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
     horizontal_flip: float = Field(default=0.0, ge=0.0, le=1.0)  # probability of a left-right flip
+    # TrivialAugment ("wide"): one of 14 operations (shears, translations, rotation, brightness, colour, contrast,
+    # sharpness, posterize, solarize, autocontrast, equalize, identity) at a random strength, on every image.
+    trivial_augment: bool = False
+    # Probability of erasing a random rectangle (2-33% of the image) with random colours (random erasing).
+    random_erasing: float = Field(default=0.0, ge=0.0, le=1.0)
     # Mixup / cutmix on each batch (Beta(alpha, alpha) mixing weight; 0: off; both on: one per batch, even odds).
     mixup_alpha: float = Field(default=0.0, ge=0.0)
     cutmix_alpha: float = Field(default=0.0, ge=0.0)
@@ -381,7 +386,7 @@ class AugmentationConfig(_Strict):
     @property
     def enabled(self) -> bool:
         return (self.crop_scale is not None or self.horizontal_flip > 0 or self.mixup_alpha > 0
-                or self.cutmix_alpha > 0)
+                or self.cutmix_alpha > 0 or self.trivial_augment or self.random_erasing > 0)
 
 
 class Recipe(_Strict):

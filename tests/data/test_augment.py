@@ -103,3 +103,66 @@ def test_crop_scale_and_ratio_must_be_ordered_ranges():
         AugmentationConfig(crop_ratio=(0.0, 1.0))
     assert not AugmentationConfig().enabled and AugmentationConfig(cutmix_alpha=1.0).enabled
     assert math.isclose(AugmentationConfig().crop_ratio[1], 4 / 3)
+
+
+# --- TrivialAugment and random erasing ----------------------------------------------------------------------------
+
+
+def _photo():
+    """A 40x40 RGB image with structure in every channel and a narrow value range (autocontrast and equalize act)."""
+    from PIL import Image
+
+    y, x = np.mgrid[0:40, 0:40]
+    pixels = np.stack([60 + x * 2, 70 + y * 2, 80 + (x + y) % 30], axis=-1).astype(np.uint8)
+    return Image.fromarray(pixels)
+
+
+def test_trivial_augment_offers_torchvisions_wide_operation_set():
+    from vembed.data.augment import TRIVIAL_AUGMENT_BINS, TRIVIAL_AUGMENT_OPERATIONS
+
+    assert TRIVIAL_AUGMENT_BINS == 31
+    assert set(TRIVIAL_AUGMENT_OPERATIONS) == {
+        "identity", "shear_x", "shear_y", "translate_x", "translate_y", "rotate", "brightness", "color", "contrast",
+        "sharpness", "posterize", "solarize", "autocontrast", "equalize"}
+
+
+@pytest.mark.parametrize("name", ["shear_x", "shear_y", "translate_x", "translate_y", "rotate", "brightness", "color",
+                                  "contrast", "sharpness", "posterize", "solarize", "autocontrast", "equalize"])
+def test_each_operation_changes_the_image_at_full_strength_and_ranged_ones_do_nothing_at_zero(name):
+    from vembed.data.augment import trivial_operation
+
+    image = _photo()
+    strong = np.asarray(trivial_operation(image, name, 30, sample_rng(0, 0, 0)))
+    assert strong.shape == (40, 40, 3) and not np.array_equal(strong, np.asarray(image)), name
+    if name not in ("autocontrast", "equalize"):  # the two without a strength
+        assert np.array_equal(np.asarray(trivial_operation(image, name, 0, sample_rng(0, 0, 0))), np.asarray(image))
+
+
+def test_trivial_augment_draws_one_operation_per_sample_and_replays_it():
+    config = AugmentationConfig(trivial_augment=True)
+    image = _photo()
+    first = [np.asarray(augment_image(image, config, sample_rng(3, 1, i))).tobytes() for i in range(60)]
+    again = [np.asarray(augment_image(image, config, sample_rng(3, 1, i))).tobytes() for i in range(60)]
+    assert first == again  # a function of (seed, epoch, sample): resume and workers replay it
+    assert len(set(first)) > 30  # operations and strengths vary across samples
+    untouched = sum(view == np.asarray(image).tobytes() for view in first)
+    assert untouched < 15  # identity (1 in 14) or a zero strength (1 in 31) leave an image as it was
+    assert not AugmentationConfig().trivial_augment and config.enabled
+
+
+def test_random_erasing_fills_one_rectangle_and_leaves_the_rest():
+    image = _photo()
+    original = np.asarray(image)
+    erased = np.asarray(augment_image(image, AugmentationConfig(random_erasing=1.0), sample_rng(0, 0, 5)))
+    changed = np.argwhere((erased != original).any(-1))
+    assert len(changed) > 0
+    top, left = changed.min(0)
+    bottom, right = changed.max(0) + 1
+    area = (bottom - top) * (right - left)
+    assert 0.02 * 1600 * 0.8 <= area <= 1600 / 3 * 1.2  # one rectangle of 2-33% of the image
+    assert len(changed) >= 0.9 * area  # filled (a random colour equals the original only by chance)
+    outside = np.ones((40, 40), bool)
+    outside[top:bottom, left:right] = False
+    assert np.array_equal(erased[outside], original[outside])
+    assert np.array_equal(np.asarray(augment_image(image, AugmentationConfig(random_erasing=0.0),
+                                                   sample_rng(0, 0, 5))), original)

@@ -204,7 +204,8 @@ def test_layer_lr_decay_on_a_model_without_named_layers_is_refused():
 def test_augmented_run_with_layer_decay_resumes_to_the_same_weights(digits, tmp_path):
     from launching import final_weights
 
-    augmentation = {"crop_scale": [0.5, 1.0], "horizontal_flip": 0.5, "mixup_alpha": 0.4, "cutmix_alpha": 1.0}
+    augmentation = {"crop_scale": [0.5, 1.0], "horizontal_flip": 0.5, "mixup_alpha": 0.4, "cutmix_alpha": 1.0,
+                    "trivial_augment": True, "random_erasing": 0.5}
     common = dict(augmentation=augmentation, layer_lr_decay=0.7, max_steps=4, save_steps=2, save_total_limit=2,
                   eval_before_training=False, logging_steps=1)
     assert train(recipe(digits, tmp_path / "whole", **common), tmp_path / "whole.yaml") == 0
