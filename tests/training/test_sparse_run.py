@@ -73,3 +73,33 @@ def test_a_sparse_model_trains_through_vembed_train_and_its_final_folder_loads_e
     namespace: dict = {}
     exec(snippet.replace(repr(EXAMPLE_TEXTS), repr(DOCUMENTS)), namespace)
     torch.testing.assert_close(namespace["embeddings"], vectors, atol=1e-5, rtol=0)
+
+
+def test_vembed_eval_reports_active_dimensions_and_the_inverted_index_size(sparse_run, tmp_path, capsys):
+    """sentence-transformers' sparse IR evaluator reports query and corpus active dimensions; `vembed eval` on a
+    sparse model reports them too (the mean non-zeros of the vectors it searched) and the corpus's CSR size."""
+    from corpora import make_corpus_folder
+
+    from vembed.data.corpus import load_corpus_split
+    from vembed.entrypoints.evaluate import main as evaluate
+    from vembed.evaluation.corpus import judged_queries
+    from vembed.models.encoding import encode_sides
+
+    corpus = make_corpus_folder(tmp_path / "corpus")
+    recipe = tmp_path / "sparse.yaml"
+    recipe.write_text(yaml.safe_dump(sparse_run))
+    train_in_this_process(recipe)
+    final = str(Path(sparse_run["output_dir"]) / "final")
+    assert evaluate([final, str(corpus), "--split", "dev", "--output", str(tmp_path / "m.json")]) == 0
+    metrics = json.loads((tmp_path / "m.json").read_text())
+    assert "active dimensions per query" in capsys.readouterr().err
+
+    adapter = vembed.load(final, device="cpu").adapter
+    split = load_corpus_split(corpus, "dev")
+    queries = encode_sides(adapter, [split.queries.sides[split.queries.index[q]] for q in judged_queries(split, None)])
+    documents = encode_sides(adapter, split.corpus.sides)
+    nonzeros = int((documents != 0).sum())
+    assert metrics["sparse/query_active_dims"] == pytest.approx(float((queries != 0).sum(1).float().mean()))
+    assert metrics["sparse/corpus_active_dims"] == pytest.approx(nonzeros / len(documents))
+    assert metrics["index/bytes_csr"] == nonzeros * 8 + (len(documents) + 1) * 8
+    assert 0 < metrics["sparse/corpus_active_dims"] < 300  # sparse: fewer than the vocabulary's 300

@@ -184,7 +184,9 @@ def _evaluate_corpus(args: argparse.Namespace, accelerator: "Accelerator") -> di
     from vembed.errors import RecipeError
     from vembed.evaluation.corpus import evaluate_corpus
     from vembed.models.foreign import load_embedding_model
+    from vembed.models.splade import SPARSE
     from vembed.retrieval.maxsim_search import MULTI_VECTOR, IndexSize, pool_factor_of, set_pool_factor
+    from vembed.retrieval.sparse_stats import SparseActivity
 
     for flag, value in (("--mrl-dims", args.mrl_dims), ("--column", args.column)):
         if value:
@@ -196,14 +198,21 @@ def _evaluate_corpus(args: argparse.Namespace, accelerator: "Accelerator") -> di
     set_pool_factor(adapter, args.pool_factor)
     split = source.load()
     index = IndexSize() if adapter.embedding_kind == MULTI_VECTOR else None
+    activity = SparseActivity() if adapter.embedding_kind == SPARSE else None
+    on_block = index.add if index is not None else activity.add_documents if activity is not None else None
     metrics = evaluate_corpus(adapter.to(accelerator.device), split, batch_size=args.batch_size,
                               max_queries=args.max_samples, show_progress=True, accelerator=accelerator,
-                              on_block=index.add if index is not None else None)
+                              on_block=on_block, on_queries=activity.add_queries if activity is not None else None)
     if index is not None:  # what --pool-factor promises, measured on the index this search built
         index = index.across(accelerator)
         metrics.update(index.metrics())
         if accelerator.is_main_process:
             print(index.describe(pool_factor_of(adapter)), file=sys.stderr)
+    if activity is not None:  # what a sparse model's vectors cost: active dimensions, the inverted index's size
+        activity = activity.across(accelerator)
+        metrics.update(activity.metrics())
+        if accelerator.is_main_process:
+            print(activity.describe(adapter.embedding_dim), file=sys.stderr)
     return metrics
 
 

@@ -190,6 +190,7 @@ def evaluate_corpus(
     forward: "Callable[[dict[str, Any]], torch.Tensor] | None" = None,
     documents_per_block: int | None = None,
     on_block: "Callable[[Any], None] | None" = None,
+    on_queries: "Callable[[Any], None] | None" = None,
 ) -> dict[str, float]:
     """Search every judged query of `split` against its whole corpus (exact, in blocks: cosine, or MaxSim for a
     multi_vector model's token vectors; with an `accelerator`, each process encodes its share of the corpus) and
@@ -197,15 +198,16 @@ def evaluate_corpus(
 
     Keys: `corpus/ndcg@10`, `corpus/recall@1`, `corpus/recall@10`, `corpus/recall@100`, `corpus/map@100`,
     `corpus/mrr@10`, `num_queries` (judged queries with a relevant document), `num_documents`. Every process returns
-    the same. `max_queries`: only the first judged queries (file order); the corpus is always whole. `on_block`: see
-    `search_corpus`."""
+    the same. `max_queries`: only the first judged queries (file order); the corpus is always whole. `on_block`,
+    `on_queries`: see `search_corpus`."""
     from vembed.retrieval.search import search_corpus
 
     queries = split.queries
     query_ids = judged_queries(split, max_queries)
     top = search_corpus(adapter, [queries.sides[queries.index[q]] for q in query_ids], split.corpus.sides,
                         cutoffs.depth, batch_size=batch_size, accelerator=accelerator, forward=forward,
-                        documents_per_block=documents_per_block, show_progress=show_progress, on_block=on_block)
+                        documents_per_block=documents_per_block, show_progress=show_progress, on_block=on_block,
+                        on_queries=on_queries)
     qrels = {q: split.qrels[q] for q in query_ids}
     found = corpus_metrics(top, qrels, cutoffs, query_ids=query_ids, doc_ids=split.corpus.ids)
     metrics = {f"{CORPUS_PREFIX}/{name}": found[name] for name in cutoffs.names()}

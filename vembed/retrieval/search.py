@@ -180,13 +180,17 @@ def search_corpus(
     forward: "Callable[[dict[str, Any]], torch.Tensor] | None" = None,
     show_progress: bool = False,
     on_block: Callable[[Any], None] | None = None,
+    on_queries: Callable[[Any], None] | None = None,
 ) -> TopK:
     """Encode `queries` (shared by every process) and the corpus (each process its share), and return each query's
     `k` best documents by the score of the adapter's embedding kind (cosine, or MaxSim for token vectors: `Scoring`).
     The same on one process and on many. `on_block(block)` sees each block of this process's share before it is
-    scored (e.g. `maxsim_search.IndexSize.add`, to report what the index holds)."""
+    scored (e.g. `maxsim_search.IndexSize.add`, to report what the index holds); `on_queries(embeddings)` the
+    queries' (e.g. `sparse_stats.SparseActivity.add_queries`)."""
     kwargs = dict(batch_size=batch_size, accelerator=accelerator, forward=forward)
     query_emb = encode_sides(adapter, queries, desc="queries", show_progress=show_progress, **kwargs)
+    if on_queries is not None:
+        on_queries(query_emb)
     blocks = document_blocks(adapter, documents, documents_per_block=documents_per_block,
                              show_progress=show_progress, **kwargs)
     if on_block is not None:
