@@ -20,7 +20,8 @@ DIGIT_NAMES = [str(digit) for digit in range(10)]  # folder names; sorted as str
 # --task -> the shipped recipe, the report's title, its rows ((metric key, label) for validation and test), its PNGs.
 DEMOS = {
     "classification": ("demo_vision.yaml", "digits classification demo",
-                       (("accuracy", "accuracy"), ("macro_f1", "macro F1")), "confusion_matrix.png, loss_curve.png"),
+                       (("accuracy", "accuracy"), ("macro_f1", "macro F1")),
+                       "confusion_matrix.png, reliability.png, loss_curve.png"),
     "i2i": ("demo_vision_i2i.yaml", "digits image-to-image retrieval demo (leave-one-out within each split)",
             (("recall_at_1", "recall@1"), ("mean_average_precision_at_r", "MAP@R")), "loss_curve.png"),
 }
