@@ -359,3 +359,19 @@ def test_what_the_recipe_asks_of_the_launch_is_judged_before_any_process_starts(
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith(says), lines  # not one line per rank, no launch line
     assert not Path(tiny_clip_recipe["output_dir"]).exists()
+
+
+def test_the_failing_ranks_own_exit_code_stands_when_the_agent_killed_it_after_it_reported():
+    """Under load, torch's agent can SIGTERM the rank that failed first (once the other rank has exited) after it
+    handed its error over but before its exit code 2 reached the agent: the exit code is the one it handed over."""
+    from types import SimpleNamespace
+
+    from vembed.entrypoints.launch import _root_failure
+
+    first = SimpleNamespace(exitcode=-15, timestamp=2, error_file_data={"vembed": {
+        "line": "data error: broken.jsonl, row 2: not JSON", "time": 10.0, "peer_lost": False, "exit_code": 2}})
+    later = SimpleNamespace(exitcode=2, timestamp=1, error_file_data={"vembed": {
+        "line": "data error: broken.jsonl, row 2: not JSON", "time": 11.0, "peer_lost": False, "exit_code": 2}})
+    assert _root_failure({0: later, 1: first}) == (1, first, "data error: broken.jsonl, row 2: not JSON", 2)
+    silent = SimpleNamespace(exitcode=-9, timestamp=1, error_file_data=None)
+    assert _root_failure({0: silent}) == (0, silent, None, None)  # nothing handed over: the agent's code decides

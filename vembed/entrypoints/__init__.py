@@ -21,7 +21,8 @@ def run_cli(body: Callable[[], int | None], debug: bool) -> int:
     except VembedError as err:
         if debug:
             raise
-        if not _hand_to_launcher(str(err), peer_lost=False) and os.environ.get("RANK", "0") == "0":
+        if not _hand_to_launcher(str(err), peer_lost=False, exit_code=err.exit_code) and \
+                os.environ.get("RANK", "0") == "0":
             print(str(err), file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
@@ -31,13 +32,14 @@ def run_cli(body: Callable[[], int | None], debug: bool) -> int:
         if debug or not _lost_a_peer(error):
             raise
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        if not _hand_to_launcher(f"{type(error).__name__}: {first}", peer_lost=True):
+        if not _hand_to_launcher(f"{type(error).__name__}: {first}", peer_lost=True, exit_code=1):
             raise
         return 1
 
 
-def _hand_to_launcher(line: str, peer_lost: bool) -> bool:
-    """Write this rank's one-line error where run.py's launcher reads it; False when not started by it."""
+def _hand_to_launcher(line: str, peer_lost: bool, exit_code: int) -> bool:
+    """Write this rank's one-line error and the exit code it stops with where run.py's launcher reads them (the
+    agent may kill the rank before that code reaches it); False when not started by it."""
     import json
     import time
 
@@ -48,7 +50,7 @@ def _hand_to_launcher(line: str, peer_lost: bool) -> bool:
         return False
     # torch's agent reads "message" and "timestamp"; "vembed" is what our launcher reports from.
     payload = {"message": line, "timestamp": int(time.time()),
-               "vembed": {"line": line, "time": time.time(), "peer_lost": peer_lost}}
+               "vembed": {"line": line, "time": time.time(), "peer_lost": peer_lost, "exit_code": exit_code}}
     try:
         with open(error_file, "w") as handle:
             json.dump(payload, handle)

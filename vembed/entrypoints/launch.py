@@ -406,8 +406,10 @@ def launch_in_process(launch_args: list[str], num_processes: int | None = None) 
     except Exception as error:  # noqa: BLE001 - torch.distributed.run's ChildFailedError: several processes
         if not hasattr(error, "get_first_failure"):
             raise
-        rank, failure, line = _root_failure(error.failures)
-        code = failure.exitcode if failure.exitcode > 0 else 1
+        rank, failure, line, meant = _root_failure(error.failures)
+        # The code the failing rank stopped with; under load torch's agent may kill it (SIGTERM, once another rank
+        # has exited) after it handed its error over and before its own exit code reached the agent.
+        code = meant if meant is not None else failure.exitcode if failure.exitcode > 0 else 1
         of = f" of {num_processes}" if num_processes else ""
         if any(failed.exitcode == PREEMPTED_EXIT_CODE for failed in error.failures.values()):
             # Every rank stopped after the same step and the checkpoint was verified before any left; a rank the agent
@@ -427,22 +429,25 @@ def launch_in_process(launch_args: list[str], num_processes: int | None = None) 
     return 0
 
 
-def _root_failure(failures: dict) -> tuple[int, object, str | None]:
+def _root_failure(failures: dict) -> tuple[int, object, str | None, int | None]:
     """The rank whose own error started the failure: the earliest one-line error a rank handed over that is not just
     "my peer is gone" (run_cli writes them); else a rank that died without handing anything over (a signal, or a
-    traceback it printed itself), the earliest as torch's agent saw them."""
+    traceback it printed itself), the earliest as torch's agent saw them. Last: the exit code the rank handed over
+    with its line, if any."""
     reported, silent = [], []
     for rank, failure in failures.items():
         ours = (getattr(failure, "error_file_data", None) or {}).get("vembed")
         if not isinstance(ours, dict):
             silent.append(rank)
         elif not ours.get("peer_lost"):
-            reported.append((float(ours.get("time", 0)), rank, failure, str(ours.get("line"))))
+            meant = ours.get("exit_code")
+            reported.append((float(ours.get("time", 0)), rank, failure, str(ours.get("line")),
+                             meant if isinstance(meant, int) and meant > 0 else None))
     if reported:
-        _, rank, failure, line = min(reported, key=lambda item: (item[0], item[1]))
-        return rank, failure, line
+        _, rank, failure, line, meant = min(reported, key=lambda item: (item[0], item[1]))
+        return rank, failure, line, meant
     rank = min(silent or list(failures), key=lambda r: (failures[r].timestamp, r))
-    return rank, failures[rank], None
+    return rank, failures[rank], None, None
 
 
 def _free_port() -> int:
