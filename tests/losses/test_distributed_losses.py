@@ -236,13 +236,18 @@ def test_scored_and_triplet_losses_ddp_gradients_match_single_process_full_batch
         model = EncoderWithLoss(build())
         expected = _scored_loss_and_gradients(model, model, _global_batch(), _scored_inputs(kind, everything))
         assert expected["loss"] > 0, case
-        mean_loss = torch.stack([r[case]["loss"] for r in ranks]).mean()
-        assert _relative_difference(mean_loss, expected["loss"]) <= MAX_RELATIVE_DIFFERENCE, case
-        for r, result in enumerate(ranks):
-            assert result[case]["grads"].keys() == expected["grads"].keys(), case
-            for name, grad in expected["grads"].items():
-                difference = _relative_difference(result[case]["grads"][name], grad)
-                assert difference <= MAX_RELATIVE_DIFFERENCE, f"{case}, rank {r}, {name}: {difference:.2e}"
+        _assert_ranks_equal_one_process(ranks, case, expected)
+
+
+def _assert_ranks_equal_one_process(ranks: list[dict], case: str, expected: dict) -> None:
+    """The ranks' mean loss and each rank's averaged gradients equal one process's on the whole batch."""
+    mean_loss = torch.stack([r[case]["loss"] for r in ranks]).mean()
+    assert _relative_difference(mean_loss, expected["loss"]) <= MAX_RELATIVE_DIFFERENCE, case
+    for r, result in enumerate(ranks):
+        assert result[case]["grads"].keys() == expected["grads"].keys(), case
+        for name, grad in expected["grads"].items():
+            difference = _relative_difference(result[case]["grads"][name], grad)
+            assert difference <= MAX_RELATIVE_DIFFERENCE, f"{case}, rank {r}, {name}: {difference:.2e}"
 
 
 # --- FLOPS regularisation of sparse vectors (vembed/losses/sparse.py) ------------------------------------------------
@@ -306,10 +311,4 @@ def test_flops_regularised_losses_ddp_gradients_match_single_process_full_batch(
         expected = _scored_loss_and_gradients(model, model, _sparse_batch(), {"scores": SPARSE_TEACHER_SCORES})
         regulariser = expected["loss"] - model.loss.loss(*model(*_sparse_batch()), scores=SPARSE_TEACHER_SCORES)
         assert regulariser > 1e-3, case  # the FLOPS terms weigh in the comparison
-        mean_loss = torch.stack([r[case]["loss"] for r in ranks]).mean()
-        assert _relative_difference(mean_loss, expected["loss"]) <= MAX_RELATIVE_DIFFERENCE, case
-        for r, result in enumerate(ranks):
-            assert result[case]["grads"].keys() == expected["grads"].keys(), case
-            for name, grad in expected["grads"].items():
-                difference = _relative_difference(result[case]["grads"][name], grad)
-                assert difference <= MAX_RELATIVE_DIFFERENCE, f"{case}, rank {r}, {name}: {difference:.2e}"
+        _assert_ranks_equal_one_process(ranks, case, expected)
