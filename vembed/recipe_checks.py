@@ -79,6 +79,7 @@ def check_recipe(recipe: "Recipe", *, for_training: bool = True) -> None:
     check_keys(recipe, for_training=for_training)
     check_augmentation(recipe, task)
     check_class_balance(recipe, task)
+    check_packing(recipe)
     task.check_gradient_cache(recipe)
     task.check_recipe(recipe, for_training=for_training)  # data files, model config, task-specific keys
     if for_training and recipe.layer_lr_decay is not None:
@@ -108,6 +109,14 @@ def check_keys(recipe: "Recipe", *, for_training: bool = True) -> None:
         from vembed.retrieval.maxsim_search import require_token_pooling
 
         require_token_pooling(pool_factor, "document_pool_factor")
+
+
+def check_packing(recipe: "Recipe") -> None:
+    """Stage 3, continued: `packing` where the model kind packs its texts (`packs_texts`), alone."""
+    from vembed.components import model_class
+    from vembed.models.packing import check_packing_keys
+
+    check_packing_keys(recipe, recipe.model, getattr(model_class(recipe), "packs_texts", False))
 
 
 def check_augmentation(recipe: "Recipe", task: type["Task"]) -> None:

@@ -53,6 +53,9 @@ class AdapterSettings(Settings):
     # model runs such code only when whoever loads it asks (`vembed.load(path, trust_remote_code=True)`).
     trust_remote_code: bool = False
     attn_implementation: str | None = None  # e.g. sdpa, eager, flash_attention_2 (unset: transformers' choice)
+    # Each side's texts run as one row of their real tokens, no padding (vembed/models/packing.py): varlen flash
+    # attention on CUDA, each text alone elsewhere; adapters that declare `packs_texts` only.
+    packing: bool = False
 
     # Fields not written to vembed.json: where the weights came from, and trust (the loader's to give).
     unsaved: ClassVar[frozenset[str]] = frozenset({"tokenizer_name", "trust_remote_code"})
@@ -97,6 +100,9 @@ class EmbeddingAdapter(nn.Module, ABC):
     # Whether padding columns that no row attends change nothing this adapter computes (it pools from the attention
     # mask or at the EOS token), so its texts may be encoded in length-sorted chunks (vembed/models/length_chunks.py).
     length_chunking: ClassVar[bool] = False
+    # Whether its texts may run packed (`packing: true`): its encoder's attention goes through transformers'
+    # attention interface and its outputs are read per token (vembed/models/packing.py).
+    packs_texts: ClassVar[bool] = False
     # Whether its images come out at one fixed size through `vembed.models.batch.make_batch`, so training images may
     # be resized once into the image cache (data.image_cache; vembed/data/image_cache.py). Not qwen_vl: its image
     # sizes follow each image (dynamic resolution).

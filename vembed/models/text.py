@@ -12,7 +12,7 @@ ColBERT is also a PyLate folder (`vembed/models/pylate_folder.py`): `pylate.mode
 from __future__ import annotations
 
 import string
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -27,6 +27,7 @@ from vembed.models.base import PretrainedSettings, TransformersAdapter
 from vembed.models.batch import forward_argument_names, make_batch
 from vembed.models.hf import freeze_unused_pooler, resolve_max_length
 from vembed.models.lora import ATTENTION_PROJECTIONS
+from vembed.models.packing import first_position, packed_forward, use_packed_attention
 from vembed.models.pooling import pool
 from vembed.models.pylate_folder import PROJECTION_FOLDER, write_pylate_files
 from vembed.models.splade import (
@@ -105,6 +106,7 @@ class TextAdapter(TokenVectors, TransformersAdapter):
     Settings: ClassVar[type[TextSettings]] = TextSettings
     default_lora_target_modules = ATTENTION_PROJECTIONS
     length_chunking: ClassVar[bool] = True  # every pooling reads the attention mask
+    packs_texts: ClassVar[bool] = True  # its outputs are read per token, then pooled from the mask
     modalities_per_record = frozenset({"text"})  # its one tower: a streamed record without text cannot be embedded
     late_interaction_name = "ColBERT"
     card_tags = ("ColBERT", "PyLate")  # what the Hub lists late-interaction models under; final/ loads in PyLate
@@ -114,6 +116,8 @@ class TextAdapter(TokenVectors, TransformersAdapter):
         super().__init__(model, tokenizer, None, settings)
         freeze_unused_pooler(model)
         self._text_keys = forward_argument_names(model.forward)
+        if settings.packing:
+            use_packed_attention(model)
         if settings.multi_vector:
             self.add_projection(model.config.hidden_size, next(model.parameters()).device)
             self._skipped = ([tokenizer.convert_tokens_to_ids(t) for t in punctuation_tokens(tokenizer)]
@@ -271,7 +275,7 @@ class TextAdapter(TokenVectors, TransformersAdapter):
         tokens = {key: value for key, value in inputs.items() if key in self._text_keys}
         if self.settings.sparse:
             return self._sparse_vectors(tokens)
-        hidden = self.model(**tokens).last_hidden_state
+        hidden = self._per_token(tokens, lambda output: output.last_hidden_state)
         if self.settings.multi_vector:
             return self.token_vectors(hidden, inputs[VECTOR_MASK])
         # Every side has text, so TEXT_INDEX is 0..n-1 and rows are already in side order.
@@ -280,9 +284,17 @@ class TextAdapter(TokenVectors, TransformersAdapter):
 
     def _sparse_vectors(self, tokens: dict[str, torch.Tensor]) -> torch.Tensor:
         """`(n, vocab_size)` SPLADE weights (`vembed.models.splade`); pruned to sparse_top_k only outside training."""
-        weights = splade_pool(self.model(**tokens).logits, tokens["attention_mask"], self.settings.sparse_pooling)
+        logits = self._per_token(tokens, lambda output: output.logits)
+        weights = splade_pool(logits, tokens["attention_mask"], self.settings.sparse_pooling)
         top_k = self.settings.sparse_top_k
         return keep_top_k(weights, top_k) if top_k is not None and not self.training else weights
+
+
+    def _per_token(self, tokens: dict[str, torch.Tensor], read: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+        """`read(model output)`, a (rows, positions, ...) per-token tensor, computed packed when `packing` is on."""
+        if self.settings.packing:
+            return packed_forward(self.model, tokens, read, self._text_keys, first_position(self.model))
+        return read(self.model(**tokens))
 
 
 def punctuation_tokens(tokenizer: Any) -> list[str]:

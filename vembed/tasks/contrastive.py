@@ -214,6 +214,9 @@ class ContrastiveTask(Task):
             applies = MODELS.get(recipe.model_type).length_chunking
             lines.append(("length-aware", f"{recipe.length_chunks} length-sorted padded chunks per text side"
                           if applies else f"off: {recipe.model_type} pools where padding matters"))
+        if getattr(recipe.model, "packing", False):
+            lines.append(("packed", "each text side runs as one row of its real tokens (varlen flash attention on "
+                                    "CUDA, each text alone elsewhere)"))
         from vembed.data.image_cache import cache_line
 
         return lines + cache_line(self.image_cache)
