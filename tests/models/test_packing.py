@@ -332,3 +332,28 @@ def test_a_saved_packed_model_loads_as_a_plain_transformers_model(uneven_texts, 
 
     loaded = load_adapter(tmp_path / "saved")
     assert loaded.settings.packing  # encodes packed again, as it trained
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta", "electra", "distilbert"])
+def test_a_cross_encoder_packed_below_its_head_scores_as_padded(family):
+    """The layer stack runs packed and the head (BERT's pooler + classifier, RoBERTa's head at the first token) reads
+    the unpacked states: the pair scores of the padded forward."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from vembed.models.packing import layer_stack, packed_below_head
+
+    config = AutoConfig.for_model(family, **{**TINY, **FAMILIES[family]}, num_labels=1)
+    for key in DROPOUT_KEYS:
+        if hasattr(config, key):
+            setattr(config, key, 0.0)
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa").eval()
+    mask = _lengths_mask([12, 3, 7, 1, 9])
+    pad = config.pad_token_id or 0
+    tokens = {"input_ids": torch.randint(5, 90, mask.shape) * mask + (1 - mask) * pad, "attention_mask": mask}
+    with torch.no_grad():
+        padded = model(**tokens).logits
+        use_packed_attention(model)
+        accepted = {"token_type_ids"} if "token_type_ids" in model.forward.__code__.co_varnames else set()
+        packed = packed_below_head(model, layer_stack(model), tokens, accepted, first_position(model)).logits
+    assert torch.allclose(packed, padded, atol=TOLERANCE), (packed - padded).abs().max()

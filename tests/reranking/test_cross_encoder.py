@@ -210,3 +210,16 @@ def test_loader_workers_tokenize_the_same_batches_as_the_training_process(recipe
     assert str(os.getpid()) not in collated_in.read_text().split()  # tokenized beside the step, not in it
     assert len(in_process) >= 2 and len(set(in_process)) == len(in_process)  # different batches, each logged
     assert in_workers == in_process
+
+
+def test_packed_pairs_give_the_gradients_of_one_padded_forward(rerank_recipe):
+    """`packing: true`: the encoder runs the pairs as one row of real tokens, the pooler and score head read them
+    unpacked; loss and gradients are those of the padded forward (dropout off), with pairs_per_chunk too."""
+    config = {**rerank_recipe["model_config"], "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+    raw = dict(rerank_recipe, model_config=config)
+    whole = _gradients(raw, [0, 1, 2, 3])
+    for packed in (_gradients(dict(raw, packing=True), [0, 1, 2, 3]),
+                   _gradients(dict(raw, packing=True, pairs_per_chunk=5), [0, 1, 2, 3])):
+        assert whole.keys() == packed.keys() and len(whole) > 10
+        for name, grad in whole.items():
+            assert torch.allclose(packed[name], grad, atol=1e-6, rtol=1e-5), name

@@ -21,11 +21,10 @@ do not depend on how much padding its batch had. Attention-probability dropout i
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-import logging
 
 import torch
 import torch.nn.functional as F
@@ -90,15 +89,51 @@ def packed_forward(model: "PreTrainedModel", tokens: dict[str, torch.Tensor], re
     `tokens` holds the model's text inputs (input_ids, attention_mask, token_type_ids, ...) of shape (rows,
     positions); `read` picks the per-token output (last_hidden_state, logits); `accepted` names the model's forward
     arguments; `position_offset` is the model's first position id (`first_position`)."""
+    packing = Packing.of(tokens["attention_mask"])
+    packed = _packed_inputs(packing, tokens, accepted, position_offset)
+    return packing.unpack(read(model(**packed, **packing.attention_arguments())))
+
+
+def packed_below_head(model: "PreTrainedModel", stack: torch.nn.Module, tokens: dict[str, torch.Tensor],
+                      accepted: frozenset[str] | set[str] = frozenset(), position_offset: int = 0) -> Any:
+    """`model(**tokens)` with the layer `stack` run packed and its output put back in the padded layout, so that
+    what reads it (BERT's pooler, a classification head at the first token) reads a padded batch."""
+    packing = Packing.of(tokens["attention_mask"])
+
+    def unpack_output(module: torch.nn.Module, args: Any, output: Any) -> Any:
+        if isinstance(output, tuple) and not hasattr(output, "last_hidden_state"):
+            return (packing.unpack(output[0]), *output[1:])
+        output.last_hidden_state = packing.unpack(output.last_hidden_state)  # a ModelOutput: key and attribute
+        return output
+
+    handle = stack.register_forward_hook(unpack_output)
+    try:
+        return model(**_packed_inputs(packing, tokens, accepted, position_offset), **packing.attention_arguments())
+    finally:
+        handle.remove()
+
+
+def layer_stack(model: "PreTrainedModel") -> torch.nn.Module | None:
+    """The module that runs a text model's layers and returns per-token states before any pooling (BERT's family:
+    `encoder`; DistilBERT: `transformer`), or None when the model has no such module."""
+    base = getattr(model, model.base_model_prefix, model)
+    for name in ("encoder", "transformer"):
+        stack = getattr(base, name, None)
+        if isinstance(stack, torch.nn.Module):
+            return stack
+    return None
+
+
+def _packed_inputs(packing: Packing, tokens: dict[str, torch.Tensor], accepted: frozenset[str] | set[str],
+                   position_offset: int) -> dict[str, torch.Tensor]:
     mask = tokens["attention_mask"]
-    packing = Packing.of(mask)
     packed = {key: packing.pack(value) for key, value in tokens.items()
               if key != "attention_mask" and value.dim() >= 2 and value.shape[:2] == mask.shape}
     packed["position_ids"] = packing.position_ids(position_offset)
     if "token_type_ids" in accepted and "token_type_ids" not in packed:
         # BERT's default token types are a buffer as long as its position table, shorter than a packed row
         packed["token_type_ids"] = torch.zeros_like(packed["input_ids"])
-    return packing.unpack(read(model(**packed, **packing.attention_arguments())))
+    return packed
 
 
 def first_position(model: torch.nn.Module) -> int:

@@ -61,12 +61,24 @@ class CrossEncoderAdapter(PairScorer, nn.Module):
     default_lora_target_modules = ATTENTION_PROJECTIONS
     modalities: ClassVar[frozenset[str]] = frozenset({"text"})  # an image document is refused, naming its row
     length_chunking: ClassVar[bool] = True  # pairs are rows of tokens scored at the first: padding can be cut
+    packs_texts: ClassVar[bool] = True  # its layer stack runs packed, the head reads it unpacked (models/packing.py)
     card_library: ClassVar[str] = "sentence-transformers"  # final/ loads as CrossEncoder(path), vembed's scores
     card_tags: ClassVar[tuple[str, ...]] = ("sentence-transformers", "cross-encoder")
 
     def __init__(self, model: "PreTrainedModel", tokenizer: Any, settings: CrossEncoderSettings):
         super().__init__()
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        self._stack = None
+        if settings.packing:
+            from vembed.models.batch import forward_argument_names
+            from vembed.models.packing import first_position, layer_stack, use_packed_attention
+
+            self._stack = layer_stack(model)
+            if self._stack is None:
+                raise RecipeError("packing", f"{type(model).__name__} has no layer stack (encoder) that vembed can "
+                                             "run packed below its head; remove packing")
+            use_packed_attention(model)
+            self._packed_arguments = (forward_argument_names(model.forward), first_position(model))
 
     @classmethod
     def card_usage(cls, path: str) -> list[str]:
@@ -202,6 +214,10 @@ class CrossEncoderAdapter(PairScorer, nn.Module):
 
     def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """(n,) float32 logits of n preprocessed pairs."""
+        if self._stack is not None:
+            from vembed.models.packing import packed_below_head
+
+            return packed_below_head(self.model, self._stack, inputs, *self._packed_arguments).logits.view(-1).float()
         return self.model(**inputs).logits.view(-1).float()
 
     def num_sides(self, inputs: dict[str, torch.Tensor]) -> int:
