@@ -89,13 +89,13 @@ def test_the_first_position_follows_the_position_table():
     assert first_position(_tiny_model("roberta")) == 2  # RoBERTa counts positions after its padding index (1)
 
 
-def test_without_boundaries_the_attention_is_plain_sdpa():
-    torch.manual_seed(0)
-    query, key, value = (torch.randn(2, 4, 5, 8) for _ in range(3))
-    mask = _lengths_mask([5, 3]).bool()
-    out, _ = packed_attention(torch.nn.Module(), query, key, value, mask[:, None, None, :])
-    reference = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask[:, None, None, :])
-    assert torch.allclose(out, reference.transpose(1, 2), atol=1e-6)
+def test_a_padded_call_of_a_packing_model_is_refused():
+    """transformers makes no padding mask for a custom attention, so a padded call would attend to padding: the
+    attention refuses it rather than compute it wrong."""
+    model = _tiny_model("bert")
+    use_packed_attention(model)
+    with pytest.raises(ValueError, match="runs packed batches only"):
+        model(input_ids=torch.ones(2, 5, dtype=torch.long), attention_mask=_lengths_mask([5, 3]))
 
 
 def test_each_text_attends_only_within_itself_and_its_window():

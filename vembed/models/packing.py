@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -160,31 +161,56 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                      max_length_q: int | None = None, sliding_window: int | None = None,
                      **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: (batch, heads, tokens, head_dim) in, (batch, tokens, heads,
-    head_dim) out. With `cu_seq_lens_q` the batch is one packed row whose texts attend only within themselves; without
-    (a padded call of the same model, e.g. outside vembed), it is SDPA. `sliding_window` w (ModernBERT's local layers)
-    lets a token see those at most w - 1 positions away, as transformers' flash path reads it. `dropout` is never
+    head_dim) out; the batch is one packed row whose texts attend only within themselves (`cu_seq_lens_q`).
+    `sliding_window` w (ModernBERT's local layers) lets a token see those at most w - 1 positions away, as
+    transformers' flash path reads it. `dropout` is never
     applied (module docstring)."""
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
     gqa = query.shape[1] != key.shape[1]
-    if cu_seq_lens_q is None:
-        if sliding_window is not None:
-            raise ValueError("packed attention's padded fallback has no sliding window: call the model packed")
-        if attention_mask is not None and attention_mask.dtype != torch.bool and attention_mask.dim() == 2:
-            attention_mask = attention_mask.bool()[:, None, None, :]
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
-                                             is_causal=causal and attention_mask is None and query.shape[2] > 1,
-                                             enable_gqa=gqa)
-        return out.transpose(1, 2).contiguous(), None
+    if cu_seq_lens_q is None:  # transformers made no padding mask for this attention: a padded call would be wrong
+        raise ValueError("a model set up for packing runs packed batches only (vembed.models.packing.packed_forward)")
     if len(query) != 1:
         raise ValueError(f"a packed batch is one row of tokens, got {len(query)} rows")
     reach = -1 if sliding_window is None else sliding_window - 1  # how far a token sees (-1: no limit)
     varlen = varlen_attn_function()
     if varlen is not None and query.is_cuda and query.dtype in VARLEN_DTYPES:
-        q, k, v = (tensor[0].transpose(0, 1) for tensor in (query, key, value))  # (tokens, heads, head_dim)
-        out = varlen(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling,
-                     window_size=(reach, 0 if causal else reach), enable_gqa=gqa)
-        return out.unsqueeze(0), None
+        out = _flash(varlen, query, key, value, cu_seq_lens_q, max_length_q, scaling, causal, reach, gqa)
+        if out is not None:
+            return out, None
     return _each_text_alone(query, key, value, cu_seq_lens_q, scaling, causal, gqa, reach), None
+
+
+def _flash(varlen: Callable[..., torch.Tensor], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           cu_seq_lens: torch.Tensor, max_length: int, scaling: float | None, causal: bool, reach: int,
+           gqa: bool) -> torch.Tensor | None:
+    """`varlen_attn` over the packed row, (1, tokens, heads, head_dim); None when this torch's kernel lacks what the
+    layer needs (a sliding window before torch grew `window_size`). torch 2.10's signature has `is_causal` and no
+    scale, window or grouped-query heads; later ones have `scale`, `window_size` and `enable_gqa`."""
+    accepts = _varlen_parameters(varlen)
+    q, k, v = (tensor[0].transpose(0, 1) for tensor in (query, key, value))  # (tokens, heads, head_dim)
+    options: dict[str, Any] = {}
+    if "window_size" in accepts:
+        options["window_size"] = (reach, 0 if causal else reach)
+    elif reach >= 0:
+        return None
+    else:
+        options["is_causal"] = causal
+    if "scale" in accepts:
+        options["scale"] = scaling
+    elif scaling is not None:  # the kernel scales by head_dim ** -0.5: fold the layer's own scale into the queries
+        q = q * (scaling * q.shape[-1] ** 0.5)
+    if gqa and "enable_gqa" in accepts:
+        options["enable_gqa"] = True
+    elif gqa:
+        k, v = (tensor.repeat_interleave(q.shape[1] // tensor.shape[1], dim=1) for tensor in (k, v))
+    return varlen(q, k, v, cu_seq_lens, cu_seq_lens, max_length, max_length, **options).unsqueeze(0)
+
+
+@lru_cache(maxsize=4)
+def _varlen_parameters(varlen: Callable[..., torch.Tensor]) -> frozenset[str]:
+    import inspect
+
+    return frozenset(inspect.signature(varlen).parameters)
 
 
 def _each_text_alone(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_lens: torch.Tensor,
