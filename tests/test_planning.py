@@ -156,6 +156,52 @@ def test_cpu_activation_formula_matches_the_tensors_a_real_bert_keeps(dropout, p
     assert estimated == pytest.approx(saved, rel=0.1)
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_packed_activations_are_those_of_the_real_tokens_without_any_attention_matrix(dropout):
+    """A packed forward (vembed/models/packing.py) of texts of uneven length keeps what the planner's packed kernels
+    count at the texts' mean real length: no padding mask copy, no attention-dropout matrices (saved-tensor hooks as
+    above), where the padded count at the batch's width is far larger."""
+    from transformers import AutoConfig, AutoModel
+
+    from vembed.models.packing import packed_forward, use_packed_attention
+    from vembed.planning import PACKED_KERNELS
+
+    config = AutoConfig.for_model("bert", hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                  intermediate_size=256, vocab_size=200, hidden_dropout_prob=dropout,
+                                  attention_probs_dropout_prob=dropout)
+    torch.manual_seed(0)
+    model = AutoModel.from_config(config).train()
+    use_packed_attention(model)
+    lengths = torch.tensor([48, 5, 20, 9, 33, 12])
+    mask = (torch.arange(48)[None] < lengths[:, None]).long()
+    storages: dict[int, int] = {}
+
+    def keep(tensor):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        packed_forward(model, {"input_ids": torch.randint(0, 200, mask.shape), "attention_mask": mask},
+                       lambda output: output.last_hidden_state, {"token_type_ids"})
+    saved = sum(storages.values()) - sum(p.numel() * 4 for p in model.parameters())
+    mean = int(lengths.float().mean())
+    shape = EncoderShape.from_config(config, "text", max_length=mean)
+    estimated = shape.activation_bytes(len(lengths), 4, PACKED_KERNELS["cpu"], eager=False, checkpointing=False)
+    assert estimated == pytest.approx(saved, rel=0.1)
+    padded = dataclasses.replace(EncoderShape.from_config(config, "text", max_length=48), masked=True)
+    assert padded.activation_bytes(len(lengths), 4, KERNELS["cpu"], eager=False, checkpointing=False) > 2 * saved
+
+
+def test_the_data_lengths_replace_max_length_in_the_estimate():
+    from vembed.planning import estimate_line
+
+    worst = float(estimate_line(_recipe(), "ddp", 1, device="cpu").split()[2])
+    short = float(estimate_line(_recipe(), "ddp", 1, device="cpu", tokens_per_role={"query": 4, "document": 4})
+                  .split()[2])
+    assert short < worst
+
+
 def _memory_for(total_bytes: float) -> float:
     """The --gpu-memory (GiB) whose usable part is exactly `total_bytes`."""
     gib = (total_bytes / GIB + 0.5) / 0.9

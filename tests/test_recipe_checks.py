@@ -36,13 +36,15 @@ ELSEWHERE: dict[str, set[str]] = {
     "vembed/tasks/classification.py": {"class_names"},  # stage 4, ClassificationTask.check_recipe
     "vembed/reranking/task.py": {"_check_evaluation", "_check_held_out"},  # stage 4, RerankTask.check_recipe
     "vembed/reranking/cross_encoder.py": {"CrossEncoderAdapter.settings_of", "CrossEncoderAdapter.hf_config",
-                                          "CrossEncoderAdapter.load"},  # its check_recipe's; load: a saved folder
+                                          "CrossEncoderAdapter.load",  # its check_recipe's; load: a saved folder
+                                          "CrossEncoderAdapter.__init__"},  # packing: a head without a layer stack
     "vembed/models/base.py": {"EmbeddingAdapter.settings_of", "require_tokenizer_name",
                               # built-time guard (stage 4 refuses first), and reading saved model folders:
                               "EmbeddingAdapter.set_pixel_budget", "EmbeddingAdapter.saved_settings", "load_adapter",
                               "read_adapter_file"},
     "vembed/models/hf.py": {"require_model_type", "auto_config", "_loading", "resolve_max_length"},  # configs
     "vembed/models/splade.py": {"require_masked_lm"},  # embedding: sparse needs an MLM head: the config's rule
+    "vembed/models/packing.py": {"use_packed_attention"},  # built-time guard behind check_packing (stage 3)
     "vembed/losses/guide.py": {"check_guide_folder", "load_guide"},  # stage 4; load: when the loss is built
     "vembed/generation/dit.py": {"config_from_recipe", "Blip3oDiT.on_meta"},  # stage 4 (flow) and the planner
     "vembed/planning.py": {"choose_gradient_cache", "EncoderShape.from_config"},  # stage 6; the planner's shapes

@@ -173,6 +173,10 @@ class Kernels:
 
 
 KERNELS = {"cuda": Kernels("cuda", 1, 0, False), "cpu": Kernels("cpu", None, 3, True)}
+# `packing: true` (vembed/models/packing.py): no padding mask and no attention-probability dropout, so no s×s tensor
+# on either device (varlen flash on CUDA; on CPU each text alone through SDPA's fused kernel). Its s is a text's real
+# length: the planner's max_length is the worst case, `tokens_per_role` gives the data's.
+PACKED_KERNELS = {"cuda": Kernels("cuda, packed", 1, 0, False), "cpu": Kernels("cpu, packed", None, 0, False)}
 
 
 # MLPs with a gate (act(gate(x)) * up(x)) keep four intermediate-width tensors for backward instead of two.
@@ -455,7 +459,7 @@ def workload_for(recipe: "Recipe", model: ModelSize, gpus: int, device: str = "c
         mixed_precision=mixed,
         eager_attention=getattr(recipe.model, "attn_implementation", None) == "eager",
         symmetric_loss=getattr(recipe.loss, "symmetric_loss", False),  # InfoNCE's option; SigLIP scores one way
-        kernels=KERNELS[device],
+        kernels=(PACKED_KERNELS if getattr(recipe.model, "packing", False) else KERNELS)[device],
     )
 
 
@@ -778,12 +782,24 @@ def format_plan(plan: MemoryPlan) -> str:
 
 
 
-def estimate_line(recipe: "Recipe", strategy: str, gpus: int, device: str = "cuda") -> str:
+def with_tokens(model: ModelSize, tokens_per_role: dict[str, int]) -> ModelSize:
+    """`model` with the sequence length of each role's sides set from data (e.g. a batch's mean real length when
+    packed, its padded width when not) instead of max_length; roles not named keep theirs."""
+    routes = {role: {name: tokens_per_role.get(role, tokens) for name, tokens in route.items()}
+              for role, route in model.routes.items()}
+    return dataclasses.replace(model, routes=routes)
+
+
+def estimate_line(recipe: "Recipe", strategy: str, gpus: int, device: str = "cuda",
+                  tokens_per_role: dict[str, int] | None = None) -> str:
     """One line for the block a run prints at start: this launch's per-device estimate, e.g.
-    `memory estimate     6.2 GiB per device (params 0.6, grads 0.8, optimizer 0.8, activations 4.0)`."""
+    `memory estimate     6.2 GiB per device (params 0.6, grads 0.8, optimizer 0.8, activations 4.0)`.
+    `tokens_per_role` (query, document, pair) replaces max_length with the data's lengths (`with_tokens`)."""
     if strategy not in STRATEGY_BY_NAME:
         raise ValueError(f"unknown strategy {strategy!r}; one of {', '.join(STRATEGY_BY_NAME)}")
     model = measure_model(recipe, with_lora=recipe.use_lora or STRATEGY_BY_NAME[strategy].lora)
+    if tokens_per_role:
+        model = with_tokens(model, tokens_per_role)
     e = estimate(STRATEGY_BY_NAME[strategy], model, workload_for(recipe, model, gpus, device), recipe.use_lora,
                  recipe.gradient_cache_chunk_size)
     activations = e.activations_checkpointed if recipe.gradient_checkpointing else e.activations

@@ -112,11 +112,31 @@ def check_keys(recipe: "Recipe", *, for_training: bool = True) -> None:
 
 
 def check_packing(recipe: "Recipe") -> None:
-    """Stage 3, continued: `packing` where the model kind packs its texts (`packs_texts`), alone."""
+    """Stage 3, continued: `packing` where the model kind packs its texts (`packs_texts`) and its architecture calls
+    transformers' attention interface (vembed/models/packing.py), without the keys it replaces."""
+    settings = recipe.model
+    if not getattr(settings, "packing", False):
+        return
     from vembed.components import model_class
-    from vembed.models.packing import check_packing_keys
 
-    check_packing_keys(recipe, recipe.model, getattr(model_class(recipe), "packs_texts", False))
+    adapter_cls = model_class(recipe)
+    if not getattr(adapter_cls, "packs_texts", False):
+        raise RecipeError("packing", f"model_type {recipe.model_type!r} cannot pack its inputs; remove packing (text "
+                                     "models and cross-encoders pack)")
+    if settings.attn_implementation is not None:
+        raise RecipeError("attn_implementation", "packing runs its own attention (varlen flash attention on CUDA); "
+                                                 "remove attn_implementation or packing")
+    if recipe.length_chunks > 1:
+        raise RecipeError("length_chunks", "packed texts have no padding to cut into length-sorted chunks; remove "
+                                           "length_chunks or packing")
+    from transformers import AutoModel
+
+    from vembed.models.packing import inline_attention_reason, packs_attention
+
+    config = adapter_cls.hf_config(settings)  # the config only, no weights
+    architecture = AutoModel._model_mapping.get(type(config), None)
+    if architecture is not None and not packs_attention(architecture):
+        raise RecipeError("packing", inline_attention_reason(architecture.__name__))
 
 
 def check_augmentation(recipe: "Recipe", task: type["Task"]) -> None:

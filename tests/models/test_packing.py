@@ -307,7 +307,17 @@ def test_a_model_kind_that_cannot_pack_is_refused(tiny_clip_recipe):
     assert refused.value.key == "packing"
 
 
-def test_an_architecture_with_its_own_attention_is_refused_in_one_line():
+def test_an_architecture_with_its_own_attention_is_refused_before_any_weight_is_read(uneven_texts):
+    from vembed.errors import RecipeError
+    from vembed.recipe_checks import check_recipe
+
+    raw = dict(uneven_texts, packing=True, model_config={**uneven_texts["model_config"], "model_type": "mpnet"})
+    with pytest.raises(RecipeError, match="MPNetModel computes its attention itself") as refused:
+        check_recipe(recipe_from_dict(raw))
+    assert refused.value.key == "packing"
+
+
+def test_building_an_architecture_with_its_own_attention_is_refused_too():
     from transformers import AutoConfig, AutoModel
 
     from vembed.errors import RecipeError

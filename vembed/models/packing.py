@@ -35,7 +35,6 @@ from vembed.errors import RecipeError
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from vembed.recipe import Recipe
 
 logger = logging.getLogger(__name__)
 PACKED_ATTENTION = "vembed_packed"  # the name the attention function is registered under in transformers
@@ -232,34 +231,27 @@ def _each_text_alone(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return torch.cat(pieces, dim=2).transpose(1, 2).contiguous()
 
 
-def check_packing_keys(recipe: "Recipe", settings: Any, packs_texts: bool) -> None:
-    """Refuse `packing: true` where it cannot apply: a model kind that does not pack, a chosen attention, length
-    chunks (packing removes the padding they cut)."""
-    if not getattr(settings, "packing", False):
-        return
-    if not packs_texts:
-        raise RecipeError("packing", f"model_type {recipe.model_type!r} cannot pack its inputs; remove packing (text "
-                                     "models and cross-encoders pack)")
-    if settings.attn_implementation is not None:
-        raise RecipeError("attn_implementation", "packing runs its own attention (varlen flash attention on CUDA); "
-                                                 "remove attn_implementation or packing")
-    if recipe.length_chunks > 1:
-        raise RecipeError("length_chunks", "packed texts have no padding to cut into length-sorted chunks; remove "
-                                           "length_chunks or packing")
-
-
 def use_packed_attention(model: "PreTrainedModel") -> None:
     """Route `model`'s attention (every sub-model's) through `packed_attention`; registered with transformers once."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(PACKED_ATTENTION, packed_attention)
-    if not getattr(model, "_supports_attention_backend", False):  # MPNet, DeBERTa-v2: attention written inline
-        raise RecipeError("packing", f"{type(model).__name__} computes its attention itself, so its texts cannot be "
-                                     "packed; remove packing")
+    if not packs_attention(type(model)):  # recipe_checks refuses it first; a direct Python caller meets this
+        raise RecipeError("packing", inline_attention_reason(type(model).__name__))
     model.set_attn_implementation(PACKED_ATTENTION)
     if next(model.parameters()).device.type != "meta":  # the planner's shapes-only copy says nothing
         for line in packing_lines(model.config):
             logger.warning(line)
+
+
+def packs_attention(model_class: type) -> bool:
+    """Whether a transformers model class calls the configured attention function (MPNet, DeBERTa-v2 and other
+    older architectures write their attention inline)."""
+    return bool(getattr(model_class, "_supports_attention_backend", False))
+
+
+def inline_attention_reason(name: str) -> str:
+    return f"{name} computes its attention itself, so its texts cannot be packed; remove packing"
 
 
 def packing_lines(config: Any) -> list[str]:
