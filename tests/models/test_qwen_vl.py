@@ -358,3 +358,26 @@ def test_several_images_per_side_from_a_data_file_reach_the_model(qwen_build, tm
             texts=["two pictures", "one picture"], images=[[tmp_path / "a.png", tmp_path / "b.png"], second],
             role="query")
         torch.testing.assert_close(from_api, F.normalize(adapter(by_hand), dim=-1), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backbone", BACKBONES)
+def test_packed_sides_give_the_padded_embeddings_and_gradients(qwen_build, backbone):
+    """`packing: true`: the language model runs text, image and mixed sides as one row of real tokens, with the
+    model's own multimodal rope positions packed alongside (vembed/models/packing.py); embeddings and gradients are
+    those of the padded batch (fp32), under left padding too."""
+    sides = _sides_of_mixed_image_sizes()
+    results = {}
+    for name, overrides in (("padded", {}), ("packed", {"packing": True})):
+        adapter = qwen_build(backbone, **overrides).train()
+        adapter.tokenizer.padding_side = "left"
+        inputs = adapter.preprocess(sides)
+        embeddings = adapter.encode(inputs)
+        (embeddings * torch.linspace(-1, 1, embeddings.shape[1])).sum().backward()
+        grads = {n: p.grad.clone() for n, p in adapter.named_parameters() if p.grad is not None}
+        results[name] = (embeddings.detach(), grads)
+    (padded, padded_grads), (packed, packed_grads) = results["padded"], results["packed"]
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=0)
+    assert packed_grads.keys() == padded_grads.keys()
+    reference = torch.cat([g.flatten() for g in padded_grads.values()])
+    got = torch.cat([packed_grads[n].flatten() for n in padded_grads])
+    assert ((got - reference).norm() / reference.norm()).item() <= 1e-5

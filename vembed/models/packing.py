@@ -231,16 +231,17 @@ def _each_text_alone(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return torch.cat(pieces, dim=2).transpose(1, 2).contiguous()
 
 
-def use_packed_attention(model: "PreTrainedModel") -> None:
-    """Route `model`'s attention (every sub-model's) through `packed_attention`; registered with transformers once."""
+def use_packed_attention(model: "PreTrainedModel", sub_config: str | None = None) -> None:
+    """Route `model`'s attention through `packed_attention` (registered with transformers once): every sub-model's,
+    or only that of `sub_config` (a Qwen-VL's `text_config`: its vision tower packs images its own way)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(PACKED_ATTENTION, packed_attention)
     if not packs_attention(type(model)):  # recipe_checks refuses it first; a direct Python caller meets this
         raise RecipeError("packing", inline_attention_reason(type(model).__name__))
-    model.set_attn_implementation(PACKED_ATTENTION)
+    model.set_attn_implementation(PACKED_ATTENTION if sub_config is None else {sub_config: PACKED_ATTENTION})
     if next(model.parameters()).device.type != "meta":  # the planner's shapes-only copy says nothing
-        for line in packing_lines(model.config):
+        for line in packing_lines(getattr(model.config, sub_config) if sub_config else model.config):
             logger.warning(line)
 
 

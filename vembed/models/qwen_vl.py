@@ -39,6 +39,7 @@ from vembed.data.images import load_image
 from vembed.errors import RecipeError
 from vembed.models import MODELS
 from vembed.models.base import ADAPTER_FILE, PretrainedSettings, TransformersAdapter
+from vembed.models.batch import forward_argument_names
 from vembed.models.hf import load_model, save_hf_model
 from vembed.models.lora import LORA_WEIGHTS, load_lora_weights, save_lora_weights
 from vembed.models.pooling import pool
@@ -138,6 +139,7 @@ class QwenVLAdapter(TokenVectors, TransformersAdapter):
     Settings: ClassVar[type[QwenVLSettings]] = QwenVLSettings
     modalities = frozenset({"text", "image"})
     max_images_per_side = None  # every image of a side goes into its user turn
+    packs_texts = True  # the language model runs the sides as one row; the vision tower packs its images itself
     # The released Qwen3-VL-Embedding LoRA's targets (its README's table): the attention projections but o_proj, and
     # the MLP's. LoRA goes into the language model only (Qwen2.5-VL's vision MLP reuses these names).
     default_lora_target_modules = ("q_proj", "v_proj", "k_proj", "up_proj", "down_proj", "gate_proj")
@@ -149,6 +151,10 @@ class QwenVLAdapter(TokenVectors, TransformersAdapter):
         if model.config.model_type not in BACKBONES:
             raise RecipeError("model_name", f"is a {model.config.model_type!r} model; qwen_vl drives {BACKBONES}")
         self.backbone.visual.requires_grad_(settings.train_vision_tower)
+        if settings.packing:
+            from vembed.models.packing import use_packed_attention
+
+            use_packed_attention(model, "text_config")
         if settings.multi_vector:
             self.add_projection(model.config.text_config.hidden_size, next(model.parameters()).device)
         if tokenizer is None:  # on_meta: nothing to tokenise, so nothing to check
@@ -369,7 +375,27 @@ class QwenVLAdapter(TokenVectors, TransformersAdapter):
         model_inputs = {key: inputs[key] for key in (*SEQUENCE_KEYS, IMAGE_GRID_THW) if key in inputs}
         if PIXEL_VALUES in inputs:
             model_inputs[PIXEL_VALUES] = inputs[PIXEL_VALUES].to(self.backbone.visual.dtype)
+        if self.settings.packing:
+            return self._packed_last_hidden_state(model_inputs)
         return self.backbone(**model_inputs, use_cache=False).last_hidden_state
+
+    def _packed_last_hidden_state(self, model_inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The language model over the sides packed into one row (vembed/models/packing.py): the multimodal rope
+        positions are the model's own for the padded batch (`get_rope_index`), then packed with the tokens; images
+        go in as they are (their tokens are placed by id, in order)."""
+        from vembed.models.packing import Packing
+
+        backbone = self.backbone
+        accepted = forward_argument_names(backbone.get_rope_index)
+        positions, _ = backbone.get_rope_index(**{key: value for key, value in model_inputs.items()
+                                                  if key in accepted and key != PIXEL_VALUES})
+        packing = Packing.of(model_inputs["attention_mask"])
+        packed = {key: value for key, value in model_inputs.items() if key in (IMAGE_GRID_THW, PIXEL_VALUES)}
+        packed.update({key: packing.pack(value) for key, value in model_inputs.items()
+                       if key in SEQUENCE_KEYS and key != "attention_mask"})
+        packed["position_ids"] = positions[:, model_inputs["attention_mask"].bool()].unsqueeze(1)
+        hidden = backbone(**packed, **packing.attention_arguments(), use_cache=False).last_hidden_state
+        return packing.unpack(hidden)
 
     def encode(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         hidden = self.last_hidden_state(inputs)
