@@ -131,6 +131,15 @@ def test_packing_is_not_available_on_a_recipe_error_and_any_other_error_fails_th
         gpu_check._packed_trainer({"model_type": "text"}, ctx)
 
 
+@pytest.mark.slow  # the text step at toy size, in this process: 20-40 s of CPU
+def test_embeddings_off_the_unpadded_reference_fail_the_text_step_with_its_speeds_in_the_error(tmp_path, monkeypatch):
+    gpu_check = _load()
+    monkeypatch.setattr(gpu_check, "_check_unpadded", lambda runs, *_: {name: 0.5 for name in runs})
+    with pytest.raises(RuntimeError, match=r"beyond bf16 tolerance: \{'vembed padded': 0.5.*\(speeds: vembed padded "
+                                           r"[0-9]+ samples/s \(MFU .*sentence-transformers [0-9]+ samples/s"):
+        gpu_check.text_speed(gpu_check.Context(dry_run=True, work=tmp_path, budget_s=180))
+
+
 def test_the_colbert_step_is_skipped_only_without_any_pylate_stack(tmp_path, monkeypatch):
     gpu_check = _load()
     monkeypatch.setattr(gpu_check._bench_module("pylate_runner"), "STACK", tmp_path / "no-stack")
