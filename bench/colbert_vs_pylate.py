@@ -140,10 +140,10 @@ def training_rows(folder: Path, pairs: int, seed: int = 0) -> list[dict[str, Any
     return rows
 
 
-def prepare(work: Path, pairs: int, batch_size: int, smoke: bool, documents: int | None, learning_rate: float
-            ) -> dict[str, Any]:
+def prepare(work: Path, pairs: int, batch_size: int, smoke: bool, documents: int | None, learning_rate: float,
+            shapes: dict[str, Any] | None = None) -> dict[str, Any]:
     """The corpus, the rows, the test split for PyLate, the starting ColBERT folder (vembed writes it, PyLate reads
-    it) and vembed's batch order."""
+    it) and vembed's batch order. `shapes`: a random BERT of these shapes (a speed run where no weights travel)."""
     import torch
 
     from vembed.components import recipe_from_dict
@@ -163,7 +163,7 @@ def prepare(work: Path, pairs: int, batch_size: int, smoke: bool, documents: int
         "queries": {q: test.queries.sides[test.queries.index[q]].text for q in judged_queries(test)},
         "documents": dict(zip(test.corpus.ids, (side.text for side in test.corpus.sides)))}))
     base: dict[str, Any]
-    minilm = None if smoke else _minilm()
+    minilm = None if smoke or shapes else _minilm()
     if minilm:
         base, model = {"model_name": minilm}, "all-MiniLM-L6-v2"
     else:
@@ -174,8 +174,8 @@ def prepare(work: Path, pairs: int, batch_size: int, smoke: bool, documents: int
         words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *sorted({w for t in texts for w in _words(t)})]
         BertTokenizerFast(vocab={w: i for i, w in enumerate(words)}).save_pretrained(work / "tokenizer")
         base = {"tokenizer_name": str(work / "tokenizer"), "model_config": {
-            "model_type": "bert", "vocab_size": len(words), "max_position_embeddings": 160, **TINY_BERT}}
-        model = "tiny random BERT"
+            "model_type": "bert", "vocab_size": len(words), "max_position_embeddings": 160, **(shapes or TINY_BERT)}}
+        model = "tiny random BERT" if shapes is None else f"random BERT {shapes}"
     torch.manual_seed(0)
     adapter = MODELS.get("text").from_recipe(recipe_from_dict({
         "model_type": "text", **base, "embedding": "multi_vector", "query_length": QUERY_LENGTH,
@@ -252,19 +252,24 @@ def _timing(clock, spec: dict[str, Any]) -> dict[str, Any]:
     return clock.result({"warmup": 1, "steps": spec["steps"] - 2, "batch_size": spec["batch_size"]})
 
 
-def train_vembed(spec: dict[str, Any]) -> dict[str, Any]:
-    from vembed.components import recipe_from_dict
-    from vembed.training.loop import Trainer
-
-    recipe = {"model_type": "text", "model_name": spec["start"], "embedding": "multi_vector",
+def vembed_recipe(spec: dict[str, Any]) -> dict[str, Any]:
+    """vembed's recipe for the job (bench/gpu_check.py times its steps too); bf16 with `device` cuda."""
+    return {"model_type": "text", "model_name": spec["start"], "embedding": "multi_vector",
               "query_length": QUERY_LENGTH, "max_length": DOCUMENT_LENGTH, "loss_type": "late_interaction",
               "temperature": 1.0, "data": {"train": str(Path(spec["work"], "train.jsonl")), "num_hard_negatives": 1},
               "output_dir": str(Path(spec["work"], f"{spec['tag']}-run")), "batch_size": spec["batch_size"],
               "learning_rate": spec["learning_rate"], "epochs": 1, "scheduler_type": "constant", "weight_decay": 0.0,
               "max_grad_norm": 1.0, "logging_steps": 1, "save_steps": None, "eval_before_training": False,
-              "seed": 0, "length_chunks": spec.get("length_chunks", 1)}
+              "seed": 0, "length_chunks": spec.get("length_chunks", 1),
+              "mixed_precision": "bf16" if spec.get("device") == "cuda" else "no"}
+
+
+def train_vembed(spec: dict[str, Any]) -> dict[str, Any]:
+    from vembed.components import recipe_from_dict
+    from vembed.training.loop import Trainer
+
     clock = _clock()
-    trainer = Trainer(recipe_from_dict(recipe))
+    trainer = Trainer(recipe_from_dict(vembed_recipe(spec)))
     result = trainer.run()
     out = {"losses": [record["loss"] for record in result.metrics["loss_history"]], **_timing(clock, spec)}
     trainer.accelerator.end_training()
@@ -307,7 +312,58 @@ def train_pylate(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-TOOLS = {"vembed": train_vembed, "pylate": train_pylate}
+def time_pylate_steps(spec: dict[str, Any]) -> dict[str, Any]:
+    """PyLate's training step driven by hand on the job's first batch (vembed's epoch-0 order), as
+    SentenceTransformerTrainer runs it: ColBERTCollator's features, `losses.Contrastive`, backward, clipping at 1.0,
+    AdamW (fused on CUDA, as transformers' Trainer picks it); bf16 autocast on CUDA. `spec`: device, rounds, warmup,
+    steps. The median seconds of the timed steps per round, and the peak CUDA memory (bytes, None on the CPU)."""
+    import time
+
+    import pylate
+    import torch
+    from pylate import losses, models, utils
+
+    device = torch.device(spec["device"])
+    rows = [json.loads(line) for line in Path(spec["work"], "train.jsonl").read_text().splitlines()]
+    rows = [rows[i] for i in spec["order"][:spec["batch_size"]]]
+    model = models.ColBERT(spec["start"], device=spec["device"])
+    inputs = utils.ColBERTCollator(model.tokenize)(
+        [{"query": r["query"], "positive": r["positive"], "negative": r["negatives"][0]} for r in rows])
+    features = [{key[len(column) + 1:]: value.to(device) for key, value in inputs.items()
+                 if key.startswith(column + "_") and isinstance(value, torch.Tensor)}
+                for column in ("query", "positive", "negative")]
+    loss_fn = losses.Contrastive(model, temperature=1.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec["learning_rate"], weight_decay=0.0,
+                                  fused=device.type == "cuda")
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = loss_fn(features, None)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    seconds, peak = [], None
+    for _ in range(spec["rounds"]):
+        for _ in range(spec["warmup"]):
+            step()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(spec["steps"]):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        seconds.append(statistics.median(times))
+        if device.type == "cuda":
+            peak = max(peak or 0, torch.cuda.max_memory_allocated())
+    return {"round_seconds": seconds, "peak_bytes": peak, "pylate": pylate.__version__}
+
+
+TOOLS = {"vembed": train_vembed, "pylate": train_pylate, "pylate_steps": time_pylate_steps}
 
 
 def runs_of(length_chunks: int) -> dict[str, tuple[str, dict[str, Any]]]:

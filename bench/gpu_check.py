@@ -1,23 +1,38 @@
 """The GPU check: one command for a lent GPU machine (no network there) that runs vembed's GPU paths and writes what it
 saw to one JSON and a short Markdown table. `scripts/gpu_check.sh` (and `make gpu-check`) is the thin wrapper.
 
-    scripts/gpu_check.sh --out DIR                # on the GPU machine: about 5 minutes on one H100, at most 8
-    scripts/gpu_check.sh --cpu-dry-run --out DIR  # every step at toy size on CPU, in under 2 minutes (a test)
+    scripts/gpu_check.sh --out DIR                # on the GPU machine: about 3 minutes on one H100, at most 7
+    scripts/gpu_check.sh --cpu-dry-run --out DIR  # every step at toy size on CPU, in about 2 minutes (a test)
+    scripts/gpu_check.sh --out DIR --steps qwen_memory   # a step left out of the default run
     make gpu-wheels                               # here, before: what the GPU machine lacks, as wheels (gpu-wheels/)
 
 Steps (each in its own process with its own time budget: a failure or an overrun is recorded with its error line, and
-the next step runs):
+the next step runs). The speed steps time each system's optimizer step on one batch, held on the device (warm-up
+steps first, the median of the timed steps per round, rounds interleaved and rotated), and report per system
+samples/s, MFU (one step's model FLOPs, counted by vembed/models/flops.py as the training loop does and given to a
+peer doing the same work too, over the step's time and the card's bf16 peak from vembed's table of accelerators; in a
+dry run the CPU's measured float32 ceiling) and peak CUDA memory (what the system keeps resident plus the most its
+own steps allocate; none in a dry run):
 - environment: installs the wheels of gpu-wheels/ whose distributions the machine lacks (`--no-deps`, vembed too),
   and records the card and the versions.
 - gpu_tests: `pytest -m gpu tests/gpu/` (bf16 training, GradCache under bf16; the 2-GPU NCCL launches where 2 GPUs
   exist, else skipped, and the skip reasons are recorded).
 - clip_speed: CLIP ViT-B/32 shapes (random init), batch 256, bf16, sdpa: vembed's training step against open_clip's
-  (the model, ClipLoss and AdamW as open_clip_train's step uses them) on the same tensors, one process, interleaved.
-- qwen_memory: Qwen3-VL-2B shapes (bench/configs/qwen3_vl_2b.json, random init) with LoRA r32 + GradCache, batch
-  1024, chunk 32, the shipped 2B recipe otherwise: peak memory and step time, and the planner's estimate for it.
-- length_encoding: MiniLM-L6 shapes on texts of uneven length: training samples/s padded, with `length_chunks`, and
-  with flash-attention's unpadded kernels when flash-attn is installed; embeddings checked against a reference
-  without any padding (each text alone) to bf16 tolerance.
+  (the model, ClipLoss and AdamW as open_clip_train's step uses them) on the same tensors.
+- text_speed: MiniLM-L6 shapes (random init) on texts of uneven length, batch 256, bf16: vembed padded, with
+  `length_chunks: 4`, packed (`packing: true`; recorded as "not available: <the recipe error>" where this vembed has
+  no such key), on flash-attention's unpadded kernels where flash-attn is installed, and sentence-transformers'
+  MultipleNegativesRankingLoss step on the same folder and texts; the ratios packed/padded and
+  packed/sentence-transformers, the planner's estimate beside each vembed path's peak, and every vembed path's
+  embeddings checked against each text encoded alone (no padding anywhere) to bf16 tolerance.
+- cross_encoder_speed: bench/rerank_vs_st.py's job (MiniLM-L6 shapes, pointwise BCE), 64 lists of 4 pairs: vembed's
+  reranker step against sentence-transformers' CrossEncoder step.
+- colbert_speed: bench/colbert_vs_pylate.py's job (MiniLM-L6 shapes, MaxSim contrastive with a hard negative), batch
+  128: vembed's ColBERT step against PyLate's, PyLate in a child process on its own pinned stack
+  (gpu-wheels/pylate-stack/, installed with `--target` into the step's folder, never over the machine's packages).
+- qwen_memory (not in the default run: measured twice, identical): Qwen3-VL-2B shapes (bench/configs/qwen3_vl_2b.json,
+  random init) with LoRA r32 + GradCache, batch 1024, chunk 32, the shipped 2B recipe otherwise: peak memory and step
+  time, and the planner's estimate for it.
 
 A step returns its numbers and a one-line `summary` for the table; it raises `Skipped` when it cannot run here (the
 reason is recorded), anything else is a failure.
@@ -56,6 +71,7 @@ class Context:
     dry_run: bool
     work: Path  # this step's scratch folder
     budget_s: float
+    wheels: Path = WHEELS  # gpu-wheels/: the colbert step installs PyLate's stack from it
 
     @property
     def device(self) -> str:
@@ -116,6 +132,108 @@ def _timed(step: Callable[[], None], ctx: Context, steps: int) -> float:
         ctx.sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+@dataclass
+class Contender:
+    """One system of a speed step: its training step (a closure over its batch) and what it keeps resident between
+    steps (its model's parameters and buffers, its optimizer's state)."""
+    step: Callable[[], None]
+    model: Any
+    optimizer: Any
+
+    def resident_bytes(self) -> int:
+        import torch
+
+        state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        tensors = [*self.model.parameters(), *self.model.buffers(), *state]
+        return sum(t.numel() * t.element_size() for t in tensors if t.device.type == "cuda")
+
+
+def _race(systems: dict[str, Contender], shape: dict[str, Any], ctx: Context) -> dict[str, dict[str, Any]]:
+    """Each system's median step seconds per round (warm-up steps first), interleaved and rotated so drift hits every
+    system alike; and its peak CUDA memory (None on the CPU): what it keeps resident plus the most its own steps
+    allocated above what was allocated when they began (every system lives in this one process, so the process peak
+    would count the others' models too)."""
+    import torch
+
+    measured = {name: {"round_seconds": [], "peak_bytes": None} for name in systems}
+    names = list(systems)
+    for round_index in range(shape["rounds"]):
+        for name in names[round_index % len(names):] + names[:round_index % len(names)]:
+            system = systems[name]
+            _timed(system.step, ctx, shape["warmup"])
+            if not ctx.dry_run:
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+            measured[name]["round_seconds"].append(_timed(system.step, ctx, shape["steps"]))
+            if not ctx.dry_run:
+                peak = system.resident_bytes() + torch.cuda.max_memory_allocated() - before
+                measured[name]["peak_bytes"] = max(measured[name]["peak_bytes"] or 0, peak)
+    return measured
+
+
+def _training_flops(adapter, batch: dict[str, Any]) -> float:
+    """Model FLOPs of one training step on `batch`: 3x the forward FLOPs of every side (vembed/models/flops.py), as
+    the loop's MFU counts them. A peer doing the same work (same model, same tokens) is given the same count. Adapters
+    without `forward_flops` (the cross-encoder) are counted by the same dense rule over all their weights."""
+    from vembed.models.flops import TRAINING_FLOPS_PER_FORWARD, matmul_weights, text_flops
+
+    count = getattr(adapter, "forward_flops", None)
+    if count is None:
+        weights = matmul_weights(adapter)
+
+        def count(inputs):
+            return text_flops(inputs, weights)
+
+    return TRAINING_FLOPS_PER_FORWARD * sum(float(count(inputs)) for inputs in batch.values()
+                                            if isinstance(inputs, dict))
+
+
+def _peak_flops(ctx: Context) -> tuple[float, str]:
+    """The device's peak FLOP/s at the steps' precision and where it came from: vembed's table of accelerators by
+    card name (bf16), or on the CPU (dry run, float32) a measured matmul ceiling (vembed/training/throughput.py)."""
+    import torch
+
+    from vembed.training.throughput import peak_flops
+
+    return peak_flops(torch.device(ctx.device), "no" if ctx.dry_run else "bf16")
+
+
+def _speed_rows(measured: dict[str, dict[str, Any]], samples: int, flops: float, ctx: Context) -> dict[str, Any]:
+    """Per system: samples/s of the median round, MFU (one step's model FLOPs over its time, over the peak) and peak
+    memory in GiB; with the FLOPs and the peak they came from."""
+    peak, source = _peak_flops(ctx)
+    rows: dict[str, Any] = {}
+    for name, m in measured.items():
+        seconds = statistics.median(m["round_seconds"])
+        rows[name] = {"samples_per_second": samples / seconds, "round_seconds": m["round_seconds"],
+                      "mfu": flops / seconds / peak,
+                      "peak_gib": None if m["peak_bytes"] is None else m["peak_bytes"] / 2**30}
+    rows["training_flops_per_step"] = flops
+    rows["peak_flops"] = {"flops_per_second": peak, "source": source}
+    return rows
+
+
+def _rate_line(rows: dict[str, Any]) -> str:
+    """`name N samples/s (MFU x%, y GiB)` for every measured system of `rows`."""
+    parts = []
+    for name, row in rows.items():
+        if isinstance(row, dict) and "samples_per_second" in row:
+            memory = "" if row["peak_gib"] is None else f", {row['peak_gib']:.2f} GiB"
+            parts.append(f"{name} {row['samples_per_second']:.0f} samples/s (MFU {row['mfu']:.1%}{memory})")
+    return "; ".join(parts)
+
+
+def _ratio(rows: dict[str, Any], ours: str, theirs: str) -> float:
+    return rows[ours]["samples_per_second"] / rows[theirs]["samples_per_second"]
+
+
+def _adamw(model, ctx: Context, **settings):
+    """AdamW as a peer's trainer builds it (transformers' Trainer picks the fused kernel on CUDA)."""
+    import torch
+
+    return torch.optim.AdamW(model.parameters(), fused=not ctx.dry_run, **settings)
 
 
 # --- step: environment -----------------------------------------------------------------------------------------------
@@ -248,7 +366,6 @@ def open_clip_model(config: dict[str, Any]):
 
 
 def clip_speed(ctx: Context) -> dict[str, Any]:
-    import torch
     from accelerate.utils import send_to_device
     from transformers import AutoTokenizer
 
@@ -273,34 +390,30 @@ def clip_speed(ctx: Context) -> dict[str, Any]:
     batch = send_to_device({"query": side(adapter, "text", shape["batch"], tokens),
                             "positive": side(adapter, "image", shape["batch"], 0), "num_negatives": 0},
                            trainer.accelerator.device)
-    systems: dict[str, Callable[[], None]] = {"vembed": lambda: _optimizer_step(trainer, batch)}
+    systems = {"vembed": _vembed_contender(trainer, batch)}
     try:
         import open_clip
     except Exception as error:  # noqa: BLE001 - ImportError, or torchvision's RuntimeError on a mismatched torch
         open_clip, reason = None, f"{OPEN_CLIP_UNAVAILABLE}: {type(error).__name__}: {error}".splitlines()[0]
     if open_clip is not None:
         systems["open_clip"] = _open_clip_step(open_clip_model(config), batch, ctx)
-    seconds: dict[str, list[float]] = {name: [] for name in systems}
-    names = list(systems)
-    for round_index in range(shape["rounds"]):  # interleaved and rotated: drift hits every system alike
-        for name in names[round_index % len(names):] + names[:round_index % len(names)]:
-            _timed(systems[name], ctx, shape["warmup"])
-            seconds[name].append(_timed(systems[name], ctx, shape["steps"]))
-    result = {name: {"samples_per_second": shape["batch"] / statistics.median(s), "round_seconds": s}
-              for name, s in seconds.items()}
+    measured = _race(systems, shape, ctx)
+    result = _speed_rows(measured, shape["batch"], _training_flops(adapter, batch), ctx)
     result["shape"] = {**shape, "text_tokens": tokens, "image_size": config["vision_config"]["image_size"]}
-    vembed_rate = result["vembed"]["samples_per_second"]
     if open_clip is None:
-        raise Skipped(f"{reason} (vembed alone: {vembed_rate:.0f} samples/s)")
+        raise Skipped(f"{reason} (vembed alone: {_rate_line(result)})")
+    seconds = {name: m["round_seconds"] for name, m in measured.items()}
     ratio = statistics.median(o / v for v, o in zip(seconds["vembed"], seconds["open_clip"]))
     result["vembed_over_open_clip"] = ratio
-    peer_rate = result["open_clip"]["samples_per_second"]
-    result["summary"] = (f"vembed {vembed_rate:.0f} samples/s, open_clip {peer_rate:.0f} samples/s: {ratio:.2f}x "
-                         f"(batch {shape['batch']})")
+    result["summary"] = f"{_rate_line(result)}: {ratio:.2f}x open_clip (batch {shape['batch']})"
     return result
 
 
-def _open_clip_step(model, batch: dict[str, Any], ctx: Context) -> Callable[[], None]:
+def _vembed_contender(trainer, batch: dict[str, Any]) -> Contender:
+    return Contender(lambda: _optimizer_step(trainer, batch), trainer.objective, trainer.optimizer)
+
+
+def _open_clip_step(model, batch: dict[str, Any], ctx: Context) -> Contender:
     """open_clip_train's step on vembed's tensors: autocast bf16, model(images, texts), ClipLoss, AdamW (its betas and
     eps), logit scale clamped."""
     import math
@@ -326,7 +439,7 @@ def _open_clip_step(model, batch: dict[str, Any], ctx: Context) -> Callable[[], 
         with torch.no_grad():
             model.logit_scale.clamp_(0, math.log(100))
 
-    return step
+    return Contender(step, model, optimizer)
 
 
 # --- step: Qwen3-VL-2B memory and the planner ------------------------------------------------------------------------
@@ -339,11 +452,9 @@ def qwen_memory(ctx: Context) -> dict[str, Any]:
     import yaml
     from accelerate.utils import send_to_device
 
-    from vembed.components import recipe_from_dict
     from vembed.data.synthetic import make_dummy_dataset
     from vembed.data.tokenizer import train_qwen_tokenizer
     from vembed.models.qwen_vl import VISION_TOKEN_IDS
-    from vembed.planning import estimate_line
 
     shape = QWEN_DRY if ctx.dry_run else QWEN
     recipe_file = yaml.safe_load((ROOT / "configs/qwen3_vl_embedding_2b.yaml").read_text())
@@ -364,7 +475,7 @@ def qwen_memory(ctx: Context) -> dict[str, Any]:
            "max_pixels": pixels, "eval_steps": None, "epochs": 1, "train_vision_tower": ctx.dry_run}
     if ctx.dry_run:
         raw.update(mixed_precision="no", mrl_dims=[32, 16])
-    estimate = estimate_line(recipe_from_dict(raw), "ddp+gradcache", 1, device=ctx.device)
+    estimate, estimated_gib = _planner(raw, "ddp+gradcache", ctx)
     trainer = _trainer(raw)
     batch = send_to_device(trainer.collate([trainer.dataset[i] for i in range(shape["batch"])]),
                            trainer.accelerator.device)
@@ -380,14 +491,22 @@ def qwen_memory(ctx: Context) -> dict[str, Any]:
         peak, what = peak_reader(), "peak RSS (CPU)"
     else:
         peak, what = torch.cuda.max_memory_allocated(), "max_memory_allocated"
-    estimated_gib = float(estimate.split()[2]) * (1 if " GiB " in estimate else 1 / 1024)  # the line's own unit
     measured_gib = peak / 2**30
     return {"peak_gib": measured_gib, "peak_measured_as": what, "step_seconds": step_s,
-            "samples_per_second": shape["batch"] / step_s, "planner": estimate.strip(), "planner_gib": estimated_gib,
+            "samples_per_second": shape["batch"] / step_s, "planner": estimate, "planner_gib": estimated_gib,
             "planner_over_measured": estimated_gib / measured_gib, "mean_tokens": tokens, "shape": shape,
             "summary": f"peak {measured_gib:.2f} GiB ({what}), planner {estimated_gib:.2f} GiB "
                        f"({estimated_gib / measured_gib:.2f}x); step {step_s:.1f} s (batch {shape['batch']}, "
                        f"chunk {shape['chunk']})"}
+
+
+def _planner(raw: dict[str, Any], strategy: str, ctx: Context) -> tuple[str, float]:
+    """The planner's line for the recipe `raw` on one device (what a run prints at its start) and its total in GiB."""
+    from vembed.components import recipe_from_dict
+    from vembed.planning import estimate_line
+
+    line = estimate_line(recipe_from_dict(raw), strategy, 1, device=ctx.device).strip()
+    return line, float(line.split()[2]) * (1 if " GiB " in line else 1 / 1024)  # the line's own unit
 
 
 def _rss_peak() -> Callable[[], int]:
@@ -396,73 +515,143 @@ def _rss_peak() -> Callable[[], int]:
     return process_memory.peak_rss_bytes
 
 
-# --- step: length-aware encoding -------------------------------------------------------------------------------------
-LENGTH = {"batch": 256, "chunks": 4, "warmup": 2, "steps": 5, "rounds": 2, "max_length": 256}
-LENGTH_DRY = {"batch": 16, "chunks": 4, "warmup": 1, "steps": 1, "rounds": 1, "max_length": 64}
+# --- step: text speed against sentence-transformers ------------------------------------------------------------------
+TEXT = {"batch": 256, "chunks": 4, "warmup": 2, "steps": 5, "rounds": 2, "max_length": 256}
+TEXT_DRY = {"batch": 16, "chunks": 4, "warmup": 1, "steps": 1, "rounds": 1, "max_length": 64}
+PACKED = "vembed packed"
+ST = "sentence-transformers"
 
 
-def length_encoding(ctx: Context) -> dict[str, Any]:
-    import importlib.util
-
-    import torch
+def text_speed(ctx: Context) -> dict[str, Any]:
     from accelerate.utils import send_to_device
 
-    shape = LENGTH_DRY if ctx.dry_run else LENGTH
+    shape = TEXT_DRY if ctx.dry_run else TEXT
     throughput = _bench_module("throughput")
     rows = throughput._uneven_rows(shape["batch"] * 2)
     throughput._write_jsonl(ctx.work / "train.jsonl", rows)
     model_dir = _minilm_folder(ctx, rows)
     raw = {"model_type": "text", "model_name": model_dir, "pooling": "mean", "symmetric_loss": False,
-           "data": {"train": str(ctx.work / "train.jsonl"), "num_hard_negatives": 0},
+           "temperature": 0.05, "data": {"train": str(ctx.work / "train.jsonl"), "num_hard_negatives": 0},
            "output_dir": str(ctx.work / "run"), "batch_size": shape["batch"], "max_length": shape["max_length"],
-           "mixed_precision": "bf16", "attn_implementation": "sdpa", "length_chunks": shape["chunks"],
-           "learning_rate": 2e-5}
-    if ctx.dry_run:
-        raw["mixed_precision"] = "no"
-    sdpa = _trainer(raw)
-    batch = send_to_device(sdpa.collate([sdpa.dataset[i] for i in range(shape["batch"])]), sdpa.accelerator.device)
-    runs = {"padded": (sdpa, 1), f"length_chunks={shape['chunks']}": (sdpa, shape["chunks"])}
-    flash = importlib.util.find_spec("flash_attn") is not None and not ctx.dry_run
-    if flash:
-        varlen = _trainer({**raw, "attn_implementation": "flash_attention_2", "output_dir": str(ctx.work / "fa")})
-        varlen.objective.load_state_dict(sdpa.objective.state_dict())
-        runs["flash_attention_2 (unpadded)"] = (varlen, 1)
-    seconds: dict[str, list[float]] = {name: [] for name in runs}
-    for round_index in range(shape["rounds"]):
-        for name, (trainer, chunks) in runs.items():
-            trainer.objective.length_chunks = chunks
+           "mixed_precision": "no" if ctx.dry_run else "bf16", "attn_implementation": "sdpa", "learning_rate": 2e-5}
+    padded = _trainer(raw)
+    batch = send_to_device(padded.collate([padded.dataset[i] for i in range(shape["batch"])]),
+                           padded.accelerator.device)
+    chunked = f"vembed length_chunks={shape['chunks']}"
+    vembed_runs = {"vembed padded": (padded, 1, raw), chunked: (padded, shape["chunks"],
+                                                                {**raw, "length_chunks": shape["chunks"]})}
+    packed, unavailable = _packed_trainer(raw, ctx)
+    if packed is not None:
+        packed.objective.load_state_dict(padded.objective.state_dict())
+        vembed_runs[PACKED] = (packed, 1, {**raw, "packing": True})
+    flash = _flash_trainer(raw, padded, ctx)
+    if flash is not None:
+        vembed_runs["vembed flash_attention_2 (unpadded)"] = (flash, 1, {**raw, "attn_implementation":
+                                                                          "flash_attention_2"})
+    systems = {name: _chunked_contender(trainer, chunks, batch) for name, (trainer, chunks, _) in vembed_runs.items()}
+    systems[ST] = _st_mnrl_step(model_dir, rows[:shape["batch"]], shape["max_length"], ctx)
+    result = _speed_rows(_race(systems, shape, ctx), shape["batch"],
+                         _training_flops(padded.objective.adapter, batch), ctx)
+    for name, (trainer, chunks, recipe) in vembed_runs.items():
+        result[name]["planner"], result[name]["planner_gib"] = _planner(recipe, "single", ctx)
+        if result[name]["peak_gib"]:
+            result[name]["planner_over_measured"] = result[name]["planner_gib"] / result[name]["peak_gib"]
+    result[PACKED] = result.get(PACKED) or f"not available: {unavailable}"
+    result["agreement"] = _check_unpadded(vembed_runs, padded, batch["query"], ctx)
+    mask = batch["query"]["attention_mask"]
+    result["query_tokens"] = {"mean": mask.sum(1).float().mean().item(), "max": mask.shape[1]}
+    result["shape"] = shape
+    result["ratios"] = {"vembed padded / sentence-transformers": _ratio(result, "vembed padded", ST)}
+    if packed is not None:
+        result["ratios"].update({"packed / padded": _ratio(result, PACKED, "vembed padded"),
+                                 "packed / sentence-transformers": _ratio(result, PACKED, ST)})
+    off = {name: a for name, a in result["agreement"].items() if a < BF16_COSINE}
+    if off:  # a failure, with the speeds it measured kept: in the error line, and whole in the step's log
+        print(json.dumps(result, default=str))
+        raise RuntimeError(f"embeddings differ from the unpadded reference beyond bf16 tolerance: {off} (speeds: "
+                           f"{_rate_line(result)})")
+    ratios = ", ".join(f"{name} {value:.2f}x" for name, value in result["ratios"].items())
+    planner = result["vembed padded"]
+    result["summary"] = (f"{_rate_line(result)}; {ratios}; packed: {'measured' if packed else result[PACKED]}; "
+                         f"planner (padded) {planner['planner_gib']:.2f} GiB; all vembed paths within bf16 of each "
+                         f"text alone (min cosine {min(result['agreement'].values()):.4f})")
+    return result
 
-            def step(trainer=trainer):
-                _optimizer_step(trainer, batch)
 
-            _timed(step, ctx, shape["warmup"])
-            seconds[name].append(_timed(step, ctx, shape["steps"]))
-    # Exactness after training moved the weights apart: compare each path on one copy of them.
-    for trainer, _ in runs.values():
-        if trainer is not sdpa:
-            trainer.objective.load_state_dict(sdpa.objective.state_dict())
-    queries = batch["query"]
-    reference = _embed_each_alone(sdpa, queries, ctx)
+def _packed_trainer(raw: dict[str, Any], ctx: Context):
+    """vembed with `packing: true` (every text of a side in one row, no padding), or None and the one line saying why
+    this vembed cannot build it (the key is new: a recipe error names it)."""
+    from vembed.errors import RecipeError
+
+    try:
+        return _trainer({**raw, "packing": True, "output_dir": str(ctx.work / "packed")}), None
+    except RecipeError as error:
+        return None, str(error).splitlines()[0]
+
+
+def _flash_trainer(raw: dict[str, Any], padded, ctx: Context):
+    """vembed on flash-attention's unpadded kernels where flash-attn is installed (never in a dry run), else None."""
+    import importlib.util
+
+    if ctx.dry_run or importlib.util.find_spec("flash_attn") is None:
+        return None
+    trainer = _trainer({**raw, "attn_implementation": "flash_attention_2", "output_dir": str(ctx.work / "fa")})
+    trainer.objective.load_state_dict(padded.objective.state_dict())
+    return trainer
+
+
+def _chunked_contender(trainer, chunks: int, batch: dict[str, Any]) -> Contender:
+    """`trainer`'s step with its sides encoded in `chunks` length-sorted groups (one trainer serves padded and
+    chunked: the setting is read at every step)."""
+    def step() -> None:
+        trainer.objective.length_chunks = chunks
+        _optimizer_step(trainer, batch)
+
+    return Contender(step, trainer.objective, trainer.optimizer)
+
+
+def _st_mnrl_step(model_dir: str, rows: list[dict[str, str]], max_length: int, ctx: Context) -> Contender:
+    """sentence-transformers' training step on the same folder and texts: Transformer + mean Pooling,
+    MultipleNegativesRankingLoss(scale=20) (one direction: vembed's temperature 0.05, `symmetric_loss: false`), bf16
+    autocast, AdamW; its texts tokenised before the step, as its data collator does."""
+    import torch
+    from accelerate.utils import send_to_device
+    from sentence_transformers import SentenceTransformer, losses, models
+
+    transformer = models.Transformer(model_dir, max_seq_length=max_length)
+    model = SentenceTransformer(modules=[transformer, models.Pooling(transformer.get_word_embedding_dimension(),
+                                                                     "mean")], device=ctx.device)
+    features = [send_to_device(dict(model.tokenize([r[column] for r in rows])), torch.device(ctx.device))
+                for column in ("query", "positive")]
+    loss_fn = losses.MultipleNegativesRankingLoss(model, scale=20.0)
+    optimizer = _adamw(model, ctx, lr=2e-5)
+
+    def step() -> None:
+        with torch.autocast(ctx.device, dtype=torch.bfloat16, enabled=not ctx.dry_run):
+            loss = loss_fn(features, None)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return Contender(step, model, optimizer)
+
+
+def _check_unpadded(runs: dict[str, tuple[Any, int, Any]], padded, queries: dict[str, Any], ctx: Context
+                    ) -> dict[str, float]:
+    """The smallest cosine of each vembed path's embeddings to the exact reference (each text alone, no padding), on
+    one copy of the weights (training moved them apart)."""
+    import torch
+
+    for trainer, _, _ in runs.values():
+        if trainer is not padded:
+            trainer.objective.load_state_dict(padded.objective.state_dict())
+    reference = _embed_each_alone(padded, queries, ctx)
     agreement = {}
-    for name, (trainer, chunks) in runs.items():
+    for name, (trainer, chunks, _) in runs.items():
         trainer.objective.length_chunks = chunks
         embeddings = _embed(trainer, queries, ctx)
         agreement[name] = torch.nn.functional.cosine_similarity(embeddings, reference).min().item()
-    mask = queries["attention_mask"]
-    result = {name: {"samples_per_second": shape["batch"] / statistics.median(s), "round_seconds": s,
-                     "min_cosine_to_unpadded": agreement[name]} for name, s in seconds.items()}
-    result["flash_attention_2"] = "measured" if flash else (
-        "not installed" if not ctx.dry_run else "not tried (CPU dry run)")
-    result["query_tokens"] = {"mean": mask.sum(1).float().mean().item(), "max": mask.shape[1]}
-    result["shape"] = shape
-    off = {name: a for name, a in agreement.items() if a < BF16_COSINE}
-    if off:
-        raise RuntimeError(f"embeddings differ from the unpadded reference beyond bf16 tolerance: {off}")
-    rates = ", ".join(f"{name} {r['samples_per_second']:.0f}" for name, r in result.items()
-                      if isinstance(r, dict) and "samples_per_second" in r)
-    result["summary"] = (f"samples/s: {rates}; all within bf16 of unpadded (min cosine "
-                         f"{min(agreement.values()):.4f}); flash-attn {result['flash_attention_2']}")
-    return result
+    return agreement
 
 
 def _minilm_folder(ctx: Context, rows: list[dict[str, str]]) -> str:
@@ -479,7 +668,7 @@ def _random_minilm(work: Path, rows: list[dict[str, str]]) -> str:
 
     folder = work / "minilm"
     train_tokenizer([r["query"] for r in rows] + [r["positive"] for r in rows], folder, vocab_size=512,
-                    max_length=LENGTH["max_length"])
+                    max_length=TEXT["max_length"])
     tokenizer = AutoTokenizer.from_pretrained(folder)
     shape = json.loads((BENCH / "configs/all_minilm_l6_v2.json").read_text())
     config = AutoConfig.for_model(shape.pop("model_type"), **{**shape, "pad_token_id": tokenizer.pad_token_id or 0})
@@ -514,19 +703,140 @@ def _embed_each_alone(trainer, inputs: dict[str, Any], ctx: Context):
     return torch.cat(rows)
 
 
+# --- step: cross-encoder speed against sentence-transformers ------------------------------------------------------
+CROSS = {"lists": 64, "negatives": 3, "warmup": 2, "steps": 5, "rounds": 2}  # 256 pairs a step
+CROSS_DRY = {"lists": 4, "negatives": 3, "warmup": 1, "steps": 1, "rounds": 1}
+RERANK_HELDOUT = 4  # bench/rerank_vs_st.py's job also writes held-out queries; this step does not judge them
+
+
+def cross_encoder_speed(ctx: Context) -> dict[str, Any]:
+    """bench/rerank_vs_st.py's job (MiniLM-L6 shapes, random init, a fresh one-logit head; pointwise BCE) at step
+    level: vembed's reranker step against sentence-transformers' CrossEncoder step on the same lists, interleaved."""
+    from accelerate.utils import send_to_device
+
+    shape = CROSS_DRY if ctx.dry_run else CROSS
+    rerank = _bench_module("rerank_vs_st")
+    spec = {**rerank.prepare(ctx.work / "job", shape["lists"], RERANK_HELDOUT, shape["negatives"], shape["lists"],
+                             smoke=ctx.dry_run, minilm_shapes=not ctx.dry_run),
+            "loss": "bce", "device": ctx.device, "learning_rate": 1e-4, "num_workers": 0, "tag": "gpu-check"}
+    trainer = _trainer({**rerank.vembed_recipe(spec), "scheduler_type": "constant", "warmup_ratio": 0.0})
+    lists = spec["order"][:shape["lists"]]
+    batch = send_to_device(trainer.collate([trainer.dataset[i] for i in lists]), trainer.accelerator.device)
+    systems = {"vembed": _vembed_contender(trainer, batch),
+               ST: _st_cross_encoder_step(spec, rerank.ordered_lists(spec)[:shape["lists"]], rerank, ctx)}
+    pairs = shape["lists"] * (shape["negatives"] + 1)
+    result = _speed_rows(_race(systems, shape, ctx), pairs, _training_flops(trainer.objective.adapter, batch), ctx)
+    result["vembed_over_sentence_transformers"] = _ratio(result, "vembed", ST)
+    result["shape"] = {**shape, "pairs": pairs, "max_length": rerank.MAX_LENGTH, "model": spec["model"]}
+    result["summary"] = (f"pairs/s: {_rate_line(result).replace(' samples/s', '')}; "
+                         f"{result['vembed_over_sentence_transformers']:.2f}x sentence-transformers ({pairs} pairs a "
+                         "step; theirs tokenises inside its step, as its CrossEncoder losses do)")
+    return result
+
+
+def _st_cross_encoder_step(spec: dict[str, Any], rows: list[dict[str, Any]], rerank, ctx: Context) -> Contender:
+    """sentence-transformers' CrossEncoder step on the same lists as pairs (bench/rerank_vs_st.py's columns and loss):
+    the loss tokenises the pairs and scores them, backward, clipping at 1.0, AdamW with weight decay 0.01."""
+    import torch
+    from sentence_transformers.cross_encoder import CrossEncoder
+
+    model = CrossEncoder(spec["start"], device=ctx.device)
+    pairs = rerank.pointwise_pairs(rows)
+    labels = torch.tensor(pairs["label"], device=ctx.device)
+    loss_fn = rerank.LOSSES[spec["loss"]][1](model)
+    optimizer = _adamw(model, ctx, lr=spec["learning_rate"], weight_decay=rerank.WEIGHT_DECAY)
+
+    def step() -> None:
+        with torch.autocast(ctx.device, dtype=torch.bfloat16, enabled=not ctx.dry_run):
+            loss = loss_fn([pairs["query"], pairs["document"]], labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return Contender(step, model, optimizer)
+
+
+# --- step: ColBERT speed against PyLate ------------------------------------------------------------------------------
+COLBERT = {"batch": 128, "warmup": 2, "steps": 5, "rounds": 2}  # a query, its positive and a hard negative a row
+COLBERT_DRY = {"batch": 8, "warmup": 1, "steps": 1, "rounds": 1}
+# The one reason the ColBERT step may be skipped by: no PyLate stack (PyLate 1.6 pins sentence-transformers 5.3 and
+# transformers <= 5.3, so it runs on its own stack, never the machine's). The dry-run test accepts only this.
+PYLATE_UNAVAILABLE = "PyLate's stack not found"
+PYLATE_STACK = "pylate-stack"  # gpu-wheels/pylate-stack/: its wheels (scripts/gpu_wheels.py)
+
+
+def colbert_speed(ctx: Context) -> dict[str, Any]:
+    """bench/colbert_vs_pylate.py's job (MiniLM-L6 shapes, random init; in-batch contrastive over MaxSim with one hard
+    negative) at step level: vembed's step in this process, then PyLate's (bench/colbert_vs_pylate.py's
+    `time_pylate_steps`) in a child on PyLate's own stack (it cannot share a process with the machine's transformers,
+    so its rounds follow vembed's instead of interleaving)."""
+    from accelerate.utils import send_to_device
+
+    shape = COLBERT_DRY if ctx.dry_run else COLBERT
+    stack = _pylate_stack(ctx)
+    colbert = _bench_module("colbert_vs_pylate")
+    minilm = None if ctx.dry_run else json.loads((BENCH / "configs/all_minilm_l6_v2.json").read_text())
+    spec = {**colbert.prepare(ctx.work / "job", shape["batch"], shape["batch"], ctx.dry_run,
+                              colbert.SMOKE["documents"] if ctx.dry_run else None, colbert.LEARNING_RATE, minilm),
+            "device": ctx.device, "tag": "gpu-check", **{k: shape[k] for k in ("warmup", "steps", "rounds")}}
+    trainer = _trainer(colbert.vembed_recipe(spec))
+    batch = send_to_device(trainer.collate([trainer.dataset[i] for i in spec["order"][:shape["batch"]]]),
+                           trainer.accelerator.device)
+    measured = _race({"vembed": _vembed_contender(trainer, batch)}, shape, ctx)
+    pylate = colbert.run_in_child(colbert.__file__, "pylate_steps", spec, str(stack), "PyLate")
+    measured["pylate"] = {"round_seconds": pylate["round_seconds"], "peak_bytes": pylate["peak_bytes"]}
+    result = _speed_rows(measured, shape["batch"], _training_flops(trainer.objective.adapter, batch), ctx)
+    result["vembed_over_pylate"] = _ratio(result, "vembed", "pylate")
+    result["pylate_version"] = pylate["pylate"]
+    result["shape"] = {**shape, "query_length": colbert.QUERY_LENGTH, "document_length": colbert.DOCUMENT_LENGTH,
+                       "model": spec["model"]}
+    result["summary"] = (f"{_rate_line(result)}: {result['vembed_over_pylate']:.2f}x PyLate {pylate['pylate']} "
+                         f"(batch {shape['batch']} rows of query, positive, hard negative; PyLate in its own process "
+                         "after vembed)")
+    return result
+
+
+def _pylate_stack(ctx: Context) -> Path:
+    """A folder PyLate's pinned stack imports from, put in front of the machine's packages by PyLate's process only:
+    gpu-wheels/pylate-stack/ installed into this step's folder (`--target`: the machine's own packages stay as they
+    are), else a development checkout's (bench/pylate_runner.py's STACK: scripts/setup.sh dev). Skipped without."""
+    folder = ctx.wheels / PYLATE_STACK
+    wheels = sorted(folder.glob("*.whl"))
+    if wheels:
+        target = ctx.work / PYLATE_STACK
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target",
+                               str(target), *map(str, wheels)], capture_output=True, text=True, env=_env(),
+                              timeout=max(ctx.budget_s / 2, 10))
+        if done.returncode:
+            raise RuntimeError(f"installing {folder}: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+        return target
+    stack = _bench_module("pylate_runner").STACK
+    if (stack / "pylate").is_dir():
+        return stack
+    raise Skipped(f"{PYLATE_UNAVAILABLE}: no wheels in {folder} (make gpu-wheels) and no {stack} "
+                  "(scripts/setup.sh dev)")
+
+
 # --- the run ---------------------------------------------------------------------------------------------------------
 STEPS: dict[str, Step] = {
-    "gpu_tests": Step(gpu_tests, budget_s=90, dry_budget_s=180),
-    "clip_speed": Step(clip_speed, budget_s=75, dry_budget_s=180),
+    "gpu_tests": Step(gpu_tests, budget_s=60, dry_budget_s=180),  # measured 29-35 s
+    "clip_speed": Step(clip_speed, budget_s=60, dry_budget_s=180),  # measured 30-35 s
+    "text_speed": Step(text_speed, budget_s=75, dry_budget_s=180),
+    "cross_encoder_speed": Step(cross_encoder_speed, budget_s=60, dry_budget_s=180),
+    "colbert_speed": Step(colbert_speed, budget_s=110, dry_budget_s=240),
     "qwen_memory": Step(qwen_memory, budget_s=200, dry_budget_s=180),
-    "length_encoding": Step(length_encoding, budget_s=60, dry_budget_s=180),
 }
-ENVIRONMENT_BUDGET_S = 40  # with the budgets above: 465 s, under 8 minutes
+# A GPU run's steps unless --steps names others (a dry run runs them all, so none rots): qwen_memory measured 11.83 GiB
+# twice (H200, H100; docs/benchmarks.md) in 124-149 s, a third of the device time a task is lent.
+DEFAULT_STEPS = ("gpu_tests", "clip_speed", "text_speed", "cross_encoder_speed", "colbert_speed")
+ENVIRONMENT_BUDGET_S = 40  # with the default steps' budgets: 405 s at most (measured so far: ~200 s), in the 15
+# minutes a lent machine gives, start-up included
 
 
-def _worker(name: str, work: Path, dry_run: bool, budget_s: float) -> None:
+def _worker(name: str, work: Path, dry_run: bool, budget_s: float, wheels: Path) -> None:
     """Run one step in this process; its outcome is the last stdout line, after RESULT_MARK."""
-    ctx = Context(dry_run=dry_run, work=work, budget_s=budget_s)
+    ctx = Context(dry_run=dry_run, work=work, budget_s=budget_s, wheels=wheels)
     try:
         outcome = {"status": "ok", "results": STEPS[name].run(ctx)}
     except Skipped as skip:
@@ -534,13 +844,14 @@ def _worker(name: str, work: Path, dry_run: bool, budget_s: float) -> None:
     print(RESULT_MARK + json.dumps(outcome, default=str), flush=True)
 
 
-def run_step(name: str, dry_run: bool, work_root: Path, logs: Path) -> dict[str, Any]:
+def run_step(name: str, dry_run: bool, work_root: Path, logs: Path, wheels: Path = WHEELS) -> dict[str, Any]:
     """One step in a fresh process, within its budget; a crash, an error or an overrun becomes a failed record."""
     step = STEPS[name]
     budget = step.dry_budget_s if dry_run else step.budget_s
     work = work_root / name
     work.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, __file__, "--worker", name, "--work", str(work), "--budget", str(budget)]
+    command = [sys.executable, __file__, "--worker", name, "--work", str(work), "--budget", str(budget), "--wheels",
+               str(wheels)]
     if dry_run:
         command.append("--cpu-dry-run")
     # One thread in a dry run: on a small shared CPU, two threads contending with neighbours make a toy step 20x slower.
@@ -607,17 +918,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="folder for gpu_check.json, gpu_check.md and logs/ (required)")
     parser.add_argument("--cpu-dry-run", action="store_true", help="every step at toy size on CPU")
     parser.add_argument("--wheels", default=str(WHEELS), help="wheel folder to install from (default gpu-wheels/)")
-    parser.add_argument("--steps", default=",".join(STEPS), help=f"a subset of {','.join(STEPS)}")
+    parser.add_argument("--steps", help=f"the steps to run after environment, any of {','.join(STEPS)} (default: "
+                                         f"{','.join(DEFAULT_STEPS)}; every step in a dry run)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        _worker(args.worker, Path(args.work), args.cpu_dry_run, args.budget)
+        _worker(args.worker, Path(args.work), args.cpu_dry_run, args.budget, Path(args.wheels))
         return 0
     if not args.out:
         parser.error("--out DIR is required")
-    unknown = [s for s in args.steps.split(",") if s not in STEPS]
+    steps = args.steps.split(",") if args.steps else list(STEPS if args.cpu_dry_run else DEFAULT_STEPS)
+    unknown = [s for s in steps if s not in STEPS]
     if unknown:
         print(f"error: --steps: unknown step {', '.join(unknown)}; choose from {', '.join(STEPS)}", file=sys.stderr)
         return 2
@@ -631,9 +944,10 @@ def main(argv: list[str] | None = None) -> int:
         work_root = Path(tmp)
         report["steps"]["environment"] = _run_environment(args.cpu_dry_run, Path(args.wheels), work_root)
         report["card"] = report["steps"]["environment"].get("results", {}).get("card", "unknown")
-        for name in args.steps.split(","):
+        for name in steps:
             print(f"[gpu-check] {name} ...", flush=True)
-            report["steps"][name] = record = run_step(name, args.cpu_dry_run, work_root, out / "logs")
+            report["steps"][name] = record = run_step(name, args.cpu_dry_run, work_root, out / "logs",
+                                                      Path(args.wheels))
             report["seconds"] = time.perf_counter() - start
             _save(report, out)  # after every step: a machine taken back mid-run still leaves what was measured
             print(f"[gpu-check] {name}: {record['status']} in {record['seconds']:.0f} s "

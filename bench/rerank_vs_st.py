@@ -228,12 +228,9 @@ def _judge(score, spec: dict[str, Any]) -> dict[str, float]:
     return rerank_run(score, split, read_run(Path(spec["work"], "first_stage.trec")), depth=CANDIDATES)
 
 
-def train_vembed(spec: dict[str, Any]) -> dict[str, Any]:
-    from vembed.components import recipe_from_dict
-    from vembed.reranking.cross_encoder import CrossEncoderAdapter
-    from vembed.training.loop import Trainer
-
-    recipe = {"model_type": "cross_encoder", "model_name": spec["start"], "max_length": MAX_LENGTH,
+def vembed_recipe(spec: dict[str, Any]) -> dict[str, Any]:
+    """vembed's recipe for the job (what `vembed train` would read); bench/gpu_check.py times its steps too."""
+    return {"model_type": "cross_encoder", "model_name": spec["start"], "max_length": MAX_LENGTH,
               "loss_type": LOSSES[spec["loss"]][0], "data": {"train": str(Path(spec["work"], "train_lists.jsonl")),
                                                             "num_workers": spec["num_workers"]},
               "output_dir": str(Path(spec["work"], f"{spec['tag']}-run")), "batch_size": spec["batch_size"],
@@ -242,8 +239,15 @@ def train_vembed(spec: dict[str, Any]) -> dict[str, Any]:
               "save_steps": None, "eval_before_training": False, "seed": SEED,
               "length_chunks": spec.get("length_chunks", 1),
               "mixed_precision": "bf16" if spec["device"] == "cuda" else "no"}
+
+
+def train_vembed(spec: dict[str, Any]) -> dict[str, Any]:
+    from vembed.components import recipe_from_dict
+    from vembed.reranking.cross_encoder import CrossEncoderAdapter
+    from vembed.training.loop import Trainer
+
     clock = _clock()
-    result = Trainer(recipe_from_dict(recipe)).run()
+    result = Trainer(recipe_from_dict(vembed_recipe(spec))).run()
     out = {"losses": [record["loss"] for record in result.metrics["loss_history"]], **_timing(clock, spec)}
     if spec["evaluate"]:
         adapter = CrossEncoderAdapter.load(result.final_model_dir).to(spec["device"])
@@ -263,11 +267,8 @@ def train_sentence_transformers(spec: dict[str, Any]) -> dict[str, Any]:
     losses: list[float] = []
     rows = ordered_lists(spec)
     pointwise = spec["loss"] == "bce"
-    if pointwise:  # each list's pairs, positive first, list after list: a batch is vembed's batch of lists
-        data = Dataset.from_dict({
-            "query": [r["query"] for r in rows for _ in r["documents"]],
-            "document": [d for r in rows for d in r["documents"]],
-            "label": [x for r in rows for x in r["labels"]]})
+    if pointwise:
+        data = Dataset.from_dict(pointwise_pairs(rows))
         batch_size = spec["batch_size"] * (spec["negatives"] + 1)
     else:
         data = Dataset.from_dict({"query": [r["query"] for r in rows], "docs": [r["documents"] for r in rows],
@@ -308,6 +309,14 @@ def train_sentence_transformers(spec: dict[str, Any]) -> dict[str, Any]:
 
         out["metrics"] = _judge(score, spec)
     return out
+
+
+def pointwise_pairs(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """Lists as sentence-transformers' pointwise columns: each list's pairs, positive first, list after list, so a
+    batch of B x (K + 1) pairs is vembed's batch of B lists."""
+    return {"query": [r["query"] for r in rows for _ in r["documents"]],
+            "document": [d for r in rows for d in r["documents"]],
+            "label": [x for r in rows for x in r["labels"]]}
 
 
 def _st_loss(name: str):

@@ -4,15 +4,22 @@
 
 The machine, as last seen, has torch, transformers, accelerate, peft, sentence-transformers, timm, pyarrow and
 scikit-learn; so the folder holds vembed's own wheel, the rest of its requirements and pytest (their closure here,
-less the closure of what the machine has), pinned to the versions installed here, plus open_clip (the speed step's
-peer).
-The device tool carries the folder (64 MiB at most per run), so its size is checked. bench/gpu_check.py installs
-from it with `--no-deps` only the distributions the machine lacks.
+less the closure of what the machine has), pinned to the versions installed here, plus open_clip (the CLIP speed
+step's peer). bench/gpu_check.py installs from it with `--no-deps` only the distributions the machine lacks.
+
+PyLate (the ColBERT speed step's peer) pins sentence-transformers 5.3 and transformers <= 5.3, older than the
+machine's, so its stack goes apart, to gpu-wheels/pylate-stack/: the wheels of this checkout's PyLate stack
+(.venv/pylate-stack, which scripts/setup.sh dev pins; $VEMBED_PYLATE_STACK elsewhere) at the versions there, which the
+step installs with `--target` into its own folder for PyLate's process only. PyLate's other requirements are the
+machine's (accelerate, datasets, pandas: this folder) or unused by training (ujson, ninja, fastkmeans, fast-plaid: its
+indexes), so they are not carried.
+The device tool carries the folder (64 MiB at most per run, with the working tree), so its size is checked.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
@@ -30,6 +37,7 @@ ON_GPU_MACHINE = ("torch", "transformers", "accelerate", "peft", "sentence-trans
 ALWAYS_CARRIED = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "pygments")
 # open_clip's own requirements beyond the machine's (torchvision, regex, huggingface-hub come with timm/transformers)
 PEERS = ("open_clip_torch>=3.0", "ftfy", "wcwidth")
+PYLATE_STACK = "pylate-stack"  # bench/gpu_check.py's PYLATE_STACK: the subfolder it installs PyLate from
 LIMIT_MIB = 60  # under the device tool's 64 MiB, with room for the working tree
 
 
@@ -71,13 +79,28 @@ def requirements() -> list[str]:
     return [f"{name}=={version}" for name, version in sorted(needed.items())] + list(PEERS)
 
 
-def download(out: Path, python: str) -> None:
+def pylate_stack_requirements(stack: Path) -> list[str]:
+    """Pinned requirement strings for every distribution of PyLate's stack folder here (its .dist-info names)."""
+    pins = sorted(_key(info.name.removesuffix(".dist-info").rsplit("-", 1)[0]) + "==" +
+                  info.name.removesuffix(".dist-info").rsplit("-", 1)[1] for info in stack.glob("*.dist-info"))
+    if not any(pin.startswith("pylate==") for pin in pins):
+        raise SystemExit(f"error: no PyLate stack at {stack}: run `bash scripts/setup.sh dev` (or set "
+                         "VEMBED_PYLATE_STACK)")
+    return pins
+
+
+def _pip_download(out: Path, python: str, wanted: list[str]) -> None:
     abi = "cp" + python.replace(".", "")
     platforms = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "any")
     command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(out),
                "--python-version", python, "--implementation", "cp", "--abi", abi, "--abi", "abi3", "--abi", "none",
-               *[arg for platform in platforms for arg in ("--platform", platform)], *requirements()]
+               *[arg for platform in platforms for arg in ("--platform", platform)], *wanted]
     subprocess.run(command, check=True)
+
+
+def download(out: Path, python: str, stack: Path) -> None:
+    _pip_download(out, python, requirements())
+    _pip_download(out / PYLATE_STACK, python, pylate_stack_requirements(stack))
     for old in out.glob("vembed-*.whl"):  # one vembed wheel: this checkout's
         old.unlink()
     leftovers = [path for path in (ROOT / "build", ROOT / "vembed.egg-info") if not path.exists()]
@@ -91,14 +114,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(ROOT / "gpu-wheels"))
     parser.add_argument("--python", default="3.12", help="the GPU machine's Python (major.minor)")
+    parser.add_argument("--pylate-stack", default=os.environ.get("VEMBED_PYLATE_STACK",
+                                                                 str(ROOT / ".venv" / PYLATE_STACK)),
+                        help="PyLate's stack folder here, whose versions are carried (default: .venv/pylate-stack)")
     args = parser.parse_args(argv)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    download(out, args.python)
-    wheels = sorted(out.glob("*.whl"))
+    (out / PYLATE_STACK).mkdir(parents=True, exist_ok=True)
+    download(out, args.python, Path(args.pylate_stack))
+    wheels = sorted(out.rglob("*.whl"))
     total = sum(w.stat().st_size for w in wheels) / 2**20
     for wheel in wheels:
-        print(f"{wheel.stat().st_size / 2**20:6.1f} MiB  {wheel.name}")
+        print(f"{wheel.stat().st_size / 2**20:6.1f} MiB  {wheel.relative_to(out)}")
     print(f"{total:6.1f} MiB  in all ({len(wheels)} wheels) in {out}")
     if total > LIMIT_MIB:
         print(f"error: {total:.1f} MiB is over {LIMIT_MIB} MiB, more than the device tool carries with the working "
