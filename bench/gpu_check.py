@@ -30,6 +30,8 @@ own steps allocate; none in a dry run):
 - colbert_speed: bench/colbert_vs_pylate.py's job (MiniLM-L6 shapes, MaxSim contrastive with a hard negative), batch
   128: vembed's ColBERT step against PyLate's, PyLate in a child process on its own pinned stack
   (gpu-wheels/pylate-stack/, installed with `--target` into the step's folder, never over the machine's packages).
+- levers (bench/gpu_levers.py): the loop's real step (its per-step host sync for the NaN check) against the bare
+  step, fused against foreach AdamW (packed MiniLM shapes), and compiled against eager CLIP ViT-B/32 (GPU only).
 - qwen_memory (not in the default run: measured twice, identical): Qwen3-VL-2B shapes (bench/configs/qwen3_vl_2b.json,
   random init) with LoRA r32 + GradCache, batch 1024, chunk 32, the shipped 2B recipe otherwise: peak memory and step
   time, and the planner's estimate for it.
@@ -719,18 +721,28 @@ def cross_encoder_speed(ctx: Context) -> dict[str, Any]:
     spec = {**rerank.prepare(ctx.work / "job", shape["lists"], RERANK_HELDOUT, shape["negatives"], shape["lists"],
                              smoke=ctx.dry_run, minilm_shapes=not ctx.dry_run),
             "loss": "bce", "device": ctx.device, "learning_rate": 1e-4, "num_workers": 0, "tag": "gpu-check"}
-    trainer = _trainer({**rerank.vembed_recipe(spec), "scheduler_type": "constant", "warmup_ratio": 0.0})
+    raw = {**rerank.vembed_recipe(spec), "scheduler_type": "constant", "warmup_ratio": 0.0}
+    trainer = _trainer(raw)
     lists = spec["order"][:shape["lists"]]
     batch = send_to_device(trainer.collate([trainer.dataset[i] for i in lists]), trainer.accelerator.device)
     systems = {"vembed": _vembed_contender(trainer, batch),
                ST: _st_cross_encoder_step(spec, rerank.ordered_lists(spec)[:shape["lists"]], rerank, ctx)}
+    packed, unavailable = _packed_trainer(raw, ctx)
+    if packed is not None:  # the same weights, the encoder stack run packed under the score head
+        packed.objective.load_state_dict(trainer.objective.state_dict())
+        systems[PACKED] = _vembed_contender(packed, batch)
     pairs = shape["lists"] * (shape["negatives"] + 1)
     result = _speed_rows(_race(systems, shape, ctx), pairs, _training_flops(trainer.objective.adapter, batch), ctx)
     result["vembed_over_sentence_transformers"] = _ratio(result, "vembed", ST)
+    result[PACKED] = result.get(PACKED) or f"not available: {unavailable}"
+    if packed is not None:
+        result["packed_over_sentence_transformers"] = _ratio(result, PACKED, ST)
     result["shape"] = {**shape, "pairs": pairs, "max_length": rerank.MAX_LENGTH, "model": spec["model"]}
+    packed_line = (f", packed {result['packed_over_sentence_transformers']:.2f}x" if packed is not None
+                   else f" (packed {result[PACKED]})")
     result["summary"] = (f"pairs/s: {_rate_line(result).replace(' samples/s', '')}; "
-                         f"{result['vembed_over_sentence_transformers']:.2f}x sentence-transformers ({pairs} pairs a "
-                         "step; theirs tokenises inside its step, as its CrossEncoder losses do)")
+                         f"{result['vembed_over_sentence_transformers']:.2f}x sentence-transformers{packed_line} "
+                         f"({pairs} pairs a step; theirs tokenises inside its step, as its CrossEncoder losses do)")
     return result
 
 
@@ -780,18 +792,30 @@ def colbert_speed(ctx: Context) -> dict[str, Any]:
     spec = {**colbert.prepare(ctx.work / "job", shape["batch"], shape["batch"], ctx.dry_run,
                               colbert.SMOKE["documents"] if ctx.dry_run else None, colbert.LEARNING_RATE, minilm),
             "device": ctx.device, "tag": "gpu-check", **{k: shape[k] for k in ("warmup", "steps", "rounds")}}
-    trainer = _trainer(colbert.vembed_recipe(spec))
+    raw = colbert.vembed_recipe(spec)
+    trainer = _trainer(raw)
     batch = send_to_device(trainer.collate([trainer.dataset[i] for i in spec["order"][:shape["batch"]]]),
                            trainer.accelerator.device)
-    measured = _race({"vembed": _vembed_contender(trainer, batch)}, shape, ctx)
+    systems = {"vembed": _vembed_contender(trainer, batch)}
+    packed, unavailable = _packed_trainer(raw, ctx)
+    if packed is not None:
+        packed.objective.load_state_dict(trainer.objective.state_dict())
+        systems[PACKED] = _vembed_contender(packed, batch)
+    measured = _race(systems, shape, ctx)
     pylate = colbert.run_in_child(colbert.__file__, "pylate_steps", spec, str(stack), "PyLate")
     measured["pylate"] = {"round_seconds": pylate["round_seconds"], "peak_bytes": pylate["peak_bytes"]}
     result = _speed_rows(measured, shape["batch"], _training_flops(trainer.objective.adapter, batch), ctx)
     result["vembed_over_pylate"] = _ratio(result, "vembed", "pylate")
+    result[PACKED] = result.get(PACKED) or f"not available: {unavailable}"
+    if packed is not None:
+        result["packed_over_pylate"] = _ratio(result, PACKED, "pylate")
     result["pylate_version"] = pylate["pylate"]
     result["shape"] = {**shape, "query_length": colbert.QUERY_LENGTH, "document_length": colbert.DOCUMENT_LENGTH,
                        "model": spec["model"]}
-    result["summary"] = (f"{_rate_line(result)}: {result['vembed_over_pylate']:.2f}x PyLate {pylate['pylate']} "
+    packed_line = (f", packed {result['packed_over_pylate']:.2f}x" if packed is not None
+                   else f" (packed {result[PACKED]})")
+    result["summary"] = (f"{_rate_line(result)}: {result['vembed_over_pylate']:.2f}x{packed_line} PyLate "
+                         f"{pylate['pylate']} "
                          f"(batch {shape['batch']} rows of query, positive, hard negative; PyLate in its own process "
                          "after vembed)")
     return result
@@ -818,19 +842,25 @@ def _pylate_stack(ctx: Context) -> Path:
                   "(scripts/setup.sh dev)")
 
 
+# --- step: GPU levers (bench/gpu_levers.py) -------------------------------------------------------------------------
+def levers(ctx: Context) -> dict[str, Any]:
+    return _bench_module("gpu_levers").levers(ctx)
+
+
 # --- the run ---------------------------------------------------------------------------------------------------------
 STEPS: dict[str, Step] = {
-    "gpu_tests": Step(gpu_tests, budget_s=60, dry_budget_s=180),  # measured 29-35 s
+    "gpu_tests": Step(gpu_tests, budget_s=75, dry_budget_s=180),  # measured 29-35 s before the packing tests
     "clip_speed": Step(clip_speed, budget_s=60, dry_budget_s=180),  # measured 30-35 s
     "text_speed": Step(text_speed, budget_s=75, dry_budget_s=180),
     "cross_encoder_speed": Step(cross_encoder_speed, budget_s=60, dry_budget_s=180),
     "colbert_speed": Step(colbert_speed, budget_s=110, dry_budget_s=240),
+    "levers": Step(levers, budget_s=150, dry_budget_s=240),  # CLIP's compilation: ~60 s of it (estimate)
     "qwen_memory": Step(qwen_memory, budget_s=200, dry_budget_s=180),
 }
 # A GPU run's steps unless --steps names others (a dry run runs them all, so none rots): qwen_memory measured 11.83 GiB
 # twice (H200, H100; docs/benchmarks.md) in 124-149 s, a third of the device time a task is lent.
-DEFAULT_STEPS = ("gpu_tests", "clip_speed", "text_speed", "cross_encoder_speed", "colbert_speed")
-ENVIRONMENT_BUDGET_S = 40  # with the default steps' budgets: 405 s at most (measured so far: ~200 s), in the 15
+DEFAULT_STEPS = ("gpu_tests", "clip_speed", "text_speed", "cross_encoder_speed", "colbert_speed", "levers")
+ENVIRONMENT_BUDGET_S = 40  # with the default steps' budgets: 570 s at most (expected ~300 s), in the 15
 # minutes a lent machine gives, start-up included
 
 

@@ -365,5 +365,6 @@ def test_a_cross_encoder_packed_below_its_head_scores_as_padded(family):
         padded = model(**tokens).logits
         use_packed_attention(model)
         accepted = {"token_type_ids"} if "token_type_ids" in model.forward.__code__.co_varnames else set()
-        packed = packed_below_head(model, layer_stack(model), tokens, accepted, first_position(model)).logits
+        stack = model.get_submodule(layer_stack(model))
+        packed = packed_below_head(model, stack, tokens, accepted, first_position(model)).logits
     assert torch.allclose(packed, padded, atol=TOLERANCE), (packed - padded).abs().max()

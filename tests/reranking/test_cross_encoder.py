@@ -218,6 +218,14 @@ def test_packed_pairs_give_the_gradients_of_one_padded_forward(rerank_recipe):
     config = {**rerank_recipe["model_config"], "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
     raw = dict(rerank_recipe, model_config=config)
     whole = _gradients(raw, [0, 1, 2, 3])
+    from vembed.training.loop import Trainer
+
+    keys = {}
+    for name, extra in (("padded", {}), ("packed", {"packing": True})):
+        trainer = Trainer(recipe_from_dict(dict(raw, **extra)))
+        trainer.build()
+        keys[name] = list(trainer.objective.state_dict())
+    assert keys["packed"] == keys["padded"]  # checkpoints of either load into the other
     for packed in (_gradients(dict(raw, packing=True), [0, 1, 2, 3]),
                    _gradients(dict(raw, packing=True, pairs_per_chunk=5), [0, 1, 2, 3])):
         assert whole.keys() == packed.keys() and len(whole) > 10

@@ -113,14 +113,18 @@ def packed_below_head(model: "PreTrainedModel", stack: torch.nn.Module, tokens: 
         handle.remove()
 
 
-def layer_stack(model: "PreTrainedModel") -> torch.nn.Module | None:
-    """The module that runs a text model's layers and returns per-token states before any pooling (BERT's family:
-    `encoder`; DistilBERT: `transformer`), or None when the model has no such module."""
-    base = getattr(model, model.base_model_prefix, model)
+def layer_stack(model: "PreTrainedModel") -> str | None:
+    """The name (for `get_submodule`) of the module that runs a text model's layers and returns per-token states
+    before any pooling (BERT's family: `encoder`; DistilBERT: `transformer`), or None when the model has none."""
+    prefix = model.base_model_prefix if isinstance(getattr(model, model.base_model_prefix, None),
+                                                   torch.nn.Module) else ""
     for name in ("encoder", "transformer"):
-        stack = getattr(base, name, None)
-        if isinstance(stack, torch.nn.Module):
-            return stack
+        dotted = f"{prefix}.{name}" if prefix else name
+        try:
+            model.get_submodule(dotted)
+        except AttributeError:
+            continue
+        return dotted
     return None
 
 

@@ -73,7 +73,7 @@ class CrossEncoderAdapter(PairScorer, nn.Module):
             from vembed.models.batch import forward_argument_names
             from vembed.models.packing import first_position, layer_stack, use_packed_attention
 
-            self._stack = layer_stack(model)
+            self._stack = layer_stack(model)  # a name: the module itself would be registered (state dict) twice
             if self._stack is None:
                 raise RecipeError("packing", f"{type(model).__name__} has no layer stack (encoder) that vembed can "
                                              "run packed below its head; remove packing")
@@ -217,7 +217,8 @@ class CrossEncoderAdapter(PairScorer, nn.Module):
         if self._stack is not None:
             from vembed.models.packing import packed_below_head
 
-            return packed_below_head(self.model, self._stack, inputs, *self._packed_arguments).logits.view(-1).float()
+            stack = self.model.get_submodule(self._stack)
+            return packed_below_head(self.model, stack, inputs, *self._packed_arguments).logits.view(-1).float()
         return self.model(**inputs).logits.view(-1).float()
 
     def num_sides(self, inputs: dict[str, torch.Tensor]) -> int:
