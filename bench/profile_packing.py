@@ -1,0 +1,98 @@
+"""Where a packed text step's time goes on a GPU, against the padded step (the GPU check's text_speed job: MiniLM-L6
+shapes, random init, uneven texts, bf16), and how the gap moves with the batch.
+
+    python bench/profile_packing.py --out DIR            # on a GPU: profile.txt and profile_packing.json in DIR
+    python bench/profile_packing.py --out DIR --dry-run  # toy sizes on CPU (does it run?)
+
+For each layout and batch (256, 1024): samples/s (median of synchronised steps), then one profiled step's busiest
+kernels (torch.profiler, CUDA time) and the share of the step's wall time the GPU was busy; and the planner's
+estimate given the batch's real lengths (`tokens_per_role`: the padded width, or the mean length when packed) beside
+the measured peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--dry-run", action="store_true")
+    args = parser.parse_args(argv)
+    import gpu_check as check
+    import torch
+    from accelerate.utils import send_to_device
+
+    from vembed.components import recipe_from_dict
+    from vembed.planning import estimate_line
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    batches = (16, 32) if args.dry_run else (256, 1024)
+    report, text = {}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = check.Context(dry_run=args.dry_run, work=Path(tmp), budget_s=300)
+        throughput = check._bench_module("throughput")
+        rows = throughput._uneven_rows(max(batches) * 2)
+        throughput._write_jsonl(ctx.work / "train.jsonl", rows)
+        model_dir = check._minilm_folder(ctx, rows)
+        for batch_size in batches:
+            for layout in ("padded", "packed"):
+                raw = {"model_type": "text", "model_name": model_dir, "pooling": "mean", "symmetric_loss": False,
+                       "data": {"train": str(ctx.work / "train.jsonl"), "num_hard_negatives": 0},
+                       "batch_size": batch_size, "max_length": 64 if args.dry_run else 256, "learning_rate": 2e-5,
+                       "mixed_precision": "no" if args.dry_run else "bf16", "packing": layout == "packed",
+                       **({} if layout == "packed" else {"attn_implementation": "sdpa"})}
+                trainer = check._trainer({**raw, "output_dir": str(ctx.work / f"{layout}{batch_size}")})
+                batch = send_to_device(trainer.collate([trainer.dataset[i] for i in range(batch_size)]),
+                                       trainer.accelerator.device)
+                masks = {side: batch[side]["attention_mask"] for side in ("query", "positive")}
+                tokens = {role: int(masks[side].sum(1).float().mean()) if layout == "packed" else masks[side].shape[1]
+                          for role, side in (("query", "query"), ("document", "positive"))}
+                step = lambda trainer=trainer, batch=batch: check._optimizer_step(trainer, batch)  # noqa: E731
+                check._timed(step, ctx, 3)
+                if not args.dry_run:
+                    torch.cuda.reset_peak_memory_stats()
+                seconds = check._timed(step, ctx, 8)
+                peak = torch.cuda.max_memory_allocated() / 2**30 if not args.dry_run else None
+                planner = estimate_line(recipe_from_dict({**raw, "output_dir": str(ctx.work / "x")}), "single", 1,
+                                        device=ctx.device, tokens_per_role=tokens)
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                if not args.dry_run:
+                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                with torch.profiler.profile(activities=activities) as profile:
+                    wall = check._timed(step, ctx, 1)
+                events = profile.key_averages()
+                device_us = sum(e.self_device_time_total for e in events) if not args.dry_run else 0
+                key = f"{layout} batch {batch_size}"
+                report[key] = {"samples_per_second": batch_size / seconds, "step_seconds": seconds,
+                               "gpu_busy_share": device_us / 1e6 / wall if wall else None, "peak_gib": peak,
+                               "planner": planner.strip(), "planner_tokens": tokens}
+                sort = "self_cpu_time_total" if args.dry_run else "self_device_time_total"
+                text += [f"=== {key}: {batch_size / seconds:.0f} samples/s, step {seconds * 1e3:.1f} ms, GPU busy "
+                         f"{report[key]['gpu_busy_share'] or 0:.0%} of a profiled step; peak {peak} GiB; "
+                         f"{planner.strip()} (tokens {tokens})",
+                         events.table(sort_by=sort, row_limit=14, max_name_column_width=60)]
+                del trainer
+                if not args.dry_run:
+                    torch.cuda.empty_cache()
+        for batch_size in batches:
+            padded, packed = (report[f"{layout} batch {batch_size}"] for layout in ("padded", "packed"))
+            report[f"packed / padded at {batch_size}"] = packed["samples_per_second"] / padded["samples_per_second"]
+    (out / "profile.txt").write_text("\n".join(text))
+    (out / "profile_packing.json").write_text(json.dumps(report, indent=2, default=str))
+    print(json.dumps({k: (v if not isinstance(v, dict) else {x: v[x] for x in ("samples_per_second",
+                                                                             "gpu_busy_share", "peak_gib")})
+                      for k, v in report.items()}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
