@@ -157,6 +157,39 @@ def test_cpu_activation_formula_matches_the_tensors_a_real_bert_keeps(dropout, p
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_autocast_activation_formula_matches_the_tensors_a_real_bert_keeps_in_bf16(dropout):
+    """Under bf16 autocast (CPU's here: the same casts as CUDA's) LayerNorm inputs stay fp32 and Linear inputs are
+    saved as 16-bit copies; the bytes autograd saves, less the weights' 16-bit copies (counted with the parameters:
+    autocast's cache), are the planner's at e = 2."""
+    from transformers import AutoConfig, AutoModel
+
+    config = AutoConfig.for_model("bert", hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                  intermediate_size=256, vocab_size=200, hidden_dropout_prob=dropout,
+                                  attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = AutoModel.from_config(config, attn_implementation="sdpa").train()
+    samples, tokens = 4, 48
+    storages: dict[int, int] = {}
+    weight_shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
+
+    def keep(tensor):
+        if tuple(tensor.shape) not in weight_shapes or tensor.dtype == torch.float32:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=torch.randint(0, 200, (samples, tokens)))
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = sum(size for pointer, size in storages.items() if pointer not in parameters)
+    shape = EncoderShape.from_config(config, "text", max_length=tokens)
+    kernels = dataclasses.replace(KERNELS["cuda"], dropout_mask_bytes=2)  # CPU keeps masks at activation width
+    estimated = shape.activation_bytes(samples, 2, kernels, eager=False, checkpointing=False)
+    assert estimated == pytest.approx(saved, rel=0.1)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_packed_activations_are_those_of_the_real_tokens_without_any_attention_matrix(dropout):
     """A packed forward (vembed/models/packing.py) of texts of uneven length keeps what the planner's packed kernels
     count at the texts' mean real length: no padding mask copy, no attention-dropout matrices (saved-tensor hooks as

@@ -158,6 +158,13 @@ CUDA_CONTEXT_GIB = 0.5
 GATHERED_LAYERS = 2  # FSDP/ZeRO-3 hold the layer being computed plus the one being prefetched, unsharded
 
 
+# Under 16-bit autocast a layer keeps 8 more bytes per token and hidden unit than the e = 2 formula: its two LayerNorm
+# inputs stay fp32 (2 x 2 bytes more), and two of its Linear inputs are 16-bit cast copies where an fp32 run saves a
+# tensor it already keeps (2 x 2 bytes). Measured with saved-tensor hooks on BERT under CPU bf16 autocast
+# (tests/test_planning.py); without it the planner was 0.78x the measured peak on an H200 (docs/benchmarks.md).
+AUTOCAST_EXTRA_BYTES = 8
+
+
 # --- what the model and the batch look like ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Kernels:
@@ -275,6 +282,8 @@ class EncoderShape:
         """Activations one layer keeps for backward (see the module docstring)."""
         s, h, i = self.tokens, self.hidden, self.intermediate
         per_sample = s * (8 * element * h + self.mlp_tensors * element * i)
+        if element < FP32:
+            per_sample += s * h * AUTOCAST_EXTRA_BYTES
         if self.hidden_dropout:
             per_sample += 2 * (kernels.dropout_mask_bytes or element) * s * h  # after attention and after the MLP
         per_sample += self._attention_matrix_bytes(element, kernels, eager)
@@ -286,6 +295,8 @@ class EncoderShape:
         if samples == 0:
             return 0.0
         ends = 2 * element * samples * self.tokens * self.hidden  # embedding norm input, final hidden state (pooling)
+        if element < FP32:  # the embedding norm's input is kept in fp32 under autocast
+            ends += (FP32 - element) * samples * self.tokens * self.hidden
         layer = self.layer_bytes(samples, element, kernels, eager)
         if checkpointing:  # each layer's input, plus one layer's full set while it is recomputed
             inputs = self.layers * element * samples * self.tokens * self.hidden
