@@ -23,14 +23,16 @@ LAYERS: list[tuple[str, ...]] = [
     ("vembed.recipe",),  # the schema: imports nothing of vembed but errors
     ("vembed.registry", "vembed.distributed"),
     ("vembed.data",),  # sources, records, images, collation
-    ("vembed.models", "vembed.losses", "vembed.reranking"),  # embedding adapters and losses, rerankers and their
-    # losses and lists: a library without the trainer
+    ("vembed.models", "vembed.losses", "vembed.reranking", "vembed.classification"),  # embedding adapters and losses,
+    # rerankers and their losses and lists, labelled images and their losses: a library without the trainer
     ("vembed.generation",),  # the generative path's model, flow loss and samplers (its task: below)
     ("vembed.components",),  # a recipe read with its components' settings (needs the registries above)
     ("vembed.api", "vembed.export", "vembed.extraction", "vembed.retrieval", "vembed.model_card"),  # using trained
     # models (encoding is the models' own), searching a corpus with them, mining negatives, describing them
-    ("vembed.evaluation", "vembed.reranking.evaluation"),  # measuring them (retrieval metrics, zero-shot accuracy)
-    ("vembed.tasks", "vembed.generation.task", "vembed.reranking.task", "vembed.planning",
+    ("vembed.evaluation", "vembed.reranking.evaluation", "vembed.classification.evaluation",
+     "vembed.classification.metric_evaluation"),  # measuring them (retrieval metrics, zero-shot accuracy)
+    ("vembed.tasks", "vembed.generation.task", "vembed.reranking.task", "vembed.classification.task",
+     "vembed.classification.metric_task", "vembed.planning",
      "vembed.recipe_checks"),  # what a run trains and measures; its memory plan; every recipe rule, in order
     ("vembed.training", "vembed.strategy_bench"),  # the one loop and the launch strategies
     ("vembed.entrypoints", "vembed.cli", "vembed.__main__", "vembed"),  # parse, build, run; `vembed.load`
