@@ -153,7 +153,7 @@ def _vit_processor():
 
 
 def test_the_image_cache_holds_embedded_images_and_a_second_open_reads_it(digits, tmp_path, monkeypatch):
-    from vembed.data import labelled
+    from vembed.classification import labelled
     from vembed.data.image_cache import CachedPixels, open_image_cache
 
     decodes = []
