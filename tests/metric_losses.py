@@ -1,6 +1,7 @@
 """The 2-rank check every metric-learning loss takes: a linear encoder and the loss in one module under DDP, each rank
 encoding half of a labelled batch, against one process on the whole batch (loss and every gradient, the loss's own
-parameters included). Used by tests/losses/test_metric_learning_losses.py and tests/losses/test_pml.py."""
+parameters included). Used by tests/classification/test_metric_learning_losses.py and
+tests/classification/test_pml.py."""
 
 from __future__ import annotations
 

@@ -23,14 +23,17 @@ LAYERS: list[tuple[str, ...]] = [
     ("vembed.recipe",),  # the schema: imports nothing of vembed but errors
     ("vembed.registry", "vembed.distributed"),
     ("vembed.data",),  # sources, records, images, collation
-    ("vembed.models", "vembed.losses", "vembed.reranking"),  # embedding adapters and losses, rerankers and their
-    # losses and lists: a library without the trainer
-    ("vembed.generation",),  # the generative path's model, flow loss and samplers (its task: below)
+    ("vembed.models", "vembed.losses"),  # embedding adapters and losses: what every kind shares, without the trainer
+    ("vembed.generation", "vembed.reranking", "vembed.classification"),  # the wings, one per kind whose data, loss and
+    # metrics are not pairs: their registries, models, losses and data, built on the shared ones (the wings' evaluation
+    # and tasks: below, in the layers of their job)
     ("vembed.components",),  # a recipe read with its components' settings (needs the registries above)
     ("vembed.api", "vembed.export", "vembed.extraction", "vembed.retrieval", "vembed.model_card"),  # using trained
     # models (encoding is the models' own), searching a corpus with them, mining negatives, describing them
-    ("vembed.evaluation", "vembed.reranking.evaluation"),  # measuring them (retrieval metrics, zero-shot accuracy)
-    ("vembed.tasks", "vembed.generation.task", "vembed.reranking.task", "vembed.planning",
+    ("vembed.evaluation", "vembed.reranking.evaluation", "vembed.classification.evaluation",
+     "vembed.classification.metric_evaluation"),  # measuring them (retrieval metrics, zero-shot accuracy)
+    ("vembed.tasks", "vembed.generation.task", "vembed.reranking.task", "vembed.classification.task",
+     "vembed.classification.metric_task", "vembed.planning",
      "vembed.recipe_checks"),  # what a run trains and measures; its memory plan; every recipe rule, in order
     ("vembed.training", "vembed.strategy_bench"),  # the one loop and the launch strategies
     ("vembed.entrypoints", "vembed.cli", "vembed.__main__", "vembed"),  # parse, build, run; `vembed.load`
@@ -91,12 +94,24 @@ def imported_modules(source: str, module: str, is_package: bool) -> list[tuple[i
     return [(line, name) for line, name in found if name == "vembed" or name.startswith("vembed.")]
 
 
+# Today's upward imports that stay, each with why: (importing module, imported module) -> reason. Nothing else may
+# reach up; an entry that no longer happens is stale and fails `test_every_allowed_upward_import_still_happens`.
+ALLOWED_UPWARD: dict[tuple[str, str], str] = {
+    ("vembed.models.foreign", "vembed.reranking"):
+        "require_embedder refuses a folder vembed saved as a reranker wherever an embedder is expected (the losses' "
+        "GISTEmbed guide included); which model_types are rerankers is the reranking registry's to say",
+    ("vembed.losses.saved_state", "vembed.classification"):
+        "loss.safetensors rebuilds a saved metric-learning loss (ArcFace's centres) from METRIC_LOSSES when a model "
+        "is loaded; saved_state serves every loss with trained state of its own, so it stays with the losses",
+}
+
+
 def upward_imports(path: Path) -> list[str]:
     module = module_name(path)
     own = layer_of(module)
     return [f"{module}:{line} imports {name} (layer {layer_of(name)} > {own})"
             for line, name in imported_modules(path.read_text(), module, path.name == "__init__.py")
-            if layer_of(name) > own]
+            if layer_of(name) > own and (module, name) not in ALLOWED_UPWARD]
 
 
 MODULES = sorted(PACKAGE.rglob("*.py"))
@@ -115,6 +130,22 @@ def test_every_module_has_a_layer():
 def test_no_module_imports_from_a_layer_above_it():
     violations = [line for path in MODULES for line in upward_imports(path)]
     assert not violations, "\n".join(violations)
+
+
+def test_every_allowed_upward_import_still_happens():
+    found = {(module_name(path), name) for path in MODULES
+             for _, name in imported_modules(path.read_text(), module_name(path), path.name == "__init__.py")}
+    stale = [f"{module} -> {name}" for module, name in ALLOWED_UPWARD if (module, name) not in found]
+    assert not stale, f"remove from ALLOWED_UPWARD (the import is gone): {stale}"
+
+
+def test_the_wings_sit_above_the_layers_every_kind_shares():
+    # The layer rule of docs/guides/layout.md: models, losses and data never reach into a wing (but for the listed
+    # exceptions); a wing's registries are read by the catalog above them (vembed.components).
+    shared = ("vembed.data", "vembed.models.base", "vembed.losses.contrastive")
+    for wing in ("vembed.generation", "vembed.reranking", "vembed.classification"):
+        assert all(layer_of(wing) > layer_of(module) for module in shared), wing
+        assert layer_of(wing) < layer_of("vembed.components"), wing
 
 
 def test_the_scan_counts_lazy_and_by_name_imports_but_not_annotations():

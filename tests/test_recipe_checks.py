@@ -33,7 +33,7 @@ ELSEWHERE: dict[str, set[str]] = {
                                     "_check_sparse",
                                     "_resolve_best_metric", "_check_teacher_embeddings",  # stage 4
                                     "ContrastiveTask.load_train_data"},  # the teacher's rows, as the data is read
-    "vembed/tasks/classification.py": {"class_names"},  # stage 4, ClassificationTask.check_recipe
+    "vembed/classification/task.py": {"class_names"},  # stage 4, ClassificationTask.check_recipe
     "vembed/reranking/task.py": {"_check_evaluation", "_check_held_out"},  # stage 4, RerankTask.check_recipe
     "vembed/reranking/cross_encoder.py": {"CrossEncoderAdapter.settings_of", "CrossEncoderAdapter.hf_config",
                                           "CrossEncoderAdapter.load",  # its check_recipe's; load: a saved folder
@@ -54,7 +54,7 @@ ELSEWHERE: dict[str, set[str]] = {
     "vembed/data/streaming.py": {"check_stream_recipe", "find_shards", "_check_first_sample"},
     "vembed/data/corpus.py": {"CorpusSource.check"},
     "vembed/data/embedding_shards.py": {"read_index"},
-    "vembed/data/labelled.py": {"read_labelled_images", "_image_folder"},
+    "vembed/classification/labelled.py": {"read_labelled_images", "_image_folder"},
     "vembed/data/teacher_embeddings.py": {"read_index"},  # loss.teacher_embeddings, the vembed extract folder
     "vembed/extraction.py": {"extract_teacher_embeddings"},  # vembed extract --recipe: its data.train
     # --- output folders (stage 5 and the tools' --out / --cache-dir) ---
@@ -72,8 +72,9 @@ ELSEWHERE: dict[str, set[str]] = {
     "vembed/models/lora.py": {"inject_lora", "load_lora_weights"},
     "vembed/losses/contrastive.py": {"InfoNCELoss.from_recipe", "SigLIPLoss.from_recipe"},
     "vembed/losses/late_interaction.py": {"LateInteractionLoss.from_recipe"},
-    "vembed/losses/metric_learning.py": {"SubCenterArcFaceLoss.from_recipe"},  # num_classes, after the task's check
-    "vembed/losses/pml.py": {"PMLLoss.from_recipe"},  # num_classes of a proxy loss, after the task's check
+    # num_classes, after the task's check
+    "vembed/classification/metric_losses.py": {"SubCenterArcFaceLoss.from_recipe"},
+    "vembed/classification/pml.py": {"PMLLoss.from_recipe"},  # num_classes of a proxy loss, after the task's check
     "vembed/training/objective.py": {"parameter_groups"},  # layer_lr_decay on a model stage 6 could not build on meta
     "vembed/training/streamed.py": {"StreamedEpochs._check_compatible"},
     # --- not recipes: saved model folders, and command lines whose flag is not a literal ---

@@ -16,9 +16,10 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from vembed import recipe as schema
+from vembed.classification import CLASSIFICATION_LOSSES, METRIC_LOSSES
 from vembed.errors import RecipeError, did_you_mean
 from vembed.generation import FLOW_LOSSES, GENERATORS
-from vembed.losses import CLASSIFICATION_LOSSES, LOSSES, METRIC_LOSSES
+from vembed.losses import LOSSES
 from vembed.models import MODELS
 from vembed.reranking import RANKING_LOSSES, RERANKERS
 

@@ -355,7 +355,7 @@ class ProfileConfig(_Strict):
 
 class AugmentationConfig(_Strict):
     """`augmentation:` — training images of the image-only tasks (classification), drawn per (seed, epoch, sample)
-    so resume replays them (vembed/data/augment.py). Off by default; evaluation images are never augmented."""
+    so resume replays them (vembed/classification/augment.py). Off by default; evaluation images are never augmented."""
 
     # Random resized crop: the crop covers this fraction range of the image's area (ViT recipes: [0.08, 1.0]) with an
     # aspect ratio in crop_ratio; the adapter's processor then resizes it to the model's size. Unset: no crop.

@@ -26,15 +26,14 @@ tests/test_recipe_checks.py fails when a recipe error is raised anywhere else.
      masked-LM head for them: `vembed/models/splade.py`); the GISTEmbed guide folder holds a model
      (`vembed/losses/guide.py`); metric_for_best_model is a validation metric; mrl_dims fit the embedding size the
      model's config declares.
-   - classification (`vembed/tasks/classification.py`): one file or ImageFolder per split, no streaming, GradCache
-     or stages; a classification metric; the adapter's own rules (`check_recipe` in `vembed/models/vision.py`: a
-     backbone it drives, a CLIP/SigLIP text tower for head_init: class_names, no pooling or projection_dim over a
-     dual encoder); the classes of the data (`vembed/data/labelled.py`, which reads the labelled files here) fit
-     num_labels.
-   - metric_learning (`vembed/tasks/metric_learning.py`): the labelled files of classification, no head
+   - classification (`vembed/classification/task.py`): one file or ImageFolder per split, no streaming, GradCache or
+     stages; a classification metric; the adapter's own rules (`check_recipe` in `vembed/models/vision.py`: a backbone
+     it drives, a CLIP/SigLIP text tower for head_init: class_names, no pooling or projection_dim over a dual encoder);
+     the classes of the data (`vembed/classification/labelled.py`, which reads the labelled files here) fit num_labels.
+   - metric_learning (`vembed/classification/metric_task.py`): the labelled files of classification, no head
      (num_labels, head_init), no streaming, GradCache or stages; a retrieval metric (MAP@R, recall@k);
-     pytorch-metric-learning, which computes its losses, is installed (`vembed/losses/metric_learning.py`); every class
-     has a second image where the loss needs positives; ArcFace's num_classes fits the data.
+     pytorch-metric-learning, which computes its losses, is installed (`vembed/classification/metric_losses.py`); every
+     class has a second image where the loss needs positives; ArcFace's num_classes fits the data.
    - rerank (`vembed/reranking/task.py`): no GradCache or streaming; the data files exist; held-out data
      (validation, test) is a corpus folder with its first-stage run (`data.first_stage_run`); a reranking metric;
      the cross-encoder's own rules (`vembed/reranking/cross_encoder.py`).

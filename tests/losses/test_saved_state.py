@@ -1,6 +1,6 @@
-"""A loss's trained state in final/ (vembed/losses/saved_state.py), for the losses beside ArcFace that have one: SigLIP's
-bias and a learnable temperature used to be trained and then dropped from final/. ArcFace's centres, which a reloaded
-model scores with, are tested with the metric_learning task (tests/training/test_metric_learning.py)."""
+"""A loss's trained state in final/ (vembed/losses/saved_state.py), for the losses beside ArcFace that have one:
+SigLIP's bias and a learnable temperature used to be trained and then dropped from final/. ArcFace's centres, which a
+reloaded model scores with, are tested with the metric_learning task (tests/classification/test_metric_learning.py)."""
 
 from __future__ import annotations
 

@@ -34,7 +34,8 @@ def test_final_folder_scores_in_sentence_transformers_cross_encoder(rerank_recip
     # What embeds refuses it (vembed.load, vembed mine, vembed eval of an embedder), and it refuses an embedder.
     from vembed.models import load_adapter
 
-    with pytest.raises(RecipeError, match="holds a 'cross_encoder' reranker, which scores .* and embeds nothing"):
+    with pytest.raises(RecipeError, match="holds a 'cross_encoder' model, which is not an embedding model: a "
+                                          "reranker scores .* and embeds nothing"):
         load_adapter(final)
     (final / "vembed.json").write_text(json.dumps({"model_type": "text", "settings": {}}))
     with pytest.raises(RecipeError, match="holds a 'text' model, not a reranker"):

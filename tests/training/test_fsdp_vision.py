@@ -23,10 +23,10 @@ BATCH = 8  # 4 per rank
 
 
 def _objective(task: str):
+    from vembed.classification.metric_task import MetricLearningObjective
+    from vembed.classification.task import ClassificationObjective
     from vembed.components import loss_class, recipe_from_dict
     from vembed.tasks import task_for
-    from vembed.tasks.classification import ClassificationObjective
-    from vembed.tasks.metric_learning import MetricLearningObjective
 
     recipe = recipe_from_dict({"model_type": "vision", "model_config": VIT, "seed": 0, **RECIPES[task]})
     torch.manual_seed(0)

@@ -183,11 +183,11 @@ def open_image_cache(paths: Sequence[str], processor: Any, cache_dir: str | os.P
     first. None when the processor's output has no fixed size or the disk lacks room (the caller decodes as before).
 
     Keyed by each file's path, size and modification time and by the processor settings that shape the pixels, so a
-    changed image or setting makes a new cache. One process per node builds it under a file lock while the others
-    wait, then map it; it is written to a temporary name and renamed when complete, so an interrupted build is never
-    read. Images that are no file (embedded in a table: vembed/data/labelled.py) come with `load` (key -> decoded
-    image, `DataError` when it cannot be) and `stamp` (key -> what changes when the image does, e.g. its table's
-    files' sizes and times; None: a file, stat'ed as above).
+    changed image or setting makes a new cache. One process per node builds it under a file lock while the others wait,
+    then map it; it is written to a temporary name and renamed when complete, so an interrupted build is never read.
+    Images that are no file (embedded in a table: vembed/classification/labelled.py) come with `load` (key -> decoded
+    image, `DataError` when it cannot be) and `stamp` (key -> what changes when the image does, e.g. its table's files'
+    sizes and times; None: a file, stat'ed as above).
     """
     settings = cacheable_settings(processor)
     if settings is None or not paths:

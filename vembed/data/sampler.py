@@ -17,12 +17,12 @@ from vembed.errors import DataError
 class EpochShuffleSampler(Sampler[int]):
     """Yields a permutation of `range(num_samples)` drawn from a `torch.Generator` seeded with `seed + epoch`.
 
-    Every rank builds the same sampler and gets the same order; accelerate's `BatchSamplerShard` then gives rank r
-    the batches r, r + W, ... . The order depends only on (seed, epoch), never on global RNG state, so a resumed
-    run replays it exactly. The loop calls `set_epoch` (accelerate's prepared DataLoader forwards its own
-    `set_epoch` here) before iterating each epoch. With `tags_epochs`, it yields `(epoch, index)` pairs instead, for
-    datasets whose samples draw per epoch (augmented images: vembed/data/augment.py), so DataLoader workers know the
-    epoch without sharing state with the main process.
+    Every rank builds the same sampler and gets the same order; accelerate's `BatchSamplerShard` then gives rank r the
+    batches r, r + W, ... . The order depends only on (seed, epoch), never on global RNG state, so a resumed run replays
+    it exactly. The loop calls `set_epoch` (accelerate's prepared DataLoader forwards its own `set_epoch` here) before
+    iterating each epoch. With `tags_epochs`, it yields `(epoch, index)` pairs instead, for datasets whose samples draw
+    per epoch (augmented images: vembed/classification/augment.py), so DataLoader workers know the epoch without sharing
+    state with the main process.
     """
 
     def __init__(self, num_samples: int, seed: int = 0, tags_epochs: bool = False):

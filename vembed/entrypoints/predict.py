@@ -77,8 +77,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _inputs(args: argparse.Namespace, labels: list[str]) -> tuple[list[str], list[str | None]]:
     """Every image to classify, in the order given, and its true class where the input says it."""
+    from vembed.classification.labelled import read_labelled_images
     from vembed.data.images import IMAGE_EXTENSIONS
-    from vembed.data.labelled import read_labelled_images
     from vembed.errors import ArgumentError
 
     images: list[str] = []

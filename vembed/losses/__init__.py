@@ -16,11 +16,7 @@ LOSSES: Registry[type[EmbeddingLoss]] = Registry(
                           "vembed.losses.gist", "vembed.losses.late_interaction",
                           "vembed.losses.distillation")
 )
-# Losses on class logits (the classification task), apart: they take no embeddings and no Matryoshka wrapper.
-CLASSIFICATION_LOSSES: Registry = Registry("loss_type", modules=("vembed.losses.classification",))
-# Losses on labelled embeddings computed by pytorch-metric-learning (the metric_learning task): their own contract,
-# embeddings and class ids, and their own parameters (ArcFace's centres).
-METRIC_LOSSES: Registry = Registry("loss_type", modules=("vembed.losses.metric_learning", "vembed.losses.pml"))
+# The losses on class logits and on labelled embeddings are the image-label wing's (vembed.classification).
 
 
 def build_loss(recipe: "Recipe") -> EmbeddingLoss:
@@ -38,4 +34,4 @@ def build_loss(recipe: "Recipe") -> EmbeddingLoss:
     return loss
 
 
-__all__ = ["CLASSIFICATION_LOSSES", "LOSSES", "METRIC_LOSSES", "EmbeddingLoss", "build_loss"]
+__all__ = ["LOSSES", "EmbeddingLoss", "build_loss"]

@@ -73,7 +73,7 @@ def load_saved_loss(folder: str | Path) -> SavedLoss | None:
 
 
 def _rebuilt(loss_type: str, settings: dict[str, Any], tensors: dict[str, torch.Tensor]) -> nn.Module | None:
-    from vembed.losses import METRIC_LOSSES
+    from vembed.classification import METRIC_LOSSES
 
     if loss_type not in METRIC_LOSSES:
         return None

@@ -497,14 +497,11 @@ def load_adapter(path: str | Path, *, trust_remote_code: bool = False) -> Embedd
     info = read_adapter_file(path)
     model_type = info.get("model_type")
     if model_type not in MODELS:
-        from vembed.reranking import RERANKERS
-
-        if model_type in RERANKERS:
-            raise RecipeError("model", f"{str(path)!r} holds a {model_type!r} reranker, which scores (query, document) "
-                                       "pairs and embeds nothing; use an embedding model here, and the reranker on "
-                                       "the embedder's candidates")
-        raise RecipeError("model", f"{str(path)!r} holds a {model_type!r} model, which is not an embedding model "
-                                   "(blip3o_dit generates embeddings: load it with vembed.generation.load_generator)")
+        # Worded for every kind that embeds nothing, so that this layer need not ask the wings' registries which.
+        raise RecipeError("model", f"{str(path)!r} holds a {model_type!r} model, which is not an embedding model: a "
+                                   "reranker scores (query, document) pairs and embeds nothing (use an embedding "
+                                   "model here, and the reranker on the embedder's candidates); blip3o_dit generates "
+                                   "embeddings (load it with vembed.generation.load_generator)")
     try:
         return MODELS.get(model_type).load(path, trust_remote_code=trust_remote_code)
     except RecipeError as err:

@@ -1,8 +1,8 @@
 """Images alone: a Hugging Face vision backbone (ViT, DINOv2 with or without registers, the vision tower of CLIP or
 SigLIP) built through transformers' Auto classes, its tokens pooled into one vector, optionally projected, and, when
-the recipe names classes, a linear classification head on top (the `classification` task, vembed/tasks/
-classification.py). Without a head, its embeddings are what a metric-learning loss trains (the `metric_learning`
-task, vembed/tasks/metric_learning.py).
+the recipe names classes, a linear classification head on top (the `classification` task, vembed/classification/
+task.py). Without a head, its embeddings are what a metric-learning loss trains (the `metric_learning`
+task, vembed/classification/metric_task.py).
 
 Given a whole CLIP/SigLIP model, the backbone is its image side (vision tower, pooled and projected as that model
 embeds images), and `head_init: class_names` starts the head from its text tower's embeddings of the class names.
@@ -95,7 +95,7 @@ class VisionSettings(PretrainedSettings):
 class VisionAdapter(TransformersAdapter):
     model_type = "vision"
     task: ClassVar[str] = "classification"  # vembed.tasks: trained by the classification task
-    # ... or, without a head, by the metric_learning task (vembed/tasks/metric_learning.py): the loss picks which.
+    # ... or, without a head, by the metric_learning task (vembed/classification/metric_task.py): the loss picks which.
     tasks: ClassVar[tuple[str, ...]] = ("classification", "metric_learning")
     Settings: ClassVar[type[VisionSettings]] = VisionSettings
     modalities = frozenset({"image"})

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 TASKS: Registry[type["Task"]] = Registry(
     "task", modules=("vembed.tasks.contrastive", "vembed.generation.task", "vembed.reranking.task",
-                     "vembed.tasks.classification", "vembed.tasks.metric_learning")
+                     "vembed.classification.task", "vembed.classification.metric_task")
 )
 
 
@@ -38,7 +38,7 @@ class Task:
     uses_gradient_cache: ClassVar[bool] = False
     # Why GradCache is refused when asked for under this task (None: its loss is per sample).
     no_gradient_cache: ClassVar[str | None] = None
-    # The task's training collation reads `augmentation:` (vembed/data/augment.py).
+    # The task's training collation reads `augmentation:` (vembed/classification/augment.py).
     augments_images: ClassVar[bool] = False
     # Its training data has a class per record, so batches can be class-balanced (data.m_per_class).
     class_balanced_batches: ClassVar[bool] = False

@@ -18,9 +18,9 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from vembed.classification import METRIC_LOSSES
 from vembed.distributed import gather_no_grad, gather_with_grad
 from vembed.errors import EnvironmentProblem, RecipeError
-from vembed.losses import METRIC_LOSSES
 from vembed.recipe import Settings
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ def require_library(loss_type: str) -> None:
 class MetricLossSettings(Settings):
     """The keys every metric-learning loss shares."""
 
-    # The metric that picks the best checkpoint, when the recipe names none (vembed/evaluation/metric_learning.py).
+    # The metric that picks the best checkpoint, when the recipe names none (metric_evaluation.py).
     recipe_defaults: ClassVar[dict[str, Any]] = {"metric_for_best_model": "mean_average_precision_at_r"}
 
 

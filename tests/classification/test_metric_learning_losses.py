@@ -1,5 +1,5 @@
-"""The metric-learning losses (vembed/losses/metric_learning.py): PML's losses on the global batch. Two gloo ranks with
-DDP, each encoding half of a labelled batch, give the loss and the gradients (encoder and ArcFace's centres) of one
+"""The metric-learning losses (vembed/classification/metric_losses.py): PML's losses on the global batch. Two gloo ranks
+with DDP, each encoding half of a labelled batch, give the loss and the gradients (encoder and ArcFace's centres) of one
 process on the whole batch."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ CLASSES = 4
 
 
 def _losses() -> dict:
-    from vembed.losses.metric_learning import NTXentLoss, SubCenterArcFaceLoss, SupConLoss
+    from vembed.classification.metric_losses import NTXentLoss, SubCenterArcFaceLoss, SupConLoss
 
     torch.manual_seed(7)  # ArcFace's centres: the same on every rank and in the single process
     return {"supcon": SupConLoss(temperature=0.1), "ntxent": NTXentLoss(temperature=0.07),

@@ -1,7 +1,7 @@
-"""Any pytorch-metric-learning loss and miner by name (`loss_type: pml`, vembed/losses/pml.py): each selectable loss
-equals PML's own on the same embeddings and labels (value and gradient); a miner changes which pairs count as PML's
-does; 2 gloo ranks give one process's loss and gradients for a representative five; bad names and arguments are
-one line naming the key."""
+"""Any pytorch-metric-learning loss and miner by name (`loss_type: pml`, vembed/classification/pml.py): each selectable
+loss equals PML's own on the same embeddings and labels (value and gradient); a miner changes which pairs count as PML's
+does; 2 gloo ranks give one process's loss and gradients for a representative five; bad names and arguments are one line
+naming the key."""
 
 from __future__ import annotations
 
@@ -24,13 +24,13 @@ def _embeddings() -> torch.Tensor:
 
 
 def _selectable() -> list[str]:
-    from vembed.losses.pml import selectable_losses
+    from vembed.classification.pml import selectable_losses
 
     return list(selectable_losses())
 
 
 def _ours(name: str, miner: str | None = None, **arguments):
-    from vembed.losses.pml import PMLLoss
+    from vembed.classification.pml import PMLLoss
 
     torch.manual_seed(7)  # proxies, centres: drawn alike on every rank and in the single process
     return PMLLoss(name, {**GIVEN.get(name, {}), **arguments}, miner, None, num_classes=CLASSES, embedding_dim=OUT)
@@ -40,7 +40,7 @@ def _library(name: str, ours) -> nn.Module:
     """PML's class built as a PML user builds it, holding our loss's initial state (proxies, centres)."""
     from pytorch_metric_learning import losses
 
-    from vembed.losses.pml import constructor_arguments
+    from vembed.classification.pml import constructor_arguments
 
     accepted, _ = constructor_arguments(getattr(losses, name))
     sizes = {key: value for key, value in (("num_classes", CLASSES), ("embedding_size", OUT),
@@ -61,7 +61,7 @@ def _value_and_gradient(loss: nn.Module, embeddings: torch.Tensor, *extra, label
 def test_every_library_miner_is_offered_and_nothing_else():
     from pytorch_metric_learning import miners
 
-    from vembed.losses.pml import selectable_miners
+    from vembed.classification.pml import selectable_miners
 
     offered = selectable_miners()
     assert {"MultiSimilarityMiner", "BatchHardMiner", "TripletMarginMiner"} <= set(offered)
@@ -72,7 +72,7 @@ def test_every_library_miner_is_offered_and_nothing_else():
 def test_every_selectable_library_loss_is_offered():
     from pytorch_metric_learning import losses
 
-    from vembed.losses.pml import NOT_SELECTABLE
+    from vembed.classification.pml import NOT_SELECTABLE
 
     offered = set(_selectable())
     assert {"MultiSimilarityLoss", "ProxyAnchorLoss", "CircleLoss", "TripletMarginLoss", "ArcFaceLoss"} <= offered
@@ -84,7 +84,7 @@ def test_every_selectable_library_loss_is_offered():
 @pytest.mark.parametrize("name", _selectable() if __import__("importlib").util.find_spec("pytorch_metric_learning")
                          else [])
 def test_each_loss_by_name_equals_the_librarys_own(name):
-    from vembed.losses.pml import EQUAL_CLASS_COUNTS
+    from vembed.classification.pml import EQUAL_CLASS_COUNTS
 
     labels = BALANCED if name in EQUAL_CLASS_COUNTS else LABELS  # what data.m_per_class batches hold
     ours = _ours(name)
@@ -167,7 +167,7 @@ def test_a_bad_name_or_argument_is_one_line_naming_the_key(changes, key, words):
                                                     "num_attention_heads": 4, "intermediate_size": 37,
                                                     "image_size": 32, "patch_size": 8},
            "loss_type": "pml", "data": {"train": "train"}, **changes}
-    from vembed.losses.pml import PMLLoss
+    from vembed.classification.pml import PMLLoss
 
     with pytest.raises(RecipeError) as refused:  # as the recipe is read, else by the loss's check with the recipe
         PMLLoss.check_recipe(recipe_from_dict(raw))

@@ -74,10 +74,10 @@ def test_trains_saves_and_the_saved_model_retrieves_as_the_run_measured(digits, 
 
 def saved_model_metrics(run: Path, digits: Path) -> dict:
     """The run's final/ retrieving within the validation split on one process, as `vembed eval` does."""
-    from vembed.data.labelled import read_labelled_images
-    from vembed.evaluation.metric_learning import retrieval_metrics
+    from vembed.classification.labelled import read_labelled_images
+    from vembed.classification.metric_evaluation import retrieval_metrics
+    from vembed.classification.task import ClassificationCollator, LabelledImageDataset
     from vembed.models import load_adapter
-    from vembed.tasks.classification import ClassificationCollator, LabelledImageDataset
 
     model = load_adapter(run / "final").eval()
     data = read_labelled_images(str(digits / "validation" / "labels.csv"), "data.validation")
@@ -91,8 +91,8 @@ def test_a_query_set_and_a_gallery_are_evaluated_as_the_saved_model_searches_the
     """data.validation: {query, gallery}: each validation image searched among the gallery's (the training images
     here, with their own class ids until matched by name), as pytorch-metric-learning's ref_includes_query=False."""
     import vembed
-    from vembed.data.labelled import read_labelled_images
-    from vembed.evaluation.metric_learning import retrieval_metrics
+    from vembed.classification.labelled import read_labelled_images
+    from vembed.classification.metric_evaluation import retrieval_metrics
 
     query, gallery = str(digits / "validation" / "labels.csv"), str(digits / "train")
     raw = recipe(digits, tmp_path / "run", eval_steps=3, data={"train": str(digits / "train"), "validation": {
@@ -161,8 +161,8 @@ def test_arcface_final_reloads_with_the_centres_of_its_last_step(digits, tmp_pat
     loss.safetensors holds them, `vembed.load` restores them, and the reloaded model scores and classifies with them
     as the trained loss does; the model card says so."""
     import vembed
+    from vembed.classification.labelled import read_labelled_images
     from vembed.components import recipe_from_dict
-    from vembed.data.labelled import read_labelled_images
     from vembed.training.loop import Trainer
 
     raw = recipe(digits, tmp_path / "run", loss_type="subcenter_arcface", scale=16.0, sub_centers=2, max_steps=5,
@@ -257,8 +257,8 @@ def test_class_balanced_batches_train_every_step_on_m_of_each_class_and_resume_e
     weights of the whole run."""
     from interrupts import stop_after_checkpoint
 
+    from vembed.classification.metric_losses import SupConLoss
     from vembed.components import recipe_from_dict
-    from vembed.losses.metric_learning import SupConLoss
     from vembed.training.loop import Trainer
 
     seen: list[list[int]] = []
@@ -455,7 +455,7 @@ def test_augmented_views_of_an_image_differ_and_replay(digits, tmp_path):
 
 
 def test_a_datasets_folder_trains_with_the_image_cache(digits, tmp_path, capsys):
-    from tests.training.test_classification import digits_dataset
+    from tests.classification.test_classification import digits_dataset
 
     saved = digits_dataset(digits / "train", tmp_path)
     raw = recipe(digits, tmp_path / "run", max_steps=2,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vembed.evaluation.metric_learning import retrieval_metrics
+from vembed.classification.metric_evaluation import retrieval_metrics
 
 pytest.importorskip("pytorch_metric_learning")
 
@@ -46,7 +46,7 @@ def test_recall_at_k_is_the_share_of_queries_with_a_same_class_image_in_the_k_ne
 
 
 def test_small_chunks_give_the_same_numbers(monkeypatch):
-    import vembed.evaluation.metric_learning as module
+    import vembed.classification.metric_evaluation as module
 
     rng = np.random.default_rng(3)
     labels, embeddings = rng.integers(0, 5, size=40), rng.normal(size=(40, 4))

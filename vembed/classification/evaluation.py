@@ -1,9 +1,9 @@
-"""Classification metrics from class scores: top-1/top-k accuracy, the confusion matrix, per-class precision,
-recall and F1 with their macro and micro averages, and the most-confused class pairs (as scikit-learn defines them,
-with 0 where a ratio has no denominator; tests/evaluation/test_classification_metrics.py checks them against it); and
-calibration, from the softmax of the scores: the negative log-likelihood (scikit-learn's log_loss) and the expected
-calibration error over equal-width confidence bins (torchmetrics' L1 `multiclass_calibration_error`), with the bins
-a reliability diagram draws."""
+"""Classification metrics from class scores: top-1/top-k accuracy, the confusion matrix, per-class precision, recall and
+F1 with their macro and micro averages, and the most-confused class pairs (as scikit-learn defines them, with 0 where a
+ratio has no denominator; tests/classification/test_classification_metrics.py checks them against it); and calibration,
+from the softmax of the scores: the negative log-likelihood (scikit-learn's log_loss) and the expected calibration error
+over equal-width confidence bins (torchmetrics' L1 `multiclass_calibration_error`), with the bins a reliability diagram
+draws."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from sklearn.metrics import confusion_matrix, precision_recall_fscore_support, top_k_accuracy_score
 
-from vembed.evaluation.classification import classification_metrics, plot_confusion_matrix
+from vembed.classification.evaluation import classification_metrics, plot_confusion_matrix
 
 NAMES = ["ant", "bee", "cat", "dog", "eel", "fox", "gnu"]
 
@@ -69,7 +69,7 @@ def test_calibration_equals_scikit_learns_log_loss_and_torchmetrics_ece(seed):
 def test_a_confidence_on_a_bin_edge_falls_in_the_lower_bin():
     # Two classes; softmax([0, 0]) is exactly 0.5 (a bin edge with 4 bins: (0.25, 0.5]) and softmax([0, -inf]) exactly
     # 1.0: bins are (lower, upper], as torchmetrics' are. Exact values, so no CPU's rounding moves them.
-    from vembed.evaluation.classification import calibration_metrics
+    from vembed.classification.evaluation import calibration_metrics
 
     scores = np.array([[0.0, 0.0], [0.0, -np.inf], [0.0, 0.0], [0.0, -np.inf]])
     found = calibration_metrics(scores, np.array([0, 0, 1, 1]), bins=4)
@@ -80,7 +80,7 @@ def test_a_confidence_on_a_bin_edge_falls_in_the_lower_bin():
 
 
 def test_the_reliability_diagram_is_written(tmp_path):
-    from vembed.evaluation.classification import plot_reliability
+    from vembed.classification.evaluation import plot_reliability
 
     rng = np.random.default_rng(0)
     labels = rng.integers(0, 3, size=50)

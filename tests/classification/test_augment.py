@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from vembed.data.augment import augment_image, batch_rng, crop_box, mix_batch, sample_rng
+from vembed.classification.augment import augment_image, batch_rng, crop_box, mix_batch, sample_rng
 from vembed.recipe import AugmentationConfig
 
 
@@ -118,7 +118,7 @@ def _photo():
 
 
 def test_trivial_augment_offers_torchvisions_wide_operation_set():
-    from vembed.data.augment import TRIVIAL_AUGMENT_BINS, TRIVIAL_AUGMENT_OPERATIONS
+    from vembed.classification.augment import TRIVIAL_AUGMENT_BINS, TRIVIAL_AUGMENT_OPERATIONS
 
     assert TRIVIAL_AUGMENT_BINS == 31
     assert set(TRIVIAL_AUGMENT_OPERATIONS) == {
@@ -129,7 +129,7 @@ def test_trivial_augment_offers_torchvisions_wide_operation_set():
 @pytest.mark.parametrize("name", ["shear_x", "shear_y", "translate_x", "translate_y", "rotate", "brightness", "color",
                                   "contrast", "sharpness", "posterize", "solarize", "autocontrast", "equalize"])
 def test_each_operation_changes_the_image_at_full_strength_and_ranged_ones_do_nothing_at_zero(name):
-    from vembed.data.augment import trivial_operation
+    from vembed.classification.augment import trivial_operation
 
     image = _photo()
     strong = np.asarray(trivial_operation(image, name, 30, sample_rng(0, 0, 0)))

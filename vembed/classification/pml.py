@@ -12,7 +12,7 @@ embedding size (`embedding_size`, `descriptors_dim`) of proxy and class-centre l
 data and the model, as sub-center ArcFace's are. A `distance`,
 `reducer` or `*_regularizer` argument given as a name is that PML class built with its defaults.
 
-Computed as every metric-learning loss here (vembed/losses/metric_learning.py): on the global batch gathered from
+Computed as every metric-learning loss here (vembed/classification/metric_losses.py): on the global batch gathered from
 every rank, so 2 ranks train as one process on the whole batch; the miner runs on that global batch too, so it picks
 the pairs one process would. A loss's own parameters (proxies, centres) are trained, checkpointed and saved in
 final/'s loss.safetensors like ArcFace's centres. The registry is one entry and not one per class: PML is an optional
@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from pydantic import Field, model_validator
 
+from vembed.classification import METRIC_LOSSES
+from vembed.classification.metric_losses import MetricLoss, MetricLossSettings, pml_losses
 from vembed.errors import RecipeError, did_you_mean
-from vembed.losses import METRIC_LOSSES
-from vembed.losses.metric_learning import MetricLoss, MetricLossSettings, pml_losses
 from vembed.recipe import InvalidKey
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.training.test_classification import CLASSES, digits, recipe, saved_model_metrics, train  # noqa: F401
+from tests.classification.test_classification import CLASSES, digits, recipe, saved_model_metrics, train  # noqa: F401
 
 TEMPLATE = "a handwritten {}"
 
@@ -34,9 +34,9 @@ def clip_folder(dummy_data_dir, tmp_path_factory):
 
 def validation_batch(folder: Path, digits: Path):
     """The validation split as the classification task reads it: (labelled images, preprocessed batch)."""
-    from vembed.data.labelled import read_labelled_images
+    from vembed.classification.labelled import read_labelled_images
+    from vembed.classification.task import ClassificationCollator, LabelledImageDataset
     from vembed.models import load_adapter
-    from vembed.tasks.classification import ClassificationCollator, LabelledImageDataset
 
     data = read_labelled_images(str(digits / "validation" / "labels.csv"), "data.validation", names=sorted(CLASSES))
     return data, ClassificationCollator(load_adapter(folder))([LabelledImageDataset(data)[i] for i in range(len(data))])
@@ -74,8 +74,8 @@ def test_the_tasks_step_zero_model_scores_as_clip_zero_shot(digits, clip_folder,
 def test_step_zero_is_clips_zero_shot_and_the_trained_head_reloads(digits, clip_folder, tmp_path):  # noqa: F811
     from transformers import AutoModel
 
+    from vembed.classification.evaluation import classification_metrics
     from vembed.components import recipe_from_dict
-    from vembed.evaluation.classification import classification_metrics
     from vembed.models import MODELS, load_adapter
 
     raw = recipe(digits, tmp_path / "run", model_config=None, model_name=str(clip_folder), head_init="class_names",

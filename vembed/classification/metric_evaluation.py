@@ -1,5 +1,5 @@
 """Image-retrieval metrics of labelled embeddings (the metric_learning task), as pytorch-metric-learning's
-`AccuracyCalculator` defines them (tests/evaluation/test_metric_learning_metrics.py checks them against it).
+`AccuracyCalculator` defines them (tests/classification/test_metric_learning_metrics.py checks them against it).
 
 Each image of the split is a query against all the others (leave-one-out), or, where the split names a query set and
 a gallery, each query against the gallery; ranked by Euclidean distance (PML's default; on L2-normalised embeddings

@@ -1,7 +1,7 @@
 """Image retrieval by metric learning: model_type vision without a head, its embeddings trained by a loss on labelled
-embeddings (loss_type supcon / ntxent / subcenter_arcface, vembed/losses/metric_learning.py) over labelled images
-(vembed/data/labelled.py; positives are images of the same class), measured by leave-one-out image-to-image retrieval
-within a held-out split: precision@1, recall@k, MAP@R (vembed/evaluation/metric_learning.py).
+embeddings (loss_type supcon / ntxent / subcenter_arcface, vembed/classification/metric_losses.py) over labelled images
+(vembed/classification/labelled.py; positives are images of the same class), measured by leave-one-out image-to-image
+retrieval within a held-out split: precision@1, recall@k, MAP@R (vembed/classification/metric_evaluation.py).
 
 A held-out split's classes need not be the training ones (the CUB-200 / Cars-196 / SOP protocol holds out whole
 classes): its labels are only compared with each other.
@@ -17,20 +17,20 @@ import numpy as np
 import torch
 from torch import nn
 
-from vembed.errors import DataError, RecipeError
-from vembed.tasks import TASKS, Task
-from vembed.tasks.classification import (
+from vembed.classification.task import (
     ClassificationCollator,
     LabelledImageDataset,
     check_class_balance,
     read_split,
     with_image_cache,
 )
+from vembed.errors import DataError, RecipeError
+from vembed.tasks import TASKS, Task
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from vembed.data.labelled import LabelledImages
+    from vembed.classification.labelled import LabelledImages
     from vembed.recipe import AugmentationConfig, Recipe
 
 
@@ -77,7 +77,7 @@ class ViewsCollator:
         if self.augmentation is None:
             images = [path for _, path, _ in items for _ in range(self.views)]
         else:
-            from vembed.data.augment import augment_image, sample_rng
+            from vembed.classification.augment import augment_image, sample_rng
             from vembed.data.images import load_image
 
             images = [augment_image(load_image(path), self.augmentation,
@@ -100,7 +100,7 @@ def check_positives(data: "LabelledImages", loss_type: str) -> None:
 @TASKS.register("metric_learning")
 class MetricLearningTask(Task):
     name = "metric_learning"
-    batch_wide_loss = True  # pairs and triplets over the batch gathered from every rank (losses/metric_learning.py)
+    batch_wide_loss = True  # pairs and triplets over the batch gathered from every rank (metric_losses.py)
     augments_images = True  # crops and flips; mixup/cutmix mix labels, which these losses do not take
     class_balanced_batches = True  # data.m_per_class: each record has a class
     no_gradient_cache = ("is not used by metric learning (it trains embeddings, with no classification head); "
@@ -108,9 +108,9 @@ class MetricLearningTask(Task):
 
     @classmethod
     def check_recipe(cls, recipe: "Recipe", *, for_training: bool = True) -> None:
+        from vembed.classification.metric_evaluation import METRICS
+        from vembed.classification.metric_losses import require_library
         from vembed.components import loss_class
-        from vembed.evaluation.metric_learning import METRICS
-        from vembed.losses.metric_learning import require_library
 
         data = recipe.data
         for key in ("mixup_alpha", "cutmix_alpha"):
@@ -206,7 +206,7 @@ class MetricLearningTask(Task):
     def evaluate(self, model: nn.Module, data: "LabelledImages | QueryGallery | None", accelerator: "Accelerator",
                  prepared: nn.Module | None = None) -> dict[str, Any]:
         """Every rank embeds the whole split (ZeRO-3 needs every rank in each forward); all get the same metrics."""
-        from vembed.evaluation.metric_learning import retrieval_metrics
+        from vembed.classification.metric_evaluation import retrieval_metrics
 
         if not data:
             return {}
@@ -248,7 +248,7 @@ def read_held_out(recipe: "Recipe", split: str) -> "LabelledImages | QueryGaller
     by name (each set's ids are its own until then)."""
     from dataclasses import replace
 
-    from vembed.data.labelled import read_labelled_images
+    from vembed.classification.labelled import read_labelled_images
 
     value, data = getattr(recipe.data, split), recipe.data
     if not isinstance(value, dict):

@@ -1,7 +1,7 @@
-"""vembed/data/labelled.py: a `datasets` table (a save_to_disk folder, a Parquet file as `datasets` writes it) with an
-Image column and a label column gives the records its ImageFolder tree gives (labels, pixels), without decoding an
-image up front; bad cells are skipped and counted, above data.max_bad_fraction the read stops naming the row; the image
-cache applies to labelled images as to pair data (a second open reads it, a changed table rebuilds it)."""
+"""vembed/classification/labelled.py: a `datasets` table (a save_to_disk folder, a Parquet file as `datasets` writes it)
+with an Image column and a label column gives the records its ImageFolder tree gives (labels, pixels), without decoding
+an image up front; bad cells are skipped and counted, above data.max_bad_fraction the read stops naming the row; the
+image cache applies to labelled images as to pair data (a second open reads it, a changed table rebuilds it)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from vembed.classification.labelled import read_labelled_images
 from vembed.data.images import load_image
-from vembed.data.labelled import read_labelled_images
 from vembed.errors import DataError
 
 CLASSES = ["zero", "one", "two"]  # the ClassLabel's id order, not sorted: ids must follow the feature's names
@@ -153,7 +153,7 @@ def _vit_processor():
 
 
 def test_the_image_cache_holds_embedded_images_and_a_second_open_reads_it(digits, tmp_path, monkeypatch):
-    from vembed.data import labelled
+    from vembed.classification import labelled
     from vembed.data.image_cache import CachedPixels, open_image_cache
 
     decodes = []
@@ -183,8 +183,8 @@ def test_the_image_cache_holds_embedded_images_and_a_second_open_reads_it(digits
 
 def test_images_that_only_the_cache_build_finds_broken_are_skipped_and_counted(digits, tmp_path):
     """A truncated PNG passes the header check; decoding every image for the cache finds it, before step 1."""
+    from vembed.classification.task import with_image_cache
     from vembed.components import model_class, recipe_from_dict
-    from vembed.tasks.classification import with_image_cache
 
     good = _digit_bytes(digits)
     truncated = good[0][: len(good[0]) // 2]

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from vembed.losses import CLASSIFICATION_LOSSES
+from vembed.classification import CLASSIFICATION_LOSSES
 from vembed.recipe import Settings
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
-"""Image classification: model_type vision with its linear head, trained by cross-entropy (loss_type cross_entropy)
-on labelled images (vembed/data/labelled.py), measured by accuracy, per-class precision/recall/F1 and the confusion
-matrix (vembed/evaluation/classification.py)."""
+"""Image classification: model_type vision with its linear head, trained by cross-entropy (loss_type cross_entropy) on
+labelled images (vembed/classification/labelled.py), measured by accuracy, per-class precision/recall/F1 and the
+confusion matrix (vembed/classification/evaluation.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from vembed.tasks import TASKS, Task
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    from vembed.data.labelled import LabelledImages
+    from vembed.classification.labelled import LabelledImages
     from vembed.recipe import AugmentationConfig, Recipe
 
 METRICS = ("accuracy", "top5_accuracy", "macro_f1", "micro_f1", "macro_precision", "macro_recall")
@@ -97,7 +97,7 @@ class ClassificationCollator:
         config = self.augmentation
         if config is None:
             return {"inputs": self.adapter.preprocess([Side(image=path) for _, path, _ in items]), "labels": labels}
-        from vembed.data.augment import augment_image, batch_rng, mix_batch, sample_rng
+        from vembed.classification.augment import augment_image, batch_rng, mix_batch, sample_rng
         from vembed.data.images import load_image
         from vembed.models.batch import PIXEL_VALUES
 
@@ -114,7 +114,7 @@ class ClassificationCollator:
 
 def read_split(recipe: "Recipe", split: str, names: list[str] | None,
                num_labels: int | None = None) -> "LabelledImages":
-    from vembed.data.labelled import read_labelled_images
+    from vembed.classification.labelled import read_labelled_images
 
     data = recipe.data
     return read_labelled_images(getattr(data, split), f"data.{split}", label_column=data.columns.label,
@@ -222,7 +222,7 @@ class ClassificationTask(Task):
     def evaluate(self, model: nn.Module, data: "LabelledImages | None", accelerator: "Accelerator",
                  prepared: nn.Module | None = None) -> dict[str, Any]:
         """Every rank classifies the whole split (ZeRO-3 needs every rank in each forward); all get the same."""
-        from vembed.evaluation.classification import classification_metrics
+        from vembed.classification.evaluation import classification_metrics
 
         if not data:
             return {}
@@ -249,7 +249,7 @@ class ClassificationTask(Task):
         return None
 
     def plots(self, metrics: dict[str, Any], output_dir: Path) -> list[Path]:
-        from vembed.evaluation.classification import plot_confusion_matrix, plot_reliability
+        from vembed.classification.evaluation import plot_confusion_matrix, plot_reliability
 
         split = "test" if metrics.get("test") else "validation"
         report = metrics.get(split) or {}

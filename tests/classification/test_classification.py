@@ -46,10 +46,10 @@ def test_trains_saves_and_the_saved_model_classifies_as_the_run_measured(digits,
 
 def saved_model_metrics(run: Path, digits: Path) -> dict:
     """The run's final/ classifying the validation split on one process, as `vembed eval` does."""
-    from vembed.data.labelled import read_labelled_images
-    from vembed.evaluation.classification import classification_metrics
+    from vembed.classification.evaluation import classification_metrics
+    from vembed.classification.labelled import read_labelled_images
+    from vembed.classification.task import ClassificationCollator, LabelledImageDataset
     from vembed.models import load_adapter
-    from vembed.tasks.classification import ClassificationCollator, LabelledImageDataset
 
     model = load_adapter(run / "final").eval()
     data = read_labelled_images(str(digits / "validation" / "labels.csv"), "data.validation",
@@ -146,8 +146,8 @@ def _adapter(raw: dict):
 
 
 def test_the_training_collator_augments_each_sample_by_its_epoch_and_index(digits, tmp_path):
-    from vembed.data.labelled import read_labelled_images
-    from vembed.tasks.classification import ClassificationCollator, LabelledImageDataset
+    from vembed.classification.labelled import read_labelled_images
+    from vembed.classification.task import ClassificationCollator, LabelledImageDataset
 
     raw = recipe(digits, tmp_path / "run", augmentation={"crop_scale": [0.3, 0.6], "horizontal_flip": 0.5})
     adapter, parsed = _adapter(raw)
@@ -169,7 +169,7 @@ def test_the_training_collator_augments_each_sample_by_its_epoch_and_index(digit
 
 
 def test_layer_lr_decay_gives_each_vit_block_its_rate(digits, tmp_path):
-    from vembed.tasks.classification import ClassificationObjective
+    from vembed.classification.task import ClassificationObjective
     from vembed.training.loop import build_optimizer
     from vembed.training.objective import parameter_groups
 
@@ -306,7 +306,7 @@ def test_zero3_on_two_ranks_trains_and_evaluates_as_one_process(digits, tmp_path
 def digits_dataset(tree: Path, out: Path, truncate: int | None = None) -> Path:
     """The ImageFolder tree `tree` as a `datasets` save_to_disk folder: each file's bytes in an Image column, its
     class in a ClassLabel of CLASSES (in that order, not sorted); with `truncate`, that row's PNG cut in half."""
-    from tests.data.test_labelled import write_dataset
+    from tests.classification.test_labelled import write_dataset
 
     files = sorted((f, name) for name in CLASSES for f in (tree / name).iterdir())
     images = [f.read_bytes() for f, _ in files]
