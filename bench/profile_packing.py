@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="only `compile: true` against eager, padded and packed, at the first batch size")
     args = parser.parse_args(argv)
     import gpu_check as check
     import torch
@@ -44,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
         rows = throughput._uneven_rows(max(batches) * 2)
         throughput._write_jsonl(ctx.work / "train.jsonl", rows)
         model_dir = check._minilm_folder(ctx, rows)
+        if args.compile_only:
+            report = compiled_rates(ctx, check, model_dir, batches[0], args.dry_run)
+            (out / "compile_packing.json").write_text(json.dumps(report, indent=2, default=str))
+            print(json.dumps(report, indent=1, default=str))
+            return 0
         for batch_size in batches:
             for layout in ("padded", "packed"):
                 raw = {"model_type": "text", "model_name": model_dir, "pooling": "mean", "symmetric_loss": False,
@@ -95,6 +102,39 @@ def main(argv: list[str] | None = None) -> int:
                                                                              "kernel_ms", "peak_gib")})
                       for k, v in report.items()}, indent=1, default=str))
     return 0
+
+
+def compiled_rates(ctx, check, model_dir: str, batch_size: int, dry_run: bool) -> dict:
+    """Samples/s of eager and `compile: true`, padded and packed, over two alternating batches of different lengths
+    (as training meets them: a compiled tower must take a new packed length without recompiling every step); the
+    first steps' seconds (compilation) apart."""
+    import time
+
+    from accelerate.utils import send_to_device
+
+    report = {}
+    for layout in ("padded", "packed"):
+        for compiled in (False, True):
+            raw = {"model_type": "text", "model_name": model_dir, "pooling": "mean", "symmetric_loss": False,
+                   "data": {"train": str(ctx.work / "train.jsonl"), "num_hard_negatives": 0},
+                   "batch_size": batch_size, "max_length": 64 if dry_run else 256, "learning_rate": 2e-5,
+                   "mixed_precision": "no" if dry_run else "bf16", "packing": layout == "packed",
+                   "compile": compiled, "output_dir": str(ctx.work / f"c{layout}{compiled}")}
+            trainer = check._trainer(raw)
+            batches = [send_to_device(trainer.collate([trainer.dataset[i] for i in range(start, start + batch_size)]),
+                                      trainer.accelerator.device) for start in (0, batch_size)]
+            turn = iter(range(10**6))
+
+            def step(trainer=trainer, batches=batches, turn=turn):
+                check._optimizer_step(trainer, batches[next(turn) % 2])
+
+            start = time.perf_counter()
+            check._timed(step, ctx, 4)  # compiles both lengths (and marks the length dynamic) when compiled
+            first = time.perf_counter() - start
+            seconds = check._timed(step, ctx, 10)
+            report[f"{layout}{' compiled' if compiled else ''}"] = {
+                "samples_per_second": batch_size / seconds, "first_four_steps_seconds": first}
+    return report
 
 
 if __name__ == "__main__":
