@@ -189,7 +189,7 @@ def _flash(varlen: Callable[..., torch.Tensor], query: torch.Tensor, key: torch.
     """`varlen_attn` over the packed row, (1, tokens, heads, head_dim); None when this torch's kernel lacks what the
     layer needs (a sliding window before torch grew `window_size`). torch 2.10's signature has `is_causal` and no
     scale, window or grouped-query heads; later ones have `scale`, `window_size` and `enable_gqa`."""
-    accepts = _varlen_parameters(varlen)
+    accepts = _VARLEN_ACCEPTS.get("names") or _varlen_parameters(varlen)
     q, k, v = (tensor[0].transpose(0, 1) for tensor in (query, key, value))  # (tokens, heads, head_dim)
     options: dict[str, Any] = {}
     if "window_size" in accepts:
@@ -207,6 +207,11 @@ def _flash(varlen: Callable[..., torch.Tensor], query: torch.Tensor, key: torch.
     elif gqa:
         k, v = (tensor.repeat_interleave(q.shape[1] // tensor.shape[1], dim=1) for tensor in (k, v))
     return varlen(q, k, v, cu_seq_lens, cu_seq_lens, max_length, max_length, **options).unsqueeze(0)
+
+
+# The kernel's argument names, read once when a model is set up for packing: inspecting them inside a compiled tower
+# would break its graph at every attention layer (seen on an H200 with `compile: true`).
+_VARLEN_ACCEPTS: dict[str, frozenset[str]] = {}
 
 
 @lru_cache(maxsize=4)
@@ -241,6 +246,9 @@ def use_packed_attention(model: "PreTrainedModel", sub_config: str | None = None
     from transformers import AttentionInterface
 
     AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+    varlen = varlen_attn_function()
+    if varlen is not None:
+        _VARLEN_ACCEPTS["names"] = _varlen_parameters(varlen)
     if not packs_attention(type(model)):  # recipe_checks refuses it first; a direct Python caller meets this
         raise RecipeError("packing", inline_attention_reason(type(model).__name__))
     model.set_attn_implementation(PACKED_ATTENTION if sub_config is None else {sub_config: PACKED_ATTENTION})
