@@ -249,7 +249,7 @@ def test_a_dense_only_option_with_a_sparse_model_is_one_line_exit_2_nothing_writ
     argv = [part.format(model=splade / "model", corpus=splade / "corpus", out=out) for part in command]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and flag in err, err
+    assert len(err.splitlines()) == 1 and flag in err and "sparse vectors" in err, err
     assert not out.exists() and not list(tmp_path.iterdir())
 
 
