@@ -98,8 +98,9 @@ def test_ties_documents_sharing_no_term_and_broken_vectors_rank_as_in_dense_sear
 
 def test_positive_pairs_are_scored_as_the_dense_dot_product():
     generator = torch.Generator().manual_seed(2)
-    queries, documents = _sparse_rows(4, 50, 10, generator), _sparse_rows(30, 50, 10, generator)
-    rows = torch.tensor([3, 0, 29, 7])
+    # Hundreds of shared terms per pair: a float32 sum would round otherwise than the float64 one search uses.
+    queries, documents = _sparse_rows(64, 500, 400, generator), _sparse_rows(30, 500, 400, generator)
+    rows = torch.randint(0, 30, (64,), generator=generator)
     expected = (queries.double() * documents[rows].double()).sum(-1).float()
     assert torch.equal(sparse_pairs(SparseVectors.from_dense(queries), SparseVectors.from_dense(documents), rows),
                        expected)
