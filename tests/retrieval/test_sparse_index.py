@@ -18,8 +18,7 @@ from vembed.data.records import Side
 from vembed.errors import ArgumentError
 from vembed.models.encoding import encode_sides
 from vembed.models.splade import keep_top_k
-from vembed.retrieval import SCORINGS
-from vembed.retrieval import sparse_index
+from vembed.retrieval import SCORINGS, sparse_index
 from vembed.retrieval.scoring import top_k
 from vembed.retrieval.search import document_blocks, search, search_corpus
 from vembed.retrieval.sparse_index import SparseVectors, set_sparse_pruning, sparse_pairs, sparse_top_k
