@@ -85,6 +85,7 @@ def test_ties_documents_sharing_no_term_and_broken_vectors_rank_as_in_dense_sear
     documents[[120, 250]] = documents[7].clone()  # exact ties: lower positions first
     documents[40:60] = 0  # empty documents: score 0 with every query
     documents[13, 5] = float("nan")  # a diverged document scores -inf, ranked last
+    documents[60][documents[60] != 0] = float("nan")  # right after empty rows: they still score 0
     queries[4, 9] = float("nan")  # a diverged query: every document -inf, corpus order
     queries[6] = 0  # a query with no term: every document scores 0, corpus order
     for k in (1, 25, 320):  # k past the documents that share a term, and past the corpus

@@ -91,9 +91,12 @@ class SparseVectors:
 
     def broken(self) -> np.ndarray:
         """`(rows,)` bool: rows holding a non-finite weight."""
+        broken = np.zeros(len(self), dtype=bool)
         bad = ~np.isfinite(self.matrix.data)
-        return np.add.reduceat(bad, self.matrix.indptr[:-1]) > 0 if bad.any() and len(self) else \
-            np.zeros(len(self), dtype=bool)
+        if bad.any():  # each stored weight's row, from the row offsets (empty rows own none)
+            rows = np.repeat(np.arange(len(self)), np.diff(self.matrix.indptr))
+            broken[rows[bad]] = True
+        return broken
 
     def state(self) -> dict[str, torch.Tensor]:
         """What a cache file holds (plain tensors: loaded with torch.load(weights_only=True))."""
