@@ -104,6 +104,13 @@ def test_positive_pairs_are_scored_as_the_dense_dot_product():
     expected = (queries.double() * documents[rows].double()).sum(-1).float()
     assert torch.equal(sparse_pairs(SparseVectors.from_dense(queries), SparseVectors.from_dense(documents), rows),
                        expected)
+    # One pair, no pair, and a diverged vector on either side: -inf, as search ranks it.
+    assert torch.equal(sparse_pairs(queries[:1], documents, rows[:1]), expected[:1])
+    assert sparse_pairs(queries[:0], documents, rows[:0]).shape == (0,)
+    queries[2, 0], documents[rows[5], 0] = float("nan"), float("inf")
+    found = sparse_pairs(queries, documents, rows)
+    broken = (torch.arange(64) == 2) | (rows == rows[5])
+    assert torch.isneginf(found[broken]).all() and torch.equal(found[~broken], expected[~broken])
     assert SCORINGS.get("sparse").pair_scores is sparse_pairs
 
 

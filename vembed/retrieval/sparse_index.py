@@ -170,8 +170,8 @@ def sparse_pairs(queries: "SparseVectors | torch.Tensor", block: "SparseVectors 
         return torch.zeros(0)
     documents = block[rows]
     dots = np.asarray(queries.matrix.astype(np.float64).multiply(documents.matrix.astype(np.float64)).sum(axis=1))
-    scores = torch.nan_to_num(torch.from_numpy(dots.reshape(-1)).float(), nan=-torch.inf)
-    scores[torch.from_numpy(queries.broken() | documents.broken())] = -torch.inf
+    scores = torch.from_numpy(dots.reshape(-1)).float()
+    scores[torch.from_numpy(queries.broken() | documents.broken())] = -torch.inf  # NaN only comes from these
     return scores
 
 
