@@ -175,9 +175,12 @@ class Embedder:
         is `vembed search`'s: exact, equal scores ranked by corpus position. A multi_vector model can search
         approximately instead (`vembed search --index hnsw`): `index="hnsw"`, or a
         `vembed.retrieval.token_index.HnswSettings` for other knobs; the documents it returns keep their exact
-        scores, but some of the exact top_k may be missing (needs voyager)."""
+        scores, but some of the exact top_k may be missing (needs voyager). A sparse model searches an inverted
+        index of its vectors' non-zero weights (`vembed.retrieval.sparse_index`, needs scipy), pruned by the model's
+        `sparse_query_top_k` / `sparse_document_top_k` when set."""
         from vembed.retrieval.maxsim_search import PackedTokens, maxsim_top_k
         from vembed.retrieval.scoring import top_k as cosine_top_k
+        from vembed.retrieval.search import search_corpus
         from vembed.retrieval.token_index import TokenIndex
 
         if top_k < 1:
@@ -191,15 +194,18 @@ class Embedder:
             packed = PackedTokens.pack(documents)
             found = maxsim_top_k(query_vectors, packed, top_k) if settings is None else \
                 TokenIndex(packed, settings).search(query_vectors, top_k)
+        elif self.sparse:
+            found = search_corpus(self.adapter, _sides(queries, query_images, "query", "search"),
+                                  _sides(texts, images, "document", "search"), top_k, **kwargs)
         else:
             found = cosine_top_k(self.encode(queries, images=query_images, role="query", **kwargs),
-                                 self.encode(texts, images=images, role="document", **kwargs), top_k,
-                                 normalize=not self.sparse)
+                                 self.encode(texts, images=images, role="document", **kwargs), top_k)
         return [[{"corpus_id": int(i), "score": float(score)} for i, score in zip(indices, scores) if i >= 0]
                 for indices, scores in zip(found.indices.tolist(), found.scores.tolist())]
 
     def _index_settings(self, index: "str | HnswSettings") -> "HnswSettings | None":
         """What `search`'s `index` asks for: None for exact search, else the approximate index's settings."""
+        from vembed.retrieval.search import scoring_of
         from vembed.retrieval.token_index import EXACT, HNSW, HnswSettings, require_voyager
 
         if isinstance(index, str) and index == EXACT:
@@ -207,8 +213,9 @@ class Embedder:
         if not (index == HNSW or isinstance(index, HnswSettings)):
             raise ValueError(f"index must be {EXACT!r}, {HNSW!r} or an HnswSettings, got {index!r}")
         if not self.multi_vector:
-            raise ValueError(f"index={HNSW!r} indexes token vectors; this {self.model_type} model gives one vector "
-                             f"per text (its search is exact cosine)")
+            scoring = scoring_of(self.adapter)
+            raise ValueError(f"index={HNSW!r} indexes token vectors; this {self.model_type} model gives "
+                             f"{scoring.vectors} (its search is exact {scoring.name})")
         require_voyager("index")
         return index if isinstance(index, HnswSettings) else HnswSettings()
 

@@ -13,7 +13,8 @@ tests/test_recipe_checks.py fails when a recipe error is raised anywhere else.
    rule every caller of `task_for` needs).
 3. The recipe's own keys that need more than the schema (`check_keys`): data.train is set for training; every
    tracker of report_to is installed, and scipy where document_pool_factor pools token vectors
-   (`vembed.retrieval.maxsim_search.require_token_pooling`); `augmentation:` only where the task reads it
+   (`vembed.retrieval.maxsim_search.require_token_pooling`) or where sparse vectors are evaluated on held-out data
+   (their inverted index: `vembed.retrieval.sparse_index.require_scipy`); `augmentation:` only where the task reads it
    (`check_augmentation`);
    use_gradient_cache only where the task has a batch-wide loss (`Task.check_gradient_cache`, the rule
    `vembed plan` applies too).
@@ -108,6 +109,10 @@ def check_keys(recipe: "Recipe", *, for_training: bool = True) -> None:
         from vembed.retrieval.maxsim_search import require_token_pooling
 
         require_token_pooling(pool_factor, "document_pool_factor")
+    if getattr(recipe.model, "embedding", None) == "sparse" and recipe.data.validation is not None:
+        from vembed.retrieval.sparse_index import require_scipy  # in-run evaluation searches its inverted index
+
+        require_scipy("embedding")
 
 
 def check_packing(recipe: "Recipe") -> None:

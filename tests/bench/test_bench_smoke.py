@@ -235,3 +235,21 @@ def test_losses_vs_st_smoke_follows_sentence_transformers_step_by_step(smoke_dir
 def test_losses_vs_st_smoke_follows_sentence_transformers_for_every_loss(smoke_dir):
     bench = _load("losses_vs_st")
     _losses_vs_st_smoke(smoke_dir, list(bench.LOSSES))
+
+
+def test_sparse_vs_bm25_smoke_measures_bm25_and_both_splade_models(smoke_dir):
+    """bench/sparse_vs_bm25.py --smoke: BM25 and a tiny SPLADE, untrained and trained by `vembed train`, on a few
+    modules' docstrings; the index ranks as dense blocks do (the script checks it) and its bytes are the CSR's."""
+    pytest.importorskip("bm25s")
+    bench = _load("sparse_vs_bm25")
+    assert bench.main(["--smoke"]) == 0
+    results = json.loads(_written(smoke_dir, "sparse_vs_bm25.json").read_text())
+    assert 0.0 < results["bm25"]["ndcg@10"] <= 1.0 and results["train_seconds"] > 0
+    for name in ("untrained_pruned", "trained", "trained_pruned"):
+        found = results[name]
+        assert 0.0 <= found["ndcg@10"] <= 1.0 and found["max_score_difference"] <= 1e-5
+        # a float32 weight and an int32 term id per non-zero, an int32 offset per document and block
+        nonzeros = found["corpus_active_dims"] * results["corpus"]["documents"]
+        assert found["index_bytes_csr"] == pytest.approx(nonzeros * 8 + (results["corpus"]["documents"] + 1) * 4)
+        assert found["index_bytes_dense"] == results["corpus"]["documents"] * results["vocabulary"] * 4
+    assert results["untrained_pruned"]["corpus_active_dims"] == bench.PRUNED_DOCUMENT

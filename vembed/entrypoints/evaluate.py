@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from vembed.entrypoints.search import add_sparse_arguments
+
     parser.add_argument("model_dir", metavar="MODEL_DIR|RUN_FILE",
                         help="a model folder saved by vembed (e.g. runs/demo/final), by sentence-transformers or by "
                              "transformers, or a hub id; or a TREC run file, measured on a corpus folder")
@@ -46,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "to one (hierarchical clustering; default: the model's document_pool_factor, 1 = none); "
                              "the index's token vectors and bytes, pooled and not, are printed and in the metrics "
                              "(index/...)")
+    add_sparse_arguments(parser)
     parser.add_argument("--first-stage", "--first_stage", metavar="EMBEDDER_DIR|RUN_FILE",
                         help="with a reranker as MODEL_DIR: the first stage whose candidates it reorders, an "
                              "embedding model folder (searched over the corpus) or a TREC run file")
@@ -69,7 +72,9 @@ def run(args: argparse.Namespace) -> int:
         from vembed.errors import RecipeError
         from vembed.files import check_output_file
 
-        require_at_least_one(batch_size=args.batch_size, max_samples=args.max_samples, top_k=args.top_k)
+        require_at_least_one(batch_size=args.batch_size, max_samples=args.max_samples, top_k=args.top_k,
+                             sparse_query_top_k=args.sparse_query_top_k,
+                             sparse_document_top_k=args.sparse_document_top_k)
         if args.output:
             check_output_file(args.output, args.overwrite, key="--output", kind="a JSON file")
         if Path(args.model_dir).is_file():
@@ -156,7 +161,9 @@ def _evaluate_run_file(args: argparse.Namespace) -> int:
     from vembed.evaluation.runs import check_documents_in_corpus, read_run
     from vembed.files import write_json_atomic
 
-    given = {"--first-stage": args.first_stage, "--pool-factor": args.pool_factor, "--mrl-dims": args.mrl_dims,
+    given = {"--first-stage": args.first_stage, "--pool-factor": args.pool_factor,
+             "--sparse-query-top-k": args.sparse_query_top_k, "--sparse-document-top-k": args.sparse_document_top_k,
+             "--mrl-dims": args.mrl_dims,
              "--column": args.column, "--top-k": args.top_k, "--max-samples": args.max_samples,
              "--accelerate-config": args.accelerate_config, "--num-processes": args.num_processes}
     flag = next((flag for flag, value in given.items() if value), None)
@@ -181,6 +188,7 @@ def _evaluate_run_file(args: argparse.Namespace) -> int:
 def _evaluate_corpus(args: argparse.Namespace, accelerator: "Accelerator") -> dict[str, float]:
     from vembed.data.corpus import CorpusSource
     from vembed.entrypoints import quiet_libraries
+    from vembed.entrypoints.search import sparse_pruning
     from vembed.errors import RecipeError
     from vembed.evaluation.corpus import evaluate_corpus
     from vembed.models.foreign import load_embedding_model
@@ -196,6 +204,7 @@ def _evaluate_corpus(args: argparse.Namespace, accelerator: "Accelerator") -> di
     quiet_libraries()
     adapter = load_embedding_model(args.model_dir, trust_remote_code=args.trust_remote_code)
     set_pool_factor(adapter, args.pool_factor)
+    sparse_pruning(adapter, args)
     split = source.load()
     index = IndexSize() if adapter.embedding_kind == MULTI_VECTOR else None
     activity = SparseActivity() if adapter.embedding_kind == SPARSE else None
@@ -261,6 +270,8 @@ def _evaluate_reranker(args: argparse.Namespace, accelerator: "Accelerator") -> 
     judged with the corpus metrics."""
     from vembed.data.corpus import CorpusSource
     from vembed.entrypoints import quiet_libraries
+    from vembed.entrypoints.search import sparse_pruning
+    from vembed.errors import ArgumentError
     from vembed.evaluation.runs import read_run
     from vembed.reranking import load_reranker
     from vembed.reranking.evaluation import cutoffs_for, embedder_run, judged_split, rerank_run
@@ -269,6 +280,10 @@ def _evaluate_reranker(args: argparse.Namespace, accelerator: "Accelerator") -> 
     source = CorpusSource(None, args.data[0], args.split or "test", args.image_root, "--split")
     source.check()
     run = read_run(args.first_stage) if Path(args.first_stage).is_file() else None
+    pruned = next((flag for flag in ("sparse_query_top_k", "sparse_document_top_k") if getattr(args, flag)), None)
+    if run is not None and pruned:
+        raise ArgumentError(f"--{pruned.replace('_', '-')}", "prunes a sparse embedder's search; the first stage "
+                                                            "is a run file, searched already")
     quiet_libraries()
     reranker = load_reranker(args.model_dir, trust_remote_code=args.trust_remote_code)
     split = judged_split(source.load(), args.max_samples)
@@ -277,6 +292,7 @@ def _evaluate_reranker(args: argparse.Namespace, accelerator: "Accelerator") -> 
 
         embedder = load_embedding_model(args.first_stage, trust_remote_code=args.trust_remote_code,
                                         key="--first-stage")
+        sparse_pruning(embedder, args)  # the first stage's own search
         run = embedder_run(embedder.to(accelerator.device), split, top_k, batch_size=args.batch_size,
                            accelerator=accelerator, show_progress=True)
     score = reranker.to(accelerator.device).score
@@ -288,7 +304,7 @@ def _evaluate_pairs(args: argparse.Namespace, accelerator: "Accelerator") -> dic
     from vembed.data.paths import check_data_paths
     from vembed.data.sources import load_examples
     from vembed.entrypoints import quiet_libraries
-    from vembed.errors import RecipeError
+    from vembed.errors import ArgumentError, RecipeError
     from vembed.models.foreign import load_embedding_model
     from vembed.models.token_vectors import require_single_vector
     from vembed.recipe import ColumnMap, DataConfig
@@ -310,6 +326,10 @@ def _evaluate_pairs(args: argparse.Namespace, accelerator: "Accelerator") -> dic
     if args.pool_factor is not None:
         raise RecipeError("--pool-factor", "applies to a corpus folder (documents indexed as token vectors), not to "
                                            "pair files")
+    for side in ("query", "document"):
+        if getattr(args, f"sparse_{side}_top_k") is not None:
+            raise ArgumentError(f"--sparse-{side}-top-k", "applies to a corpus folder (searched through a sparse "
+                                                           "model's inverted index), not to pair files")
     quiet_libraries()
     adapter = load_embedding_model(args.model_dir, trust_remote_code=args.trust_remote_code)
     require_single_vector(adapter, "vembed eval of pair files", "evaluate it on a corpus folder (corpus.jsonl, "

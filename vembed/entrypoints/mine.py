@@ -18,6 +18,8 @@ DEFAULTS = MiningSettings()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from vembed.entrypoints.search import add_sparse_arguments
+
     parser.add_argument("model_dir", help="a model folder saved by vembed (e.g. runs/x/final), by "
                                           "sentence-transformers or by transformers, or a hub id")
     parser.add_argument("corpus", help="a corpus folder (corpus.jsonl, queries.jsonl, qrels/<split>.tsv)")
@@ -58,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pool-factor", "--pool_factor", type=int, default=None,
                         help="multi_vector models: pool each document's token vectors about this many to one "
                              "(hierarchical clustering; default: the model's document_pool_factor, 1 = none)")
+    add_sparse_arguments(parser)
     parser.add_argument("--image-root", "--image_root", help="directory relative image paths are resolved against")
     parser.add_argument("--trust-remote-code", "--trust_remote_code", action="store_true",
                         help="let the model folder run Python code it ships (only for folders you trust)")
@@ -90,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         from accelerate import Accelerator
 
         from vembed.data.corpus import CORPUS_FILE, load_corpus_split
+        from vembed.entrypoints.search import sparse_pruning
         from vembed.errors import RecipeError
         from vembed.files import check_replaceable
         from vembed.models.foreign import load_embedding_model, require_embedder
@@ -97,10 +101,13 @@ def run(args: argparse.Namespace) -> int:
         from vembed.retrieval.maxsim_search import pool_factor_key, pool_factor_of, set_pool_factor
         from vembed.retrieval.mining import faiss_available, mine_hard_negatives, write_jsonl_atomic
         from vembed.retrieval.search import scoring_of
+        from vembed.retrieval.sparse_index import sparse_index_key
 
         settings = settings_of(args)
         settings.check()
-        require_at_least_one(batch_size=args.batch_size, documents_per_block=args.documents_per_block)
+        require_at_least_one(batch_size=args.batch_size, documents_per_block=args.documents_per_block,
+                             sparse_query_top_k=args.sparse_query_top_k,
+                             sparse_document_top_k=args.sparse_document_top_k)
         out = Path(args.out)
         if out.is_dir():
             raise RecipeError("--out", f"{out} is a folder; name the JSONL file to write")
@@ -123,11 +130,12 @@ def run(args: argparse.Namespace) -> int:
                                          "faiss's flat index scores one vector per document: pass --faiss no")
         use_faiss = args.faiss == "yes" or (args.faiss == "auto" and faiss_available() and scoring.faiss)
         set_pool_factor(adapter, args.pool_factor)
+        sparse_pruning(adapter, args)
         cache = None
         if not args.no_cache:
             folder = args.cache_dir or f"{out}.cache"
             key = cache_key(model_dir, Path(args.corpus) / CORPUS_FILE, image_root=args.image_root,
-                            **pool_factor_key(adapter))
+                            **pool_factor_key(adapter), **sparse_index_key(adapter))
             cache = EmbeddingCache(folder, key).open(accelerator)
         rows, stats = mine_hard_negatives(
             adapter, split, settings, batch_size=args.batch_size, accelerator=accelerator, cache=cache,
@@ -146,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{out}: {len(rows)} rows from {stats.mined} of {stats.queries} queries, {settings.num_negatives} "
                   f"negatives each; {rule}; {stats.too_few} queries had fewer than {settings.num_negatives} "
                   f"negatives left and were left out; search: "
-                  f"{'faiss' if use_faiss else 'exact (torch' + (f', {scoring.name})' if not scoring.faiss else ')')}{where}; "
+                  f"{'faiss' if use_faiss else _exact_search(scoring)}{where}; "
                   f"{accelerator.num_processes} process(es)")
             if "index" in stats.extra:  # token vectors: the size --pool-factor promises to shrink
                 print(stats.extra["index"].describe(pool_factor_of(adapter)))
@@ -155,6 +163,15 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     return run_cli(body, args.debug)
+
+
+def _exact_search(scoring) -> str:
+    """How blocks were scored without faiss: torch's cosine or MaxSim, or scipy's sparse product over the index."""
+    from vembed.retrieval.sparse_index import SparseVectors
+
+    if scoring.stored is SparseVectors:
+        return f"exact (scipy, {scoring.name})"
+    return "exact (torch)" if scoring.faiss else f"exact (torch, {scoring.name})"
 
 
 def _check_world_size(started: int) -> None:

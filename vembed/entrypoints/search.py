@@ -1,7 +1,8 @@
 """Search a corpus folder and write the ranking as a run file: `vembed search MODEL_DIR|bm25 CORPUS_FOLDER --out
 run.trec [--top-k 100] [--split test]`.
 
-MODEL_DIR is an embedding model (one vector per text: exact cosine search; a sparse SPLADE one: exact dot product)
+MODEL_DIR is an embedding model (one vector per text: exact cosine search; a sparse SPLADE one: exact dot product
+through an inverted index of its non-zero weights, optionally pruned with --sparse-query-top-k/--sparse-document-top-k)
 or a late-interaction one (ColBERT, ColQwen: exact MaxSim, or approximate with --index hnsw), saved by vembed,
 sentence-transformers or transformers; `bm25` searches the corpus's words with bm25s. Every query the split judges
 is searched against the whole corpus; the run is a TREC run file (what trec_eval, pyserini, BEIR and ranx read;
@@ -40,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="late-interaction models: pool each document's token vectors about this many to one "
                              "(default: the model's document_pool_factor, 1 = none)")
     add_index_arguments(parser)
+    add_sparse_arguments(parser)
     parser.add_argument("--image-root", "--image_root", help="folder relative image paths are resolved against")
     parser.add_argument("--trust-remote-code", "--trust_remote_code", action="store_true",
                         help="let the model folder run Python code it ships (only for folders you trust)")
@@ -66,6 +68,26 @@ def add_index_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hnsw-ef-search", "--hnsw_ef_search", type=int, default=None,
                         help=f"--index {HNSW}: candidates kept while a query token is searched (default "
                              f"{defaults.ef_search}; raised to --candidates-per-token when below it)")
+
+
+def add_sparse_arguments(parser: argparse.ArgumentParser) -> None:
+    """--sparse-query-top-k and --sparse-document-top-k: a sparse model's pruning in its inverted index."""
+    for side, plural in (("query", "queries"), ("document", "documents")):
+        parser.add_argument(f"--sparse-{side}-top-k", f"--sparse_{side}_top_k", type=int, default=None,
+                            help=f"sparse (SPLADE) models: keep only each {side}'s this many largest weights in the "
+                                 f"inverted index (default: the model's sparse_{side}_top_k; unset: all of them; "
+                                 f"fewer: a smaller index and faster search, the {plural} scored on fewer terms)")
+
+
+def sparse_pruning(adapter, args: argparse.Namespace) -> None:
+    """The model's pruning from --sparse-query-top-k / --sparse-document-top-k, each refused for a dense model; scipy
+    required for a sparse one (its index), before any work."""
+    from vembed.models.splade import SPARSE
+    from vembed.retrieval.sparse_index import require_scipy, set_sparse_pruning
+
+    if adapter.embedding_kind == SPARSE:
+        require_scipy("model_dir")
+    set_sparse_pruning(adapter, args.sparse_query_top_k, args.sparse_document_top_k)
 
 
 def index_settings(args: argparse.Namespace) -> "HnswSettings | None":
@@ -137,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
         from vembed.errors import ArgumentError, require_package
 
         require_at_least_one(top_k=args.top_k, batch_size=args.batch_size, max_queries=args.max_queries,
-                             pool_factor=args.pool_factor)
+                             pool_factor=args.pool_factor, sparse_query_top_k=args.sparse_query_top_k,
+                             sparse_document_top_k=args.sparse_document_top_k)
         settings = index_settings(args)
         check_run_output(args)
         source = CorpusSource(None, args.corpus, args.split, args.image_root, "--split")
@@ -151,6 +174,9 @@ def run(args: argparse.Namespace) -> int:
                 raise ArgumentError("--pool-factor", "applies to a late-interaction model, not to bm25")
             if settings is not None:
                 raise ArgumentError("--index", "indexes a late-interaction model's token vectors, not bm25's words")
+            for side in ("query", "document"):
+                if getattr(args, f"sparse_{side}_top_k") is not None:
+                    raise ArgumentError(f"--sparse-{side}-top-k", "prunes a sparse model's vectors, not bm25's words")
             return _search_bm25(args, source)
         return _search_model(args, source, settings)
 
@@ -186,6 +212,7 @@ def _search_model(args: argparse.Namespace, source, settings: "HnswSettings | No
     accelerator = command_accelerator()
     adapter = load_embedding_model(model_dir, trust_remote_code=args.trust_remote_code)
     set_pool_factor(adapter, args.pool_factor)
+    sparse_pruning(adapter, args)
     check_index(adapter, settings, accelerator.num_processes)
     scoring = scoring_of(adapter).name
     found = embedder_run(adapter.to(accelerator.device), split, args.top_k, batch_size=args.batch_size,
@@ -204,13 +231,15 @@ def check_index(adapter, settings: "HnswSettings | None", processes: int) -> Non
     """An approximate index needs token vectors, and every one of them in one process."""
     from vembed.errors import ArgumentError
     from vembed.retrieval.maxsim_search import MULTI_VECTOR
+    from vembed.retrieval.search import scoring_of
     from vembed.retrieval.token_index import HNSW
 
     if settings is None:
         return
     if adapter.embedding_kind != MULTI_VECTOR:
+        scoring = scoring_of(adapter)
         raise ArgumentError("--index", f"{HNSW} indexes a late-interaction model's token vectors; this model gives "
-                                       "one vector per text: remove the flag (its search is exact cosine)")
+                                       f"{scoring.vectors}: remove the flag (its search is exact {scoring.name})")
     if processes > 1:
         raise ArgumentError("--index", f"{HNSW} builds one index in one process; run without accelerate launch "
                                        f"({processes} processes)")

@@ -65,6 +65,12 @@ class TextSettings(PretrainedSettings, TokenVectorSettings):
     # embedding: sparse: keep each vector's this many largest weights, at inference only (encoding for search, never
     # in training; sentence-transformers' max_active_dims); unset: all.
     sparse_top_k: int | None = Field(default=None, gt=0)
+    # embedding: sparse: corpus search (evaluation, `vembed search`/`mine`, `Embedder.search`) keeps only each query's
+    # this many largest weights (after sparse_top_k; vembed/retrieval/sparse_index.py); never `encode` or training;
+    # unset: every non-zero weight.
+    sparse_query_top_k: int | None = Field(default=None, gt=0)
+    # embedding: sparse: the same for each document in the search's inverted index (a smaller index, faster search).
+    sparse_document_top_k: int | None = Field(default=None, gt=0)
     # embedding, multi_vector_dim: vembed/models/token_projection.py; with multi_vector (ColBERT, as described at the
     # top of this file) these keys apply too:
     query_prefix: str = "[Q] "  # put before every query's text
@@ -78,7 +84,8 @@ class TextSettings(PretrainedSettings, TokenVectorSettings):
     token_vector_keys: ClassVar[tuple[str, ...]] = (
         "multi_vector_dim", "query_prefix", "document_prefix", "query_length", "skip_punctuation",
         "document_pool_factor")
-    sparse_keys: ClassVar[tuple[str, ...]] = ("sparse_pooling", "sparse_top_k")
+    sparse_keys: ClassVar[tuple[str, ...]] = ("sparse_pooling", "sparse_top_k", "sparse_query_top_k",
+                                              "sparse_document_top_k")
 
     @model_validator(mode="after")
     def _sparse_keys(self) -> "TextSettings":

@@ -3,5 +3,7 @@
 from vembed.registry import Registry
 
 # How each embedding kind's documents are kept and scored (`search.Scoring`), by the adapter's `embedding_kind`:
-# "single" in search.py, "multi_vector" in maxsim_search.py. Here, so that neither module imports the other for it.
-SCORINGS: Registry = Registry("embedding", modules=("vembed.retrieval.search", "vembed.retrieval.maxsim_search"))
+# "single" in search.py, "multi_vector" in maxsim_search.py, "sparse" in sparse_index.py. Here, so that no module
+# imports another for it.
+SCORINGS: Registry = Registry("embedding", modules=("vembed.retrieval.search", "vembed.retrieval.maxsim_search",
+                                                     "vembed.retrieval.sparse_index"))

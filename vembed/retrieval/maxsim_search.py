@@ -25,7 +25,7 @@ from vembed.models.maxsim import MAX_BLOCK_ELEMENTS, maxsim
 from vembed.models.token_vectors import token_mask
 from vembed.retrieval import SCORINGS
 from vembed.retrieval.scoring import SCORE_CHUNK_ELEMENTS, TopK, block_top_k, exact_scores
-from vembed.retrieval.search import Scoring
+from vembed.retrieval.search import Scoring, scoring_of
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -189,7 +189,7 @@ def set_pool_factor(adapter: "EmbeddingAdapter", factor: int | None, key: str = 
     if adapter.embedding_kind != MULTI_VECTOR:
         if factor == 1:
             return
-        raise RecipeError(key, "pools token vectors; this model gives one vector per document: remove the flag")
+        raise RecipeError(key, f"pools token vectors; this model gives {scoring_of(adapter).vectors}: remove the flag")
     require_token_pooling(factor, key)
     adapter.settings.document_pool_factor = factor
 

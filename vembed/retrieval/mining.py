@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from vembed.errors import RecipeError
 from vembed.files import replace_atomically
-from vembed.models.encoding import encode_sides
+from vembed.models.encoding import encode_sides, unwrapped
 from vembed.retrieval.maxsim_search import IndexSize, PackedTokens
 from vembed.retrieval.scoring import TopK, top_k
 from vembed.retrieval.search import Scoring, document_blocks, scoring_of, search
@@ -236,8 +236,9 @@ def mine_hard_negatives(
     pair_scores = torch.full((len(pair_doc),), -torch.inf, device=device)
 
     query_sides = [queries.sides[q] for q in judged]
-    query_emb = encode_sides(adapter, query_sides, batch_size=batch_size, accelerator=accelerator,
-                             desc="queries", show_progress=show_progress)
+    query_emb = scoring.queries(unwrapped(adapter, accelerator),
+                                encode_sides(adapter, query_sides, batch_size=batch_size, accelerator=accelerator,
+                                             desc="queries", show_progress=show_progress))
     most_relevant = max((len(relevant[q]) for q in judged), default=0)
     k = max(1, min(len(corpus), settings.range_max + most_relevant))  # room for the positives the window skips
     blocks = document_blocks(adapter, corpus.sides, batch_size=batch_size, accelerator=accelerator,

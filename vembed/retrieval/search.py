@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from vembed.models.encoding import encode_sides, share_bounds
+from vembed.models.encoding import encode_sides, share_bounds, unwrapped
 from vembed.retrieval import SCORINGS
-from vembed.retrieval.scoring import SCORE_CHUNK_ELEMENTS, TopK, best_of, top_k
+from vembed.retrieval.scoring import TopK, best_of, top_k
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -41,7 +41,8 @@ def cosine_pairs(queries: torch.Tensor, block: torch.Tensor, rows: torch.Tensor)
 @dataclass(frozen=True)
 class Scoring:
     """How the documents of one embedding kind are kept and scored, chosen by the adapter's `embedding_kind` in
-    SCORINGS: one vector per side by cosine (here), token vectors by MaxSim (vembed.retrieval.maxsim_search)."""
+    SCORINGS: one vector per side by cosine (here), token vectors by MaxSim (vembed.retrieval.maxsim_search), sparse
+    vectors by dot product through an inverted index (vembed.retrieval.sparse_index)."""
 
     top_k: Callable[..., TopK]  # one block's top-k for every query (`top_k`'s signature)
     pair_scores: Callable[[torch.Tensor, Any, torch.Tensor], torch.Tensor]  # `cosine_pairs`' signature
@@ -51,26 +52,15 @@ class Scoring:
     faiss: bool = True  # whether faiss's flat index can score its blocks (one vector per document)
     name: str = "cosine"  # the score, as commands report it
     vectors: str = "one vector per document"  # what the model gives, as refusals name it
+    # (adapter, encoded queries) -> what top_k and pair_scores take (sparse vectors: CSR, once); None: the tensor
+    prepare_queries: Callable[["EmbeddingAdapter", torch.Tensor], Any] | None = None
+
+    def queries(self, adapter: "EmbeddingAdapter", embeddings: torch.Tensor) -> Any:
+        """The encoded queries as this Scoring's top_k takes them (`adapter`: unwrapped, for its settings)."""
+        return embeddings if self.prepare_queries is None else self.prepare_queries(adapter, embeddings)
 
 
 SCORINGS.register("single")(Scoring(top_k=top_k, pair_scores=cosine_pairs))
-
-
-def dot_pairs(queries: torch.Tensor, block: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """`(p,)` dot product of query i `(p, dim)` with block row `rows[i]` (sparse vectors, unnormalised)."""
-    return (queries.float() * block.float()[rows].to(queries.device)).sum(-1)
-
-
-def dot_top_k(query_emb: torch.Tensor, doc_emb: torch.Tensor, k: int, *, doc_offset: int = 0, normalize: bool = True,
-              chunk_elements: int = SCORE_CHUNK_ELEMENTS) -> TopK:
-    """`top_k` by dot product, whatever `normalize` says: a sparse (SPLADE) vector's size is part of its score."""
-    return top_k(query_emb, doc_emb, k, doc_offset=doc_offset, normalize=False, chunk_elements=chunk_elements)
-
-
-# Sparse (SPLADE) vectors, searched exactly as dense (n, vocabulary) blocks by dot product: a block is 1024 documents
-# (125 MB at BERT's 30522 tokens), not 32768. An inverted index over the non-zero weights is yet to come.
-SCORINGS.register("sparse")(Scoring(top_k=dot_top_k, pair_scores=dot_pairs, documents_per_block=1024, faiss=False,
-                                    name="dot product", vectors="sparse vectors (SPLADE)"))
 
 
 def scoring_of(adapter: "EmbeddingAdapter") -> Scoring:
@@ -183,12 +173,15 @@ def search_corpus(
     on_queries: Callable[[Any], None] | None = None,
 ) -> TopK:
     """Encode `queries` (shared by every process) and the corpus (each process its share), and return each query's
-    `k` best documents by the score of the adapter's embedding kind (cosine, or MaxSim for token vectors: `Scoring`).
-    The same on one process and on many. `on_block(block)` sees each block of this process's share before it is
-    scored (e.g. `maxsim_search.IndexSize.add`, to report what the index holds); `on_queries(embeddings)` the
-    queries' (e.g. `sparse_stats.SparseActivity.add_queries`)."""
+    `k` best documents by the score of the adapter's embedding kind (cosine, MaxSim for token vectors, or dot product
+    through an inverted index for sparse vectors: `Scoring`). The same on one process and on many. `on_block(block)`
+    sees each block of this process's share before it is scored (e.g. `maxsim_search.IndexSize.add`, to report what
+    the index holds); `on_queries(queries)` the queries as they are scored (e.g.
+    `sparse_stats.SparseActivity.add_queries`)."""
+    scoring = scoring_of(adapter)
     kwargs = dict(batch_size=batch_size, accelerator=accelerator, forward=forward)
-    query_emb = encode_sides(adapter, queries, desc="queries", show_progress=show_progress, **kwargs)
+    query_emb = scoring.queries(unwrapped(adapter, accelerator),
+                                encode_sides(adapter, queries, desc="queries", show_progress=show_progress, **kwargs))
     if on_queries is not None:
         on_queries(query_emb)
     blocks = document_blocks(adapter, documents, documents_per_block=documents_per_block,
@@ -196,4 +189,4 @@ def search_corpus(
     if on_block is not None:
         blocks = _shown_to(on_block, blocks)
     return search(query_emb, blocks, min(k, max(1, len(documents))), accelerator=accelerator,
-                  score_block=scoring_of(adapter).top_k)
+                  score_block=scoring.top_k)
