@@ -165,7 +165,7 @@ def test_the_gpu_tests_step_says_why_pytest_wrote_no_report(tmp_path, monkeypatc
 def test_unknown_step_is_one_line_and_exit_2(tmp_path, capsys):
     assert _load().main(["--out", str(tmp_path), "--steps", "gpu_tests,nope"]) == 2
     assert capsys.readouterr().err.strip() == ("error: --steps: unknown step nope; choose from gpu_tests, clip_speed, "
-                                               "text_speed, cross_encoder_speed, colbert_speed, qwen_memory")
+                                               "text_speed, cross_encoder_speed, colbert_speed, levers, qwen_memory")
 
 
 def test_only_missing_distributions_and_vembed_are_installed_from_the_wheel_folder(tmp_path):

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from one_step import one_step
+from one_step import relative_difference as _relative
 from ranks import run_on_ranks
 
 from vembed.components import recipe_from_dict
@@ -138,33 +140,16 @@ def uneven_texts(tmp_path, tiny_tokenizer_dir) -> dict:
     }
 
 
+def _step(raw: dict, rows: list[int]) -> tuple[dict[str, torch.Tensor], float, torch.Tensor]:
+    return one_step(raw, rows, seed=7)  # the dropout test's reference draws from the same seed
+
+
 def _trainer(raw: dict):
     from vembed.training.loop import Trainer
 
     trainer = Trainer(recipe_from_dict(raw))
     trainer.build()
     return trainer
-
-
-def _step(raw: dict, rows: list[int], seed: int = 7) -> tuple[dict[str, torch.Tensor], float, torch.Tensor]:
-    from accelerate.utils import send_to_device
-
-    trainer = _trainer(raw)
-    batch = send_to_device(trainer.loader.collate_fn([trainer.dataset[i] for i in rows]), trainer.accelerator.device)
-    objective = trainer.accelerator.unwrap_model(trainer.model)
-    with torch.no_grad():
-        query = objective.encode_side(batch["query"]).clone()
-    torch.manual_seed(seed)
-    loss = trainer.train_step(batch)
-    grads = {n: p.grad.detach().clone() for n, p in objective.named_parameters() if p.grad is not None}
-    return grads, loss.item(), query
-
-
-def _relative(actual: dict, reference: dict) -> float:
-    assert actual.keys() == reference.keys()
-    ref = torch.cat([g.flatten() for g in reference.values()])
-    got = torch.cat([actual[n].flatten() for n in reference])
-    return ((got - ref).norm() / ref.norm()).item()
 
 
 @pytest.fixture

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from one_step import one_step as _step
+from one_step import relative_difference as _relative
 from ranks import run_on_ranks
 
 from vembed.components import recipe_from_dict
@@ -35,29 +37,6 @@ def uneven_texts(tmp_path, tiny_tokenizer_dir) -> dict:
         "data": {"train": str(path)}, "output_dir": str(tmp_path / "run"), "batch_size": BATCH, "seed": 0,
         "eval_before_training": False, "learnable_temperature": True,
     }
-
-
-def _step(raw: dict, rows: list[int]) -> tuple[dict[str, torch.Tensor], float, torch.Tensor]:
-    from accelerate.utils import send_to_device
-
-    from vembed.training.loop import Trainer
-
-    trainer = Trainer(recipe_from_dict(raw))
-    trainer.build()
-    batch = send_to_device(trainer.loader.collate_fn([trainer.dataset[i] for i in rows]), trainer.accelerator.device)
-    objective = trainer.accelerator.unwrap_model(trainer.model)
-    with torch.no_grad():
-        query = objective.encode_side(batch["query"]).clone()
-    loss = trainer.train_step(batch)
-    grads = {n: p.grad.detach().clone() for n, p in objective.named_parameters() if p.grad is not None}
-    return grads, loss.item(), query
-
-
-def _relative(actual: dict, reference: dict) -> float:
-    assert actual.keys() == reference.keys()
-    ref = torch.cat([g.flatten() for g in reference.values()])
-    got = torch.cat([actual[n].flatten() for n in reference])
-    return ((got - ref).norm() / ref.norm()).item()
 
 
 def test_length_sorted_chunks_give_the_padded_step(uneven_texts):
