@@ -155,6 +155,7 @@ class QwenVLAdapter(TokenVectors, TransformersAdapter):
             from vembed.models.packing import use_packed_attention
 
             use_packed_attention(model, "text_config")
+            self._rope_arguments = forward_argument_names(self.backbone.get_rope_index)
         if settings.multi_vector:
             self.add_projection(model.config.text_config.hidden_size, next(model.parameters()).device)
         if tokenizer is None:  # on_meta: nothing to tokenise, so nothing to check
@@ -386,9 +387,8 @@ class QwenVLAdapter(TokenVectors, TransformersAdapter):
         from vembed.models.packing import Packing
 
         backbone = self.backbone
-        accepted = forward_argument_names(backbone.get_rope_index)
         positions, _ = backbone.get_rope_index(**{key: value for key, value in model_inputs.items()
-                                                  if key in accepted and key != PIXEL_VALUES})
+                                                  if key in self._rope_arguments and key != PIXEL_VALUES})
         packing = Packing.of(model_inputs["attention_mask"])
         packed = {key: value for key, value in model_inputs.items() if key in (IMAGE_GRID_THW, PIXEL_VALUES)}
         packed.update({key: packing.pack(value) for key, value in model_inputs.items()

@@ -125,6 +125,7 @@ class TextAdapter(TokenVectors, TransformersAdapter):
         self._text_keys = forward_argument_names(model.forward)
         if settings.packing:
             use_packed_attention(model)
+            self._first_position = first_position(model)  # read once: it walks the model's modules
         if settings.multi_vector:
             self.add_projection(model.config.hidden_size, next(model.parameters()).device)
             self._skipped = ([tokenizer.convert_tokens_to_ids(t) for t in punctuation_tokens(tokenizer)]
@@ -300,7 +301,7 @@ class TextAdapter(TokenVectors, TransformersAdapter):
     def _per_token(self, tokens: dict[str, torch.Tensor], read: Callable[[Any], torch.Tensor]) -> torch.Tensor:
         """`read(model output)`, a (rows, positions, ...) per-token tensor, computed packed when `packing` is on."""
         if self.settings.packing:
-            return packed_forward(self.model, tokens, read, self._text_keys, first_position(self.model))
+            return packed_forward(self.model, tokens, read, self._text_keys, self._first_position)
         return read(self.model(**tokens))
 
 
