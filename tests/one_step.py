@@ -35,3 +35,30 @@ def relative_difference(actual: dict[str, torch.Tensor], reference: dict[str, to
     ref = torch.cat([g.flatten() for g in reference.values()])
     got = torch.cat([actual[n].flatten() for n in reference])
     return ((got - ref).norm() / ref.norm()).item()
+
+
+def _rank_step(raw_path: str, out_dir: str, batch: int, seed: int | None) -> None:
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    share = batch // world
+    grads, _, _ = one_step(json.loads(Path(raw_path).read_text()), list(range(rank * share, (rank + 1) * share)), seed)
+    if rank == 0:
+        torch.save({n: g.cpu() for n, g in grads.items()}, Path(out_dir) / "ddp.pt")
+
+
+def two_rank_gradients(raw: dict, folder, batch: int, seed: int | None = None) -> dict[str, torch.Tensor]:
+    """Rank 0's gradients after one step of 2 gloo ranks, each on its half of rows 0..batch-1 (`raw`'s batch_size
+    is the per-rank batch); written to and read from `folder`."""
+    import json
+    from pathlib import Path
+
+    from ranks import run_on_ranks
+
+    raw_path = Path(folder) / "raw.json"
+    raw_path.write_text(json.dumps(raw))
+    run_on_ranks(_rank_step, str(raw_path), str(folder), batch, seed, world=2)
+    return torch.load(Path(folder) / "ddp.pt", weights_only=True)

@@ -7,13 +7,11 @@ against a padded forward that draws one dropout mask per real token (what packin
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from one_step import one_step
+from one_step import one_step, two_rank_gradients
 from one_step import relative_difference as _relative
-from ranks import run_on_ranks
 
 from vembed.components import recipe_from_dict
 from vembed.models.packing import Packing, first_position, packed_attention, packed_forward, use_packed_attention
@@ -195,25 +193,12 @@ def test_a_packed_step_under_gradient_cache_equals_the_padded_step(uneven_texts)
     assert _relative(cached, padded) <= TOLERANCE
 
 
-def _two_rank_step(raw_path: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    half = BATCH // world
-    grads, _, _ = _step(json.loads(Path(raw_path).read_text()), list(range(rank * half, (rank + 1) * half)))
-    if rank == 0:
-        torch.save({n: g.cpu() for n, g in grads.items()}, Path(out_dir) / "ddp.pt")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("grad_cache", [{}, {"use_gradient_cache": True, "gradient_cache_chunk_size": 3}],
                          ids=["plain", "gradcache"])
 def test_two_packed_ranks_equal_one_padded_process_on_the_whole_batch(uneven_texts, tmp_path, grad_cache):
     raw = dict(uneven_texts, batch_size=BATCH // 2, packing=True, **grad_cache)
-    raw_path = tmp_path / "raw.json"
-    raw_path.write_text(json.dumps(raw))
-    run_on_ranks(_two_rank_step, str(raw_path), str(tmp_path), world=2)
-    ddp = torch.load(tmp_path / "ddp.pt", weights_only=True)
+    ddp = two_rank_gradients(raw, tmp_path, BATCH, seed=7)
     one, _, _ = _step(uneven_texts, list(range(BATCH)))
     assert _relative(ddp, one) <= TOLERANCE
 

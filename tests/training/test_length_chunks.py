@@ -10,7 +10,7 @@ import pytest
 import torch
 from one_step import one_step as _step
 from one_step import relative_difference as _relative
-from ranks import run_on_ranks
+from one_step import two_rank_gradients
 
 from vembed.components import recipe_from_dict
 
@@ -143,26 +143,12 @@ def test_gradient_cache_chunks_formed_by_length_equal_the_padded_step_with_less_
     assert sorted_positions == least < consecutive_positions
 
 
-def _two_rank_step(raw_path: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    assert world == 2
-    half = BATCH // world
-    grads, _, _ = _step(json.loads(Path(raw_path).read_text()), list(range(rank * half, (rank + 1) * half)))
-    if rank == 0:
-        torch.save({n: g.cpu() for n, g in grads.items()}, Path(out_dir) / "ddp.pt")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("grad_cache", [{}, {"use_gradient_cache": True, "gradient_cache_chunk_size": 2}],
                          ids=["plain", "gradcache-by-length"])
 def test_two_ranks_with_length_chunks_equal_one_process_on_the_whole_batch(uneven_texts, tmp_path, grad_cache):
     raw = dict(uneven_texts, batch_size=BATCH // 2, length_chunks=2, **grad_cache)
-    raw_path = tmp_path / "raw.json"
-    raw_path.write_text(json.dumps(raw))
-    run_on_ranks(_two_rank_step, str(raw_path), str(tmp_path), world=2)
-    ddp = torch.load(tmp_path / "ddp.pt", weights_only=True)
+    ddp = two_rank_gradients(raw, tmp_path, BATCH)
     one, _, _ = _step(dict(uneven_texts, batch_size=BATCH), list(range(BATCH)))  # one padded forward per side
     assert _relative(ddp, one) <= 1e-5
 
