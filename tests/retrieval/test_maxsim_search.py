@@ -409,7 +409,7 @@ def test_pool_factor_keys_and_flags():
         set_pool_factor(colbert, -1, key="index.pool")
     set_pool_factor(colbert, 1)
     assert pool_factor_of(colbert) == 1 and pool_factor_key(colbert) == {}
-    dense = SimpleNamespace(embedding_kind="single_vector", settings=SimpleNamespace())
+    dense = SimpleNamespace(embedding_kind="single", settings=SimpleNamespace())
     set_pool_factor(dense, 1)  # no pooling asks nothing of the model
     assert pool_factor_of(dense) == 1 and not hasattr(dense.settings, "document_pool_factor")
     with pytest.raises(RecipeError, match="^argument error: --pool-factor: pools token vectors; this model gives one "
