@@ -110,3 +110,32 @@ def test_named_sources_are_each_evaluated_apart_with_their_scored_metrics(model_
     assert main(["eval", str(model), f"sts={files['sts']}", str(files["triplets"])]) == 2
     err = capsys.readouterr().err.strip()
     assert "has no NAME= while other data arguments do" in err and "\n" not in err
+
+
+def test_a_corpus_folder_and_pair_files_named_together_are_each_evaluated_as_alone(model_and_corpus, tmp_path,
+                                                                                    capsys):
+    """NAME=FOLDER beside NAME=PAIRS: the folder searched as `vembed eval MODEL FOLDER` searches it, the pairs as
+    alone; --split reaches the folder, pair-only flags the pairs; the flags of neither kind stay refused."""
+    model, corpus = model_and_corpus
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"query": f"a blue circle {i}", "positive": f"circle {i}"}) + "\n"
+                             for i in range(6)))
+    alone = {}
+    for name, data in (("beir", corpus), ("pairs", pairs)):
+        assert main(["eval", str(model), str(data), "--output", str(tmp_path / f"{name}.json")]) == 0
+        alone[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert main(["eval", str(model), f"beir={corpus}", f"pairs={pairs}", "--split", "test", "--mrl-dims", "8",
+                 "--output", str(tmp_path / "both.json")]) == 0
+    both = json.loads((tmp_path / "both.json").read_text())
+    assert "corpus/ndcg@10" in alone["beir"] and "q2d/mrr" in alone["pairs"]
+    for name, metrics in alone.items():
+        for key, value in metrics.items():
+            assert both[f"{name}/{key}"] == pytest.approx(value, abs=1e-6), (name, key)
+    assert list(both)[0].startswith("beir/")  # the order given
+    assert "corpus/ndcg@10" not in both and "q2d/mrr" not in both  # no key both kinds have: no mean
+    assert both["num_queries"] == alone["beir"]["num_queries"] + alone["pairs"]["num_queries"]  # sizes: totals
+    assert "pairs/q2d/dim8/mrr" in both and not any("dim8" in key for key in alone["pairs"])  # --mrl-dims: pairs
+    capsys.readouterr()
+    assert main(["eval", str(model), f"beir={corpus}", "--column", "query=text"]) == 2  # no pairs to map
+    err = capsys.readouterr().err.strip()
+    assert "--column" in err and "applies to pair files" in err and "\n" not in err

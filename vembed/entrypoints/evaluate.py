@@ -22,6 +22,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
+    from vembed.data.corpus import CorpusSource
+    from vembed.models.base import EmbeddingAdapter
+    from vembed.recipe import DataConfig
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from vembed.entrypoints.search import add_sparse_arguments
@@ -29,9 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_dir", metavar="MODEL_DIR|RUN_FILE",
                         help="a model folder saved by vembed (e.g. runs/demo/final), by sentence-transformers or by "
                              "transformers, or a hub id; or a TREC run file, measured on a corpus folder")
-    parser.add_argument("data", nargs="+", help="JSONL/CSV/Parquet file(s) or a directory of them; NAME=PATH names a "
-                                                "source: each is evaluated apart (metrics under NAME/, and their "
-                                                "mean over sources unprefixed)")
+    parser.add_argument("data", nargs="+", help="JSONL/CSV/Parquet file(s) or a directory of them, or a corpus "
+                                                "folder; NAME=PATH names a source (pair files or a corpus folder): "
+                                                "each is evaluated apart (metrics under NAME/, and their mean over "
+                                                "sources unprefixed; counts summed)")
     parser.add_argument("--image-root", "--image_root", help="directory relative image paths are resolved against")
     parser.add_argument("--format", default="auto", choices=["auto", "jsonl", "json", "csv", "parquet", "hf"],
                         help="the data files' format (default auto: from each file's extension)")
@@ -81,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
             return _evaluate_run_file(args)
         corpus = _is_corpus(args)
         _check_reranking(args, corpus)
-        if not corpus and args.split is not None:
+        if not _corpus_folders(args) and args.split is not None:
             raise RecipeError("--split", f"names a qrels split of a corpus folder; {' '.join(args.data)} is not "
                                          "one (a corpus folder holds corpus.jsonl, queries.jsonl and qrels/)")
         if _asks_for_a_launch(args):
@@ -123,6 +128,15 @@ def _is_corpus(args: argparse.Namespace) -> bool:
     return len(args.data) == 1 and is_corpus_folder(args.data[0])
 
 
+def _corpus_folders(args: argparse.Namespace) -> dict[str | None, str]:
+    """The corpus folders among DATA: {None: FOLDER} for one unnamed folder, else the named sources that are one."""
+    from vembed.data.corpus import is_corpus_folder
+
+    if _is_corpus(args):
+        return {None: args.data[0]}
+    return {name: path for name, path in (_named_sources(args.data) or {}).items() if is_corpus_folder(path)}
+
+
 def _evaluate(args: argparse.Namespace, corpus: bool) -> int:
     """Evaluate in this process, one of the processes a launch started or the only one; rank 0 reports."""
     from vembed.training.launch_promise import command_accelerator, stop_with_launcher
@@ -134,7 +148,7 @@ def _evaluate(args: argparse.Namespace, corpus: bool) -> int:
     if args.first_stage is not None:
         metrics = _evaluate_reranker(args, accelerator)
     else:
-        metrics = _evaluate_corpus(args, accelerator) if corpus else _evaluate_pairs(args, accelerator)
+        metrics = _evaluate_embedder(args, accelerator)
     if accelerator.is_main_process:
         if args.first_stage is not None:
             from vembed.reranking.evaluation import metrics_table
@@ -185,26 +199,81 @@ def _evaluate_run_file(args: argparse.Namespace) -> int:
     return 0
 
 
-def _evaluate_corpus(args: argparse.Namespace, accelerator: "Accelerator") -> dict[str, float]:
-    from vembed.data.corpus import CorpusSource
+def _evaluate_embedder(args: argparse.Namespace, accelerator: "Accelerator") -> dict[str, float]:
+    """An embedding model on DATA: one corpus folder, pair files, or named sources of either kind, each evaluated
+    apart (its metrics under NAME/, their mean over sources unprefixed, as in-run evaluation reports them)."""
     from vembed.entrypoints import quiet_libraries
-    from vembed.entrypoints.search import sparse_pruning
-    from vembed.errors import RecipeError
-    from vembed.evaluation.corpus import evaluate_corpus
+    from vembed.evaluation.pairs import merge_source_metrics
     from vembed.models.foreign import load_embedding_model
-    from vembed.models.splade import SPARSE
-    from vembed.retrieval.maxsim_search import MULTI_VECTOR, IndexSize, pool_factor_of, set_pool_factor
-    from vembed.retrieval.sparse_stats import SparseActivity
 
-    for flag, value in (("--mrl-dims", args.mrl_dims), ("--column", args.column)):
-        if value:
-            raise RecipeError(flag, "applies to pair files, not to a corpus folder")
-    source = CorpusSource(None, args.data[0], args.split or "test", args.image_root, "--split")
-    source.check()
+    folders = _corpus_folders(args)
+    named = _named_sources(args.data)
+    pairs = None if None in folders else ({name: path for name, path in named.items() if name not in folders}
+                                          if named else args.data)
+    _check_flags(args, corpus=bool(folders), pairs=bool(pairs), mixed=bool(folders) and bool(pairs))
+    sources = {name: _corpus_source(args, name, folder) for name, folder in folders.items()}
+    data = _pair_data(args, pairs) if pairs else None
+    for source in sources.values():
+        source.check()
     quiet_libraries()
     adapter = load_embedding_model(args.model_dir, trust_remote_code=args.trust_remote_code)
+    if pairs:
+        _check_pair_model(args, adapter)
+    if sources:
+        _prepare_corpus_model(args, adapter)
+    if None in sources:
+        return _corpus_metrics(args, adapter, sources[None], accelerator)
+    if not named:
+        return _pair_metrics(args, adapter, data, accelerator)
+    found = {name: _corpus_metrics(args, adapter, source, accelerator) for name, source in sources.items()}
+    if data is not None:
+        found.update(_pair_metrics(args, adapter, data, accelerator, named=True))
+    return merge_source_metrics({name: found[name] for name in named})  # in the order given
+
+
+def _check_flags(args: argparse.Namespace, *, corpus: bool, pairs: bool, mixed: bool) -> None:
+    """Flags that apply to one kind of data are refused, in one line, when none of the data is of that kind."""
+    from vembed.errors import ArgumentError, RecipeError
+
+    if not pairs:
+        for flag, value in (("--mrl-dims", args.mrl_dims), ("--column", args.column)):
+            if value:
+                raise RecipeError(flag, "applies to pair files, not to a corpus folder")
+    if corpus:
+        return
+    if args.pool_factor is not None:
+        raise RecipeError("--pool-factor", "applies to a corpus folder (documents indexed as token vectors), not to "
+                                           "pair files")
+    for side in ("query", "document"):
+        if getattr(args, f"sparse_{side}_top_k") is not None:
+            raise ArgumentError(f"--sparse-{side}-top-k", "applies to a corpus folder (searched through a sparse "
+                                                           "model's inverted index), not to pair files")
+
+
+def _corpus_source(args: argparse.Namespace, name: str | None, folder: str) -> "CorpusSource":
+    from vembed.data.corpus import CorpusSource
+
+    return CorpusSource(name, folder, args.split or "test", args.image_root, "--split")
+
+
+def _prepare_corpus_model(args: argparse.Namespace, adapter: "EmbeddingAdapter") -> None:
+    """How the corpus is indexed: token vectors pooled by --pool-factor, sparse vectors pruned by --sparse-*-top-k."""
+    from vembed.entrypoints.search import sparse_pruning
+    from vembed.retrieval.maxsim_search import set_pool_factor
+
     set_pool_factor(adapter, args.pool_factor)
     sparse_pruning(adapter, args)
+
+
+def _corpus_metrics(args: argparse.Namespace, adapter: "EmbeddingAdapter", source: "CorpusSource",
+                    accelerator: "Accelerator") -> dict[str, float]:
+    """Every judged query of the folder's split searched against its whole corpus; a multi_vector model's index size
+    and a sparse model's active dimensions beside the metrics."""
+    from vembed.evaluation.corpus import evaluate_corpus
+    from vembed.models.splade import SPARSE
+    from vembed.retrieval.maxsim_search import MULTI_VECTOR, IndexSize, pool_factor_of
+    from vembed.retrieval.sparse_stats import SparseActivity
+
     split = source.load()
     index = IndexSize() if adapter.embedding_kind == MULTI_VECTOR else None
     activity = SparseActivity() if adapter.embedding_kind == SPARSE else None
@@ -212,16 +281,17 @@ def _evaluate_corpus(args: argparse.Namespace, accelerator: "Accelerator") -> di
     metrics = evaluate_corpus(adapter.to(accelerator.device), split, batch_size=args.batch_size,
                               max_queries=args.max_samples, show_progress=True, accelerator=accelerator,
                               on_block=on_block, on_queries=activity.add_queries if activity is not None else None)
+    label = "" if source.name is None else f"{source.name}: "
     if index is not None:  # what --pool-factor promises, measured on the index this search built
         index = index.across(accelerator)
         metrics.update(index.metrics())
         if accelerator.is_main_process:
-            print(index.describe(pool_factor_of(adapter)), file=sys.stderr)
+            print(label + index.describe(pool_factor_of(adapter)), file=sys.stderr)
     if activity is not None:  # what a sparse model's vectors cost: active dimensions, the inverted index's size
         activity = activity.across(accelerator)
         metrics.update(activity.metrics())
         if accelerator.is_main_process:
-            print(activity.describe(adapter.embedding_dim), file=sys.stderr)
+            print(label + activity.describe(adapter.embedding_dim), file=sys.stderr)
     return metrics
 
 
@@ -300,15 +370,11 @@ def _evaluate_reranker(args: argparse.Namespace, accelerator: "Accelerator") -> 
                       depth=top_k, cutoffs=cutoffs_for(top_k))
 
 
-def _evaluate_pairs(args: argparse.Namespace, accelerator: "Accelerator") -> dict[str, float]:
+def _pair_data(args: argparse.Namespace, pairs: "dict[str, str] | list[str]") -> "DataConfig":
+    """The pair files as a recipe's test split (named sources: a dict), checked as a recipe's data is."""
     from vembed.data.paths import check_data_paths
-    from vembed.data.sources import load_examples
-    from vembed.entrypoints import quiet_libraries
-    from vembed.errors import ArgumentError, RecipeError
-    from vembed.models.foreign import load_embedding_model
-    from vembed.models.token_vectors import require_single_vector
+    from vembed.errors import RecipeError
     from vembed.recipe import ColumnMap, DataConfig
-    from vembed.tasks.contrastive import check_images_per_side
 
     columns = {}
     for item in args.column:
@@ -316,33 +382,39 @@ def _evaluate_pairs(args: argparse.Namespace, accelerator: "Accelerator") -> dic
             raise RecipeError("--column", f"{item!r} is not FIELD=COLUMN (e.g. query=caption)")
         field, column = item.split("=", 1)
         columns[field] = column
-    named = _named_sources(args.data)
     try:
-        data = DataConfig(test=named or args.data, image_root=args.image_root, format=args.format,
+        data = DataConfig(test=pairs, image_root=args.image_root, format=args.format,
                           columns=ColumnMap(**columns), max_bad_fraction=1.0)
     except Exception as err:  # pydantic's message names the field
         raise RecipeError("--column", str(err).splitlines()[-1]) from None
     check_data_paths(data, ("test",))  # the checks a recipe's data gets
-    if args.pool_factor is not None:
-        raise RecipeError("--pool-factor", "applies to a corpus folder (documents indexed as token vectors), not to "
-                                           "pair files")
-    for side in ("query", "document"):
-        if getattr(args, f"sparse_{side}_top_k") is not None:
-            raise ArgumentError(f"--sparse-{side}-top-k", "applies to a corpus folder (searched through a sparse "
-                                                           "model's inverted index), not to pair files")
-    quiet_libraries()
-    adapter = load_embedding_model(args.model_dir, trust_remote_code=args.trust_remote_code)
+    return data
+
+
+def _check_pair_model(args: argparse.Namespace, adapter: "EmbeddingAdapter") -> None:
+    from vembed.errors import RecipeError
+    from vembed.models.token_vectors import require_single_vector
+
     require_single_vector(adapter, "vembed eval of pair files", "evaluate it on a corpus folder (corpus.jsonl, "
                                                                 "queries.jsonl, qrels/): vembed eval MODEL_DIR FOLDER")
     too_big = [d for d in args.mrl_dims or () if not 0 < d <= adapter.embedding_dim]
     if too_big:
         raise RecipeError("--mrl-dims", f"{too_big} are not in 1..{adapter.embedding_dim}, the model's "
                                         "embedding size")
+
+
+def _pair_metrics(args: argparse.Namespace, adapter: "EmbeddingAdapter", data: "DataConfig",
+                  accelerator: "Accelerator", named: bool = False) -> dict[str, float]:
+    """Retrieval among the pairs' own documents, plus similarity and triplet metrics where the rows have scores or
+    negatives; with `named`, a dict name -> that source's metrics."""
+    from vembed.data.sources import load_examples
+    from vembed.evaluation.pairs import evaluate_retrieval
+    from vembed.evaluation.scored import evaluate_scored
+    from vembed.tasks.contrastive import check_images_per_side
+
     # Negatives kept (as many as every record has) for triplet accuracy; retrieval reads only queries and positives.
     examples, report = load_examples(data, "test", num_hard_negatives=None)
     check_images_per_side(adapter.model_type, examples)
-    from vembed.evaluation.pairs import evaluate_retrieval, merge_source_metrics
-    from vembed.evaluation.scored import evaluate_scored
 
     def evaluate(chosen: list) -> dict[str, float]:
         chosen = chosen[: args.max_samples] if args.max_samples else chosen  # per source, as in-run evaluation
@@ -352,8 +424,8 @@ def _evaluate_pairs(args: argparse.Namespace, accelerator: "Accelerator") -> dic
 
     if not named:
         return evaluate(examples)
-    # Each source's own queries against its own documents, in the order given; negatives and scores of its rows.
-    return merge_source_metrics({name: evaluate([e for e in examples if e.source_name == name]) for name in named})
+    # Each source's own queries against its own documents.
+    return {name: evaluate([e for e in examples if e.source_name == name]) for name in data.test}
 
 
 def _named_sources(data: list[str]) -> dict[str, str] | None:

@@ -233,13 +233,19 @@ def evaluate_retrieval(
 
 def merge_source_metrics(per_source: "dict[Any, dict[str, float]]") -> dict[str, float]:
     """The metrics of named sources evaluated one by one: each source's under `<source>/` and, unprefixed, the mean
-    over sources of every key they all have (as MTEB scores each task apart, then averages). In-run evaluation and
-    `vembed eval` both report named sources this way."""
+    over sources of every key they all have (as MTEB scores each task apart, then averages); sizes (`num_queries`,
+    `index/bytes`, ...) are totals, not means. In-run evaluation and `vembed eval` both report named sources this way."""
     metrics = {f"{name}/{key}": value for name, found in per_source.items() for key, value in found.items()}
     shared = set.intersection(*(set(found) for found in per_source.values())) if per_source else set()
     for key in sorted(shared):
-        metrics[key] = sum(found[key] for found in per_source.values()) / len(per_source)
+        total = sum(found[key] for found in per_source.values())
+        metrics[key] = total if is_size(key) else total / len(per_source)
     return metrics
+
+
+def is_size(key: str) -> bool:
+    """A metric that counts what was searched (queries, documents, index vectors and bytes): added over sources."""
+    return key.rsplit("/", 1)[-1].startswith("num_") or key.startswith("index/")
 
 
 def zero_shot_accuracy(
