@@ -234,7 +234,7 @@ def evaluate_retrieval(
 def merge_source_metrics(per_source: "dict[Any, dict[str, float]]") -> dict[str, float]:
     """The metrics of named sources evaluated one by one: each source's under `<source>/` and, unprefixed, the mean
     over sources of every key they all have (as MTEB scores each task apart, then averages); sizes (`num_queries`,
-    `index/bytes`, ...) are totals, not means. In-run evaluation and `vembed eval` both report named sources this way."""
+    `index/bytes`, ...) are totals, not means. In-run evaluation and `vembed eval` report named sources so."""
     metrics = {f"{name}/{key}": value for name, found in per_source.items() for key, value in found.items()}
     shared = set.intersection(*(set(found) for found in per_source.values())) if per_source else set()
     for key in sorted(shared):
