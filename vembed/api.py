@@ -177,8 +177,9 @@ class Embedder:
         `vembed.retrieval.token_index.HnswSettings` for other knobs; the documents it returns keep their exact
         scores, but some of the exact top_k may be missing (needs voyager). A sparse model searches an inverted
         index of its vectors' non-zero weights (`vembed.retrieval.sparse_index`, needs scipy), pruned by the model's
-        `sparse_query_top_k` / `sparse_document_top_k` when set."""
-        from vembed.retrieval.maxsim_search import PackedTokens, maxsim_top_k
+        `sparse_query_top_k` / `sparse_document_top_k` when set. A multi_vector model's documents are pooled by its
+        `document_pool_factor` when set, as `vembed search` pools them."""
+        from vembed.retrieval.maxsim_search import maxsim_top_k, pack_documents, pool_factor_of
         from vembed.retrieval.scoring import top_k as cosine_top_k
         from vembed.retrieval.search import search_corpus
         from vembed.retrieval.token_index import TokenIndex
@@ -191,7 +192,7 @@ class Embedder:
         if self.multi_vector:
             query_vectors = self.encode_token_vectors(queries, role="query", images=query_images, **kwargs)
             documents = self.encode_token_vectors(texts, role="document", images=images, **kwargs)
-            packed = PackedTokens.pack(documents)
+            packed = pack_documents(documents, pool_factor_of(self.adapter))  # the model's document_pool_factor
             found = maxsim_top_k(query_vectors, packed, top_k) if settings is None else \
                 TokenIndex(packed, settings).search(query_vectors, top_k)
         elif self.sparse:

@@ -326,6 +326,16 @@ def test_the_python_api_searches_and_ranks_as_the_commands_do(models, tmp_path):
             assert small != found  # an approximation: some of the exact top 4 missed
             every = model.search(texts, documents, top_k=36)
             assert all(hit in whole for hits, whole in zip(small, every) for hit in hits)  # each with its exact score
+            # A model saved with document_pool_factor searches its pooled documents, as `vembed search` does.
+            pooled_file = tmp_path / "pooled.trec"
+            assert main(["search", str(root / name), str(corpus), "--out", str(pooled_file), "--top-k", "4",
+                         "--pool-factor", "2"]) == 0
+            model.adapter.settings.document_pool_factor = 2
+            pooled, pooled_run = model.search(texts, documents, top_k=4), read_run(pooled_file)
+            assert pooled != found
+            for query, hits in zip(queries, pooled):
+                assert [split.corpus.ids[hit["corpus_id"]] for hit in hits] == list(pooled_run[query])
+                assert [hit["score"] for hit in hits] == pytest.approx(list(pooled_run[query].values()), abs=1e-5)
         else:
             with pytest.raises(ValueError, match="index='hnsw' indexes token vectors; this text model gives one"):
                 model.search(texts, documents, index="hnsw")
