@@ -232,3 +232,33 @@ def test_packed_pairs_give_the_gradients_of_one_padded_forward(rerank_recipe):
         assert whole.keys() == packed.keys() and len(whole) > 10
         for name, grad in whole.items():
             assert torch.allclose(packed[name], grad, atol=1e-6, rtol=1e-5), name
+
+
+def test_flops_of_a_forward_match_torchs_counter_and_training_logs_mfu(rerank_recipe):
+    """The numerator of the loop's MFU: 2 x weights x real tokens (vembed/models/flops.py), the pooler and score head
+    once per pair; padding costs nothing."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from vembed.reranking.cross_encoder import CrossEncoderAdapter
+    from vembed.training.loop import Trainer
+
+    adapter = CrossEncoderAdapter.from_recipe(recipe_from_dict(rerank_recipe))
+    queries, documents = [q for q, _ in PAIRS], [d for _, d in PAIRS]
+    inputs = adapter.preprocess(queries, documents)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        adapter(inputs)
+    # The rule leaves out attention's T^2 term: close to torch's count, not equal.
+    assert float(adapter.forward_flops(inputs)) == pytest.approx(counter.get_total_flops(), rel=0.25)
+    alone = [float(adapter.forward_flops(adapter.preprocess([q], [d]))) for q, d in PAIRS]
+    assert len(set(alone)) > 1  # pairs of different lengths: the batch of them pads the shorter ones
+    assert float(adapter.forward_flops(inputs)) == pytest.approx(sum(alone))  # padding costs nothing
+    bert = adapter.model  # BertForSequenceClassification: pooler and classifier run once per pair
+    size = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    # Every weight but the embedding tables (looked up, not multiplied) sees every token: the layers and the
+    # embeddings' LayerNorm.
+    per_token = size(bert.bert.encoder) + size(bert.bert.embeddings.LayerNorm)
+    per_pair = size(bert.bert.pooler) + size(bert.classifier)
+    assert float(adapter.forward_flops(inputs)) == 2 * (per_token * int(inputs["attention_mask"].sum())
+                                                        + per_pair * len(PAIRS))
+    history = Trainer(recipe_from_dict(dict(rerank_recipe, max_steps=1, logging_steps=1))).run().metrics["loss_history"]
+    assert 0 < history[0]["mfu"] <= 1

@@ -231,6 +231,18 @@ class CrossEncoderAdapter(PairScorer, nn.Module):
     def towers(self) -> list[nn.Module]:
         return [self.model]
 
+    def forward_flops(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor | int:
+        """Model FLOPs of one forward of `inputs` (vembed/models/flops.py's rule, for the loop's MFU): the encoder's
+        weights see every real token; the pooler and score head one position per pair."""
+        from vembed.models.flops import WeightCounts, text_flops
+
+        counts = self.__dict__.setdefault("_matmul_weight_counts", WeightCounts())
+        encoder = self.model.base_model
+        pooler = getattr(encoder, "pooler", None)  # BERT's dense+tanh on the first token: once per pair
+        per_row = counts(pooler) if isinstance(pooler, nn.Module) else 0
+        per_token = counts(encoder) - per_row
+        return text_flops(inputs, per_token, counts(self.model) - per_token)
+
     def compile_towers(self) -> None:
         self.model.compile()
 
