@@ -9,6 +9,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# ranx (fusion) compiles its numba functions on first use: 40-80 s on a fresh install such as CI's, for runs of a few
+# queries that its same functions, run as Python, fuse in milliseconds. Set before anything imports numba.
+os.environ.setdefault("NUMBA_DISABLE_JIT", "1")
 if "VEMBED_IMAGE_CACHE_DIR" not in os.environ:  # the image cache of test runs stays out of the user's ~/.cache
     import tempfile
 
