@@ -94,6 +94,10 @@ def final_weights(out: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
+# Key projections' biases (CLIP/Qwen: k_proj, BERT: attention.self.key): see max_relative_difference.
+KEY_BIASES = ("k_proj.bias", "attention.self.key.bias")
+
+
 def max_relative_difference(actual: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
     """The largest per-tensor difference relative to that tensor's largest entry; also asserts the same tensor names
     and shapes, and the whole parameter vector within 1e-5 relative."""
@@ -104,7 +108,7 @@ def max_relative_difference(actual: dict[str, torch.Tensor], reference: dict[str
     assert ((whole_got - whole_ref).norm() / whole_ref.norm()).item() <= 1e-5
     worst = 0.0
     for name, ref in reference.items():
-        if name.endswith("k_proj.bias"):
+        if name.endswith(KEY_BIASES):
             # Softmax ignores a shift shared by all keys, so this gradient is zero in theory; Adam turns its rounding
             # noise (1e-9) into full-size steps in random directions, so it is compared only within the whole vector.
             continue

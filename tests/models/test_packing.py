@@ -7,6 +7,7 @@ against a padded forward that draws one dropout mask per real token (what packin
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -338,3 +339,27 @@ def test_a_cross_encoder_packed_below_its_head_scores_as_padded(family):
         stack = model.get_submodule(layer_stack(model))
         packed = packed_below_head(model, stack, tokens, accepted, first_position(model)).logits
     assert torch.allclose(packed, padded, atol=TOLERANCE), (packed - padded).abs().max()
+
+
+@pytest.mark.slow
+def test_a_packed_ddp_launch_trains_evaluates_and_saves_as_one_padded_process(uneven_texts, tmp_path):
+    """Through the door users run (`accelerate launch` on 2 gloo ranks): a packed run's per-step losses, its evaluation
+    before and after training and its saved weights are those of one padded process on the whole batch."""
+    from launching import final_weights, launch, max_relative_difference, train_in_this_process, write_recipe
+
+    rows = [json.loads(line) for line in Path(uneven_texts["data"]["train"]).read_text().splitlines()]
+    validation = tmp_path / "validation.jsonl"  # no row whose positive is its negative: a tie flips with rounding
+    validation.write_text("\n".join(json.dumps(row) for row in rows if row["positive"] not in row["negatives"]))
+    base = dict(uneven_texts, data={"train": uneven_texts["data"]["train"], "validation": str(validation)})
+    padded, packed = tmp_path / "padded", tmp_path / "packed"
+    train_in_this_process(write_recipe(base, padded, save_steps=None))
+    launch("ddp_cpu.yaml", write_recipe(base, packed, save_steps=None, packing=True, batch_size=BATCH // 2))
+    runs = {name: json.loads((out / "metrics.json").read_text()) for name, out in (("padded", padded),
+                                                                                  ("packed", packed))}
+    losses = {name: [record["loss"] for record in metrics["loss_history"]] for name, metrics in runs.items()}
+    assert len(losses["packed"]) == 3 and losses["packed"] == pytest.approx(losses["padded"], rel=TOLERANCE)
+    for split in ("before", "validation"):
+        assert runs["packed"][split].keys() == runs["padded"][split].keys()
+        for key, value in runs["padded"][split].items():
+            assert runs["packed"][split][key] == pytest.approx(value, abs=1e-5), (split, key)
+    assert max_relative_difference(final_weights(packed), final_weights(padded)) <= 1e-4
