@@ -41,7 +41,11 @@ def _tokens(hidden: torch.Tensor, model_type: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_family_pools_its_own_output_mean_and_gem_over_positions(recipe_for, image_sides, family):
+    from vembed.models import MODELS
+
     config = VISION_BACKBONES[family]
+    recipe = recipe_for("vision", model_config=config, projection_dim=None)
+    assert MODELS.get("vision").embedding_dim_for(recipe) == VISION_BACKBONE_WIDTHS[family]  # from the config alone
     for pooling in (None, "pooler", "mean", "gem"):
         adapter = _adapter(recipe_for, config, pooling=pooling, projection_dim=None, normalize=False, gem_p=2.0)
         assert adapter.settings.pooling == (pooling or "pooler")  # the family's own when unset
