@@ -1,10 +1,9 @@
 """Images alone: a Hugging Face vision backbone (ViT, DINOv2 with or without registers, the vision tower of CLIP or
 SigLIP, ConvNeXt (v1, v2), ResNet, EfficientNet, Swin (v1, v2)) built through transformers' Auto classes, its tokens
 or feature map pooled into one vector (what each family's output is: vembed/models/vision_families.py), optionally
-projected, and, when
-the recipe names classes, a linear classification head on top (the `classification` task, vembed/classification/
-task.py). Without a head, its embeddings are what a metric-learning loss trains (the `metric_learning`
-task, vembed/classification/metric_task.py).
+projected, and, when the recipe names classes, a linear classification head on top (the `classification` task,
+vembed/classification/task.py). Without a head, its embeddings are what a metric-learning loss trains (the
+`metric_learning` task, vembed/classification/metric_task.py).
 
 Given a whole CLIP/SigLIP model, the backbone is its image side (vision tower, pooled and projected as that model
 embeds images), and `head_init: class_names` starts the head from its text tower's embeddings of the class names.
