@@ -75,6 +75,8 @@ ELSEWHERE: dict[str, set[str]] = {
     # num_classes, after the task's check
     "vembed/classification/metric_losses.py": {"SubCenterArcFaceLoss.from_recipe"},
     "vembed/classification/pml.py": {"PMLLoss.from_recipe"},  # num_classes of a proxy loss, after the task's check
+    # class_weights against the training labels: stage 4 (ClassificationTask.check_recipe) and as the loss is built
+    "vembed/classification/losses.py": {"class_weight_tensor"},
     "vembed/training/objective.py": {"parameter_groups"},  # layer_lr_decay on a model stage 6 could not build on meta
     "vembed/training/streamed.py": {"StreamedEpochs._check_compatible"},
     # --- not recipes: saved model folders, and command lines whose flag is not a literal ---

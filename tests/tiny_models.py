@@ -131,3 +131,22 @@ def save_cross_encoder_folders(root, tokenizer_dir: str) -> dict[str, str]:
     st_dir = f"{root}/st-cross-encoder"
     CrossEncoder(transformers_dir, device="cpu", local_files_only=True).save(st_dir)
     return {"transformers": transformers_dir, "sentence-transformers": st_dir}
+
+# model_type vision's CNN and hierarchical backbones at image size 32, stochastic depth off (Swin's default is 0.1,
+# EfficientNet's 0.2): a final stage of width 16 (EfficientNet: hidden_dim, which must be round_filters(1280) at its
+# width_coefficient: 128 at 0.1). ResNet's config has no image size; 32 is kept as an extra key.
+_CONVNEXT = {"hidden_sizes": [8, 16], "depths": [1, 1], "num_stages": 2, "image_size": 32, "drop_path_rate": 0.0}
+_SWIN = {"image_size": 32, "patch_size": 4, "embed_dim": 8, "depths": [1, 1], "num_heads": [2, 2], "window_size": 4,
+         "drop_path_rate": 0.0}
+VISION_BACKBONES = {
+    "convnext": {"model_type": "convnext", **_CONVNEXT},
+    "convnextv2": {"model_type": "convnextv2", **_CONVNEXT},
+    "resnet": {"model_type": "resnet", "embedding_size": 8, "hidden_sizes": [8, 16], "depths": [1, 1],
+               "layer_type": "basic", "image_size": 32},
+    # one block per stage but the second's two: only a repeated block has a drop-connect (skip) path
+    "efficientnet": {"model_type": "efficientnet", "image_size": 32, "width_coefficient": 0.1, "depth_coefficient": 1.0,
+                     "num_block_repeats": [1, 2, 1, 1, 1, 1, 1], "hidden_dim": 128, "drop_connect_rate": 0.0},
+    "swin": {"model_type": "swin", **_SWIN},
+    "swinv2": {"model_type": "swinv2", **_SWIN},
+}
+VISION_BACKBONE_WIDTHS = {"convnext": 16, "convnextv2": 16, "resnet": 16, "efficientnet": 128, "swin": 16, "swinv2": 16}

@@ -1,8 +1,10 @@
-"""Cross-entropy on class logits, with label smoothing: the classification task's loss (model_type vision)."""
+"""Cross-entropy on class logits, with label smoothing and class weights: the classification task's loss (model_type
+vision)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -10,6 +12,7 @@ from pydantic import Field
 from torch import nn
 
 from vembed.classification import CLASSIFICATION_LOSSES
+from vembed.errors import RecipeError
 from vembed.recipe import Settings
 
 if TYPE_CHECKING:
@@ -18,27 +21,67 @@ if TYPE_CHECKING:
 
 class CrossEntropySettings(Settings):
     label_smoothing: float = Field(default=0.0, ge=0.0, lt=1.0)  # share of the target spread over all classes
+    # Each class's weight in the loss: `balanced` (n_samples / (n_classes * count of the class) over the training
+    # labels, as scikit-learn's compute_class_weight('balanced')), or one float per class in label-id order. Computed
+    # from the data at every launch, so a resumed run has the same weights (they are not saved). Unset: all 1.
+    class_weights: Literal["balanced"] | list[float] | None = None
+
+
+def class_weight_tensor(weights: str | Sequence[float] | None, labels: Sequence[int],
+                        num_classes: int) -> torch.Tensor | None:
+    """The `class_weights` setting as a (num_classes,) float64 tensor: `balanced` from the training `labels`, or the
+    given list checked against the number of classes; None when unset."""
+    if weights is None:
+        return None
+    if weights == "balanced":
+        counts = torch.bincount(torch.as_tensor(list(labels), dtype=torch.long), minlength=num_classes)
+        if (counts == 0).any():
+            missing = int((counts == 0).nonzero()[0, 0])
+            raise RecipeError("class_weights", f"balanced weighs each class by its training images, but class "
+                                               f"{missing} has none; give the weights as a list")
+        return len(labels) / (num_classes * counts.double())
+    if len(weights) != num_classes:
+        raise RecipeError("class_weights", f"has {len(weights)} weights but there are {num_classes} classes; give "
+                                           "one per class, in label-id order")
+    return torch.tensor(weights, dtype=torch.float64)
 
 
 @CLASSIFICATION_LOSSES.register("cross_entropy")
 class CrossEntropyLoss(nn.Module):
-    """`forward(logits (B, C), labels (B,)) -> mean cross-entropy`, in float32. Each rank averages its own batch;
-    DDP's gradient mean then gives the loss of the global batch (equal batch sizes per rank)."""
+    """`forward(logits (B, C), labels (B,) or soft targets (B, C)) -> cross-entropy`, in float32: the mean over the
+    batch; with class weights, as torch's: over class indices the weighted mean (divided by the batch's weight sum),
+    over soft (mixed) targets the weighted sum divided by the batch size. Each rank averages its own batch; DDP's
+    gradient mean then gives the loss of the global batch (equal batch sizes per rank; with class weights, only
+    approximately, as the ranks' weight sums differ)."""
 
     task = "classification"  # trains models whose task is classification (vembed.tasks)
     Settings: ClassVar[type[CrossEntropySettings]] = CrossEntropySettings
 
-    def __init__(self, label_smoothing: float = 0.0):
+    def __init__(self, label_smoothing: float = 0.0, class_weights: torch.Tensor | None = None):
         super().__init__()
         self.label_smoothing = float(label_smoothing)
+        # A plain tensor, not a buffer: it is derived from the data at each launch (no checkpoint state), and stays
+        # float32 where a strategy casts the module's buffers to bf16.
+        self.class_weights = None if class_weights is None else class_weights.float()
 
     @classmethod
-    def from_recipe(cls, recipe: "Recipe") -> "CrossEntropyLoss":
-        return cls(label_smoothing=recipe.loss.label_smoothing)
+    def from_recipe(cls, recipe: "Recipe", labels: Sequence[int] | None = None,
+                    num_classes: int | None = None) -> "CrossEntropyLoss":
+        """`labels`, `num_classes`: the training labels and classes the class weights come from (the classification
+        task passes them; without them, as the memory planner builds it, the loss is unweighted: it has no
+        parameters either way)."""
+        weights = None
+        if labels is not None and num_classes is not None:
+            weights = class_weight_tensor(recipe.loss.class_weights, labels, num_classes)
+        return cls(label_smoothing=recipe.loss.label_smoothing, class_weights=weights)
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float(), labels, label_smoothing=self.label_smoothing)
+        weight = None if self.class_weights is None else self.class_weights.to(logits.device)
+        return F.cross_entropy(logits.float(), labels, weight=weight, label_smoothing=self.label_smoothing)
 
     @property
     def config(self) -> dict[str, Any]:
-        return {"name": type(self).__name__, "label_smoothing": self.label_smoothing}
+        config: dict[str, Any] = {"name": type(self).__name__, "label_smoothing": self.label_smoothing}
+        if self.class_weights is not None:
+            config["class_weights"] = [round(w, 6) for w in self.class_weights.tolist()]
+        return config

@@ -181,6 +181,10 @@ class ClassificationTask(Task):
             names = class_names(recipe)
             if data.m_per_class:
                 check_class_balance(read_split(recipe, "train", names), recipe)
+            if getattr(recipe.loss, "class_weights", None) is not None:
+                from vembed.classification.losses import class_weight_tensor
+
+                class_weight_tensor(recipe.loss.class_weights, read_split(recipe, "train", names).labels, len(names))
             for split in ("validation", "test"):
                 if getattr(data, split) is not None:
                     read_split(recipe, split, names)
@@ -198,7 +202,10 @@ class ClassificationTask(Task):
 
         recipe = self.recipe
         adapter = self.build_adapter()
-        return ClassificationObjective(adapter, loss_class(recipe).from_recipe(recipe))
+        # The class weights come from the training labels (class_weights: balanced), read again at every launch.
+        data = self.train_data
+        return ClassificationObjective(adapter, loss_class(recipe).from_recipe(recipe, labels=data.labels,
+                                                                              num_classes=len(data.names)))
 
     def batch_lines(self, world_size: int) -> list[tuple[str, str]]:
         from vembed.data.image_cache import cache_line

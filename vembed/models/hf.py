@@ -83,15 +83,20 @@ def load_model(
     attn_implementation: str | None = None,
     model_type: str | None = None,
     auto_class: str = "AutoModel",
+    config: "PretrainedConfig | None" = None,
 ) -> "PreTrainedModel":
     """`auto_class` (a transformers Auto class name: AutoModel, or AutoModelForImageTextToText for a model with its
-    LM head) from pretrained weights, or randomly initialised from a config dict."""
+    LM head) from pretrained weights, or randomly initialised from a config dict. `config`: the pretrained model's
+    config as the adapter changed it (vision: its stochastic depth), already read and checked."""
     import transformers
 
     AutoModel = getattr(transformers, auto_class)
     kwargs = hf_kwargs(trust_remote_code, attn_implementation)
     if name is not None:
-        auto_config(name, None, key=key, trust_remote_code=trust_remote_code, model_type=model_type)
+        if config is None:
+            auto_config(name, None, key=key, trust_remote_code=trust_remote_code, model_type=model_type)
+        else:
+            kwargs["config"] = config
         # float32 master weights whatever the checkpoint's dtype ("auto" is the transformers default): mixed
         # precision comes from autocast, and AdamW on bf16 weights loses small updates.
         with _loading(key, name):

@@ -1,8 +1,9 @@
 """Images alone: a Hugging Face vision backbone (ViT, DINOv2 with or without registers, the vision tower of CLIP or
-SigLIP) built through transformers' Auto classes, its tokens pooled into one vector, optionally projected, and, when
-the recipe names classes, a linear classification head on top (the `classification` task, vembed/classification/
-task.py). Without a head, its embeddings are what a metric-learning loss trains (the `metric_learning`
-task, vembed/classification/metric_task.py).
+SigLIP, ConvNeXt (v1, v2), ResNet, EfficientNet, Swin (v1, v2)) built through transformers' Auto classes, its tokens
+or feature map pooled into one vector (what each family's output is: vembed/models/vision_families.py), optionally
+projected, and, when the recipe names classes, a linear classification head on top (the `classification` task,
+vembed/classification/task.py). Without a head, its embeddings are what a metric-learning loss trains (the
+`metric_learning` task, vembed/classification/metric_task.py).
 
 Given a whole CLIP/SigLIP model, the backbone is its image side (vision tower, pooled and projected as that model
 embeds images), and `head_init: class_names` starts the head from its text tower's embeddings of the class names.
@@ -27,6 +28,7 @@ from vembed.models import MODELS
 from vembed.models.base import PretrainedSettings, TransformersAdapter, require_tokenizer_name
 from vembed.models.batch import IMAGE_INDEX, PIXEL_VALUES, TEXT_INDEX, process_images, split_sides
 from vembed.models.hf import clip_image_processor, load_image_processor, load_model, load_tokenizer, save_hf_model
+from vembed.models.vision_families import FAMILIES, drop_path_key, family_of
 from vembed.recipe import InvalidKey
 
 if TYPE_CHECKING:
@@ -37,8 +39,7 @@ if TYPE_CHECKING:
     from vembed.recipe import Recipe
 
 HEADS_FILE = "heads.safetensors"
-# Vision towers without a CLS token: their own pooling head gives the image vector for `pooling: cls`.
-NO_CLS_TOKEN = frozenset({"siglip_vision_model", "siglip2_vision_model"})
+DEFAULT_IMAGE_SIZE = 224  # a random-init backbone whose config names no image size (ResNet) sees ImageNet's
 PROMPTS_PER_FORWARD = 256  # class-name prompts embedded per text-tower forward (head_init: class_names)
 
 
@@ -57,10 +58,19 @@ class VisionSettings(PretrainedSettings):
     """`model_type: vision`: a vision backbone from `model_name` or `model_config` (e.g. `model_type: vit` or
     `dinov2` inside it), pooled and optionally projected and classified."""
 
-    # CLS token / mean of patch tokens / generalised mean of patches / the backbone's own pooled output
-    # (pooler_output: CLIP's layer-normed CLS, SigLIP's attention-pooling head, DINOv2's normed CLS, ViT's dense+tanh)
-    pooling: Literal["cls", "mean", "gem", "pooler"] = "cls"
+    # CLS token / mean of patch tokens (of a CNN's feature map: over its positions) / generalised mean of those / the
+    # backbone's own pooled output (pooler_output: CLIP's layer-normed CLS, SigLIP's attention-pooling head, DINOv2's
+    # normed CLS, ViT's dense+tanh; ConvNeXt's layer-normed global average, ResNet's and EfficientNet's global
+    # average, Swin's mean of its normed tokens). Unset: the family's own, cls for ViT, DINOv2, CLIP and SigLIP (whose
+    # cls is its pooling head: it has no CLS token), pooler for ConvNeXt, ResNet, EfficientNet and Swin, which have
+    # no CLS token (cls is refused there).
+    pooling: Literal["cls", "mean", "gem", "pooler"] | None = None
     gem_p: float = Field(default=3.0, gt=0)  # GeM's exponent (1: mean; large: towards max)
+    # Stochastic depth: the backbone config's drop-path rate (the last block's; earlier blocks drop less), set when the
+    # model is built from model_name or model_config: drop_path_rate for DINOv2, ConvNeXt and Swin, drop_connect_rate
+    # for EfficientNet (transformers applies it as dropout on each block's output). ViT, CLIP, SigLIP and ResNet have
+    # none (refused above 0). Unset: the config's own value (Swin's default is 0.1, EfficientNet's 0.2).
+    stochastic_depth: float | None = Field(default=None, ge=0, lt=1)
     projection_dim: int | None = Field(default=None, gt=0)  # a linear projection after pooling (unset: none)
     # Train only what sits on the backbone (projection, classification head): a linear probe, the backbone's weights
     # as loaded. It is still saved whole, so final/ is the same complete model.
@@ -103,6 +113,7 @@ class VisionAdapter(TransformersAdapter):
     default_lora_target_modules = ("query", "key", "value", "q_proj", "k_proj", "v_proj")
 
     def __init__(self, model: "PreTrainedModel", tokenizer: Any, image_processor: Any, settings: VisionSettings):
+        settings = settings.model_copy(update={"pooling": self.pooling_of(settings, model.config)})
         super().__init__(model, tokenizer, image_processor, settings)
         width = self.hidden_size(model.config)
         self.projection = nn.Linear(width, settings.projection_dim, bias=False) if settings.projection_dim else None
@@ -110,15 +121,20 @@ class VisionAdapter(TransformersAdapter):
         self.classifier = nn.Linear(dim, settings.num_labels) if settings.num_labels else None
         # Parts of the backbone this pooling never reaches get no gradient; DDP (without find_unused_parameters)
         # fails on those, so they are frozen (still saved: the folder stays a complete HF model).
-        for name in self.unreached_modules(model, settings.pooling):
-            model.get_submodule(name).requires_grad_(False)
+        for name in self.unreached_parameters(model, settings.pooling):
+            model.get_parameter(name).requires_grad_(False)
         if settings.freeze_backbone:
             model.requires_grad_(False)
 
     # --- what the config says --------------------------------------------------------------------------------------
     @staticmethod
     def hidden_size(config: "PretrainedConfig") -> int:
-        return config.hidden_size
+        return family_of(config).width_of(config)
+
+    @staticmethod
+    def pooling_of(settings: VisionSettings, config: "PretrainedConfig") -> str:
+        """The recipe's pooling, or, unset, the backbone family's own."""
+        return settings.pooling or family_of(config).default_pooling
 
     @classmethod
     def embedding_dim_of(cls, config: "PretrainedConfig") -> int:
@@ -139,31 +155,43 @@ class VisionAdapter(TransformersAdapter):
 
     @staticmethod
     def prefix_tokens(config: "PretrainedConfig") -> int:
-        """Tokens before the patches: CLS (none in SigLIP) and DINOv2's registers."""
-        if config.model_type in NO_CLS_TOKEN:
+        """Tokens before the patches: CLS and DINOv2's registers (none in SigLIP, Swin or a CNN's feature map)."""
+        if family_of(config).cls != "token":
             return 0
         return 1 + int(getattr(config, "num_register_tokens", 0) or 0)
 
     @classmethod
-    def unreached_modules(cls, model: nn.Module, pooling: str) -> list[str]:
-        names = [n for n in ("pooler",) if isinstance(getattr(model, n, None), nn.Module)  # ViT's dense+tanh pooler
-                 and pooling != "pooler"]
-        if model.config.model_type in NO_CLS_TOKEN and pooling not in ("cls", "pooler"):
-            names += [n for n, _ in model.named_modules() if n.endswith(".head") or n == "head"]
-        return names
+    def unreached_parameters(cls, model: nn.Module, pooling: str) -> list[str]:
+        """Parameters no forward of this adapter reaches: DINOv2's mask token (masked-image modelling only), and
+        those of modules only the backbone's own pooled output passes through (ViT's dense+tanh pooler, SigLIP's
+        pooling head, CLIP's and ConvNeXt's final layer norm) when this pooling does not read it."""
+        family = family_of(model.config)
+        modules = () if family.reads_pooler(pooling) else family.pooler_only
+        return [name for name, _ in model.named_parameters()
+                if name in family.masking_only or any(name.startswith(f"{module}.") for module in modules)]
 
     @classmethod
     def check_config(cls, config: "PretrainedConfig", key: str) -> None:
         if dual_encoder_of(config) is not None:
             return
-        if getattr(config, "vision_config", None) is not None or not hasattr(config, "hidden_size"):
-            raise RecipeError(key, f"{config.model_type!r} is not a vision backbone; name one (vit, dinov2, "
-                                   "dinov2_with_registers, clip_vision_model, siglip_vision_model) or a whole clip "
-                                   "or siglip model (its image side)")
+        if getattr(config, "vision_config", None) is not None or (config.model_type not in FAMILIES
+                                                                   and not hasattr(config, "hidden_size")):
+            raise RecipeError(key, f"{config.model_type!r} is not a vision backbone; name one ({', '.join(FAMILIES)}, "
+                                   "or another ViT-like tower) or a whole clip or siglip model (its image side)")
+
+    @classmethod
+    def hf_config(cls, settings: VisionSettings, tokenizer: Any = None) -> "PretrainedConfig":
+        """The backbone's config with the recipe's stochastic depth (check_recipe refuses it where there is none)."""
+        config = super().hf_config(settings, tokenizer)
+        key = drop_path_key(config)
+        if settings.stochastic_depth is not None and key is not None:
+            setattr(config, key, settings.stochastic_depth)
+        return config
 
     @classmethod
     def new_image_processor(cls, config: "PretrainedConfig") -> Any:
-        return clip_image_processor(config.image_size)
+        # A random-init model has no preprocessing of its own to match; ResNet's config has no image size.
+        return clip_image_processor(getattr(config, "image_size", None) or DEFAULT_IMAGE_SIZE)
 
     # --- built from a recipe / a folder ----------------------------------------------------------------------------
     @classmethod
@@ -187,6 +215,13 @@ class VisionAdapter(TransformersAdapter):
                                               "loaded; remove one of them")
         key = "model_name" if settings.model_name is not None else "model_config"
         config = cls.hf_config(settings)
+        if settings.stochastic_depth and drop_path_key(config) is None:
+            raise RecipeError("stochastic_depth", f"sets a drop-path rate, which {config.model_type!r} models do not "
+                                                  "have; remove it (it is for DINOv2, ConvNeXt, EfficientNet, Swin)")
+        family = family_of(config)
+        if settings.pooling == "cls" and family.cls is None:
+            raise RecipeError("pooling", f"cls reads a CLS token, which {config.model_type!r} models do not have; "
+                                         f"use pooler ({family.pooler}), mean or gem")
         if dual_encoder_of(config) is None:
             if settings.head_init == "class_names":
                 raise RecipeError("head_init", f"class_names embeds the class names with a CLIP/SigLIP text tower, "
@@ -194,7 +229,7 @@ class VisionAdapter(TransformersAdapter):
                                                f"{key} at a whole clip or siglip model, or use head_init: random")
             return
         # The image side of a dual encoder is its image embedding: pooled and projected as that model does.
-        if settings.pooling not in ("cls", "pooler") or settings.projection_dim is not None:
+        if settings.pooling not in (None, "cls", "pooler") or settings.projection_dim is not None:
             wrong = "projection_dim" if settings.projection_dim is not None else "pooling"
             raise RecipeError(wrong, f"is decided by the {config.model_type} model that {key} names (its image "
                                      "embedding is this backbone's output); remove it")
@@ -213,8 +248,8 @@ class VisionAdapter(TransformersAdapter):
         dual = dual_encoder_of(config)
         if dual is not None:
             return cls.from_dual_encoder(dual, settings)
-        if settings.model_name is not None:
-            model = load_model(settings.model_name, None, key="model_name",
+        if settings.model_name is not None:  # its config with the recipe's stochastic depth
+            model = load_model(settings.model_name, None, key="model_name", config=config,
                                trust_remote_code=settings.trust_remote_code,
                                attn_implementation=settings.attn_implementation)
         else:
@@ -331,8 +366,11 @@ class VisionAdapter(TransformersAdapter):
 
     def planning_tokens(self, recipe: "Recipe") -> dict[str, dict[str, int]]:
         """One image per sample through the backbone: its patches plus CLS and registers."""
+        from vembed.models.flops import vision_tokens_per_image
+
         config = self.model.config
-        patches = (config.image_size // config.patch_size) ** 2
+        size = getattr(config, "image_size", None) or DEFAULT_IMAGE_SIZE
+        patches = vision_tokens_per_image(config, size, size) - 1  # it counts a CLS token
         return {"image": {"image": patches + self.prefix_tokens(config)}}
 
     # --- used by the loop ------------------------------------------------------------------------------------------
@@ -355,12 +393,15 @@ class VisionAdapter(TransformersAdapter):
         return self.projection(pooled) if self.projection is not None else pooled
 
     def pool(self, output: Any, pooling: str) -> torch.Tensor:
-        if pooling == "pooler":
-            return output.pooler_output
+        family = family_of(self.model.config)
+        if family.reads_pooler(pooling):
+            return output.pooler_output.flatten(1)  # ResNet's is (B, C, 1, 1)
         hidden = output.last_hidden_state
+        if family.feature_map:  # (B, C, H, W): its positions are the patches
+            hidden = hidden.flatten(2).transpose(1, 2)
         prefix = self.prefix_tokens(self.model.config)
         if pooling == "cls":
-            return hidden[:, 0] if prefix else output.pooler_output
+            return hidden[:, 0]
         patches = hidden[:, prefix:].float()
         if pooling == "mean":
             return patches.mean(1).to(hidden.dtype)
