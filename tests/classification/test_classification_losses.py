@@ -51,7 +51,7 @@ def test_the_weighted_loss_is_torchs_weighted_cross_entropy(smoothing):
     weights = torch.tensor([0.5, 1.5, 3.0])
     loss = CrossEntropyLoss(label_smoothing=smoothing, class_weights=weights)
     expected = F.cross_entropy(logits, labels, weight=weights, label_smoothing=smoothing)
-    torch.testing.assert_close(loss(logits, labels), expected, atol=1e-7, rtol=0)
+    torch.testing.assert_close(loss(logits, labels), expected, atol=0, rtol=1e-6)  # a sum over the weight sum
     assert not torch.allclose(expected, F.cross_entropy(logits, labels, label_smoothing=smoothing))
     assert loss.config["class_weights"] == [0.5, 1.5, 3.0]
     assert "class_weights" not in CrossEntropyLoss().config
@@ -91,3 +91,53 @@ def test_a_weight_list_of_the_wrong_length_stops_the_launch_with_one_line(digits
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "class_weights: has 2 weights but there are 3 classes" in err, err
     assert not (tmp_path / "run").exists()
+
+
+def _weighted_rank_gradient(out: str) -> None:
+    """One rank's half of a weighted batch through a shared linear head; the gradient DDP would average, saved."""
+    import torch.distributed as dist
+
+    from vembed.classification.losses import CrossEntropyLoss
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    features, labels, weights = _weighted_batch()
+    head = torch.nn.Linear(features.shape[1], 4)
+    _same_head(head)
+    half = slice(rank * len(labels) // world, (rank + 1) * len(labels) // world)
+    loss = CrossEntropyLoss(label_smoothing=0.1, class_weights=weights)(head(features[half]), labels[half])
+    loss.backward()
+    gradient = head.weight.grad.clone()
+    dist.all_reduce(gradient)
+    if rank == 0:
+        torch.save(gradient / world, out)
+
+
+def _same_head(head: torch.nn.Linear) -> None:
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(1)))
+        head.bias.zero_()
+
+
+def _weighted_batch():
+    features = torch.randn(12, 6, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([0, 0, 0, 0, 0, 1, 2, 3, 3, 1, 0, 2])  # rank 0 holds mostly class 0, rank 1 the rest
+    return features, labels, torch.tensor([0.5, 2.0, 3.0, 1.5])
+
+
+def test_weighted_loss_on_two_ranks_has_the_gradient_of_the_whole_batch(tmp_path):
+    """Each rank's weighted sum over the global weight sum: DDP's gradient mean is the whole batch's weighted mean
+    (the ranks' own weight sums differ here, 4.5 and 11.5, so per-rank means would not average to it)."""
+    from ranks import run_on_ranks
+
+    from vembed.classification.losses import CrossEntropyLoss
+
+    out = tmp_path / "gradient.pt"
+    run_on_ranks(_weighted_rank_gradient, str(out), world=2)
+    features, labels, weights = _weighted_batch()
+    head = torch.nn.Linear(features.shape[1], 4)
+    _same_head(head)
+    loss = CrossEntropyLoss(label_smoothing=0.1, class_weights=weights)(head(features), labels)
+    expected = F.cross_entropy(head(features), labels, weight=weights, label_smoothing=0.1)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)  # one process: torch's weighted mean
+    loss.backward()
+    torch.testing.assert_close(torch.load(out, weights_only=True), head.weight.grad, atol=1e-6, rtol=1e-5)

@@ -46,13 +46,27 @@ def class_weight_tensor(weights: str | Sequence[float] | None, labels: Sequence[
     return torch.tensor(weights, dtype=torch.float64)
 
 
+def global_weight_share(local: torch.Tensor) -> torch.Tensor:
+    """The global batch's weight sum over the world size: what each rank divides its weighted sum by, so that DDP's
+    mean of the ranks' gradients is the gradient of the global batch's weighted mean (one rank: `local` itself)."""
+    from vembed.distributed import is_distributed
+
+    if not is_distributed():
+        return local
+    import torch.distributed as dist
+
+    total = local.detach().clone()
+    dist.all_reduce(total)
+    return total / dist.get_world_size()
+
+
 @CLASSIFICATION_LOSSES.register("cross_entropy")
 class CrossEntropyLoss(nn.Module):
     """`forward(logits (B, C), labels (B,) or soft targets (B, C)) -> cross-entropy`, in float32: the mean over the
     batch; with class weights, as torch's: over class indices the weighted mean (divided by the batch's weight sum),
     over soft (mixed) targets the weighted sum divided by the batch size. Each rank averages its own batch; DDP's
-    gradient mean then gives the loss of the global batch (equal batch sizes per rank; with class weights, only
-    approximately, as the ranks' weight sums differ)."""
+    gradient mean then gives the loss of the global batch (equal batch sizes per rank). With class weights and class
+    indices, each rank divides by the global batch's weight sum (one all-reduce of a scalar), so that holds too."""
 
     task = "classification"  # trains models whose task is classification (vembed.tasks)
     Settings: ClassVar[type[CrossEntropySettings]] = CrossEntropySettings
@@ -77,7 +91,11 @@ class CrossEntropyLoss(nn.Module):
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         weight = None if self.class_weights is None else self.class_weights.to(logits.device)
-        return F.cross_entropy(logits.float(), labels, weight=weight, label_smoothing=self.label_smoothing)
+        if weight is None or labels.dim() != 1:  # a mean over rows: ranks of equal batches average to the global one
+            return F.cross_entropy(logits.float(), labels, weight=weight, label_smoothing=self.label_smoothing)
+        summed = F.cross_entropy(logits.float(), labels, weight=weight, label_smoothing=self.label_smoothing,
+                                 reduction="sum")
+        return summed / global_weight_share(weight[labels].sum())
 
     @property
     def config(self) -> dict[str, Any]:
