@@ -480,3 +480,16 @@ def test_a_missing_pytorch_metric_learning_is_refused_with_the_recipe_before_a_w
                                           "pytorch-metric-learning, which is not installed; pip install "
                                           r"'vembed\[metric-learning\]'$"):
         check_recipe(parsed)
+
+
+@pytest.mark.slow
+def test_class_balanced_batches_on_two_ranks_train_as_one_process(digits, tmp_path):
+    """data.m_per_class under `accelerate launch` (2 gloo ranks of one class each, 3 images): the ranks' halves make
+    up the global batch one process draws (3 of each of 2 classes), so the weights after 4 steps are one process's."""
+    from launching import final_weights, max_relative_difference, one_process_and_launched
+
+    data = dict(recipe(digits, tmp_path)["data"], m_per_class=3)
+    raw = recipe(digits, tmp_path / "unused", batch_size=6, data=data)
+    single, launched = one_process_and_launched(raw, tmp_path, "ddp_cpu.yaml", steps=4)
+    difference = max_relative_difference(final_weights(launched), final_weights(single))
+    assert difference <= 2e-4, f"max relative parameter difference {difference:.2e}"  # SupCon: see the ZeRO-3 test

@@ -120,3 +120,27 @@ def test_a_sharded_launch_refuses_the_average_in_one_line(digits, tmp_path, kind
         recipe_checks.check_launch(parsed, kind, on_cpu=True, promise=LaunchPromise("python run.py", None))
     assert refused.value.key == "ema_decay" and f"this {kind} launch shards them" in str(refused.value)
     assert "\n" not in str(refused.value)
+
+
+@pytest.mark.slow
+def test_a_ddp_launch_averages_as_one_process_on_the_whole_batch(digits, tmp_path):
+    """`accelerate launch` on 2 gloo ranks (6 images each) with ema_decay: final/ (the average) and its evaluation
+    are those of one process on the 12 images of each global batch."""
+    from launching import final_weights, max_relative_difference, one_process_and_launched
+
+    raw = recipe(digits, tmp_path / "unused", batch_size=12, ema_decay=DECAY, eval_before_training=True)
+    single, launched = one_process_and_launched(raw, tmp_path, "ddp_cpu.yaml", steps=4)
+    assert max_relative_difference(final_weights(launched), final_weights(single)) <= 1e-4
+    plain = recipe(digits, tmp_path / "unused", batch_size=12)
+    _, without = one_process_and_launched(plain, tmp_path / "plain", "ddp_cpu.yaml", steps=4)
+    assert _relative_norm(final_weights(without), final_weights(single)) > 1e-3  # the average, not the last step
+    ours, reference = (json.loads((out / "metrics.json").read_text()) for out in (launched, single))
+    assert ours["train"]["world_size"] == 2
+    for when in ("before", "validation"):
+        assert ours[when]["confusion_matrix"] == reference[when]["confusion_matrix"], when
+        assert ours[when]["nll"] == pytest.approx(reference[when]["nll"], abs=1e-5), when
+
+
+def _relative_norm(actual: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    whole = torch.cat([value.float().flatten() for value in reference.values()])
+    return (torch.cat([actual[name].float().flatten() for name in reference]) - whole).norm().item() / whole.norm().item()
