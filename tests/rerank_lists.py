@@ -46,7 +46,6 @@ def train_qwen_rerank_tokenizer(path) -> str:
     """A byte-level Qwen tokenizer (chat and vision tokens) whose vocabulary holds "yes" and "no" as single tokens:
     the rows the Qwen-VL reranker reads."""
     from vembed.data.tokenizer import train_qwen_tokenizer
-
     from vembed.reranking.qwen_vl_reranker import DEFAULT_INSTRUCTION, JUDGE
 
     # The template's own sentences too, so that its pairs stay short (a few dozen tokens, not hundreds of bytes).
