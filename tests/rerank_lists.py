@@ -46,8 +46,7 @@ def train_qwen_rerank_tokenizer(path) -> str:
     """A byte-level Qwen tokenizer (chat and vision tokens) whose vocabulary holds "yes" and "no" as single tokens:
     the rows the Qwen-VL reranker reads."""
     from vembed.data.tokenizer import train_qwen_tokenizer
-
-    from vembed.reranking.qwen_vl import DEFAULT_INSTRUCTION, JUDGE
+    from vembed.reranking.qwen_vl_reranker import DEFAULT_INSTRUCTION, JUDGE
 
     # The template's own sentences too, so that its pairs stay short (a few dozen tokens, not hundreds of bytes).
     texts = [" ".join(WORDS)] * 8 + ["yes", "no"] * 100 + [JUDGE, DEFAULT_INSTRUCTION, "<Query>:", "\n<Document>:"] * 20

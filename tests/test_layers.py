@@ -100,9 +100,6 @@ ALLOWED_UPWARD: dict[tuple[str, str], str] = {
     ("vembed.models.foreign", "vembed.reranking"):
         "require_embedder refuses a folder vembed saved as a reranker wherever an embedder is expected (the losses' "
         "GISTEmbed guide included); which model_types are rerankers is the reranking registry's to say",
-    ("vembed.losses.saved_state", "vembed.classification"):
-        "loss.safetensors rebuilds a saved metric-learning loss (ArcFace's centres) from METRIC_LOSSES when a model "
-        "is loaded; saved_state serves every loss with trained state of its own, so it stays with the losses",
 }
 
 

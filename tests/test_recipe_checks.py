@@ -62,9 +62,9 @@ ELSEWHERE: dict[str, set[str]] = {
     "vembed/files.py": {"check_replaceable", "check_output_file"},
     "vembed/retrieval/cache.py": {"check_cache_folder"},
     # --- guards while building or resuming, behind the stages' refusals (a direct Python caller meets them) ---
-    "vembed/models/qwen_vl.py": {"QwenVLAdapter.__init__", "QwenVLAdapter._check_token_ids",
-                                 "QwenVLAdapter.planning_tokens", "set_pixel_budget"},
-    "vembed/reranking/qwen_vl.py": {"QwenVLReranker.__init__"},  # no LM head; a tokenizer without "yes"/"no"
+    "vembed/models/qwen_vl.py": {"QwenVLModel.__init__", "QwenVLModel._check_token_ids",
+                                 "QwenVLModel.planned_document", "set_pixel_budget"},
+    "vembed/reranking/qwen_vl_reranker.py": {"QwenVLReranker.__init__"},  # no LM head; a tokenizer without "yes"/"no"
     "vembed/models/text.py": {"TextAdapter.__init__", "TextAdapter.sentence_transformers_modules"},
     "vembed/models/token_projection.py": {"TokenVectors.load_projection"},  # a saved multi_vector folder
     "vembed/models/vision.py": {"VisionAdapter.load", "VisionAdapter.classify",

@@ -54,7 +54,7 @@ class Embedder:
         `device`: where to run (default: cuda when available, else cpu). `trust_remote_code`: let the folder run
         Python code it ships (models trained with `trust_remote_code: true` may need it); never on the folder's say.
         """
-        from vembed.losses.saved_state import load_saved_loss
+        from vembed.classification import load_saved_loss
         from vembed.models.base import load_adapter
 
         _refuse_a_reranker(path)
@@ -316,7 +316,7 @@ class Reranker:
 def load_model(path: str | os.PathLike, device: str | torch.device | None = None, *,
                trust_remote_code: bool = False) -> "Embedder | Classifier | Reranker":
     """The saved model at `path` as what it is for: a `Reranker`, a `Classifier` (a class head) or an `Embedder`."""
-    from vembed.losses.saved_state import load_saved_loss
+    from vembed.classification import load_saved_loss
     from vembed.models.base import load_adapter
     from vembed.reranking import load_reranker, saved_reranker_type
 

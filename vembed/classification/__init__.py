@@ -8,7 +8,9 @@ class near each other (metric learning). Both read the same labelled files; thei
   any PML loss and miner by name, chosen by `loss_type` through METRIC_LOSSES;
 - `evaluation.py` accuracy, the per-class report, confusion matrix and calibration; `metric_evaluation.py` recall@k
   and MAP@R of labelled embeddings;
-- `task.py` the `classification` task and `metric_task.py` the `metric_learning` task.
+- `task.py` the `classification` task and `metric_task.py` the `metric_learning` task;
+- `load_saved_loss` (here) a saved model's loss state, with a metric-learning loss rebuilt around it (ArcFace's
+  centres score classes when the model is loaded).
 
 The model both train is the shared vision adapter (vembed/models/vision.py, in MODELS). The losses have registries
 of their own, as the other wings' do: they take class logits or labelled embeddings, not the embedding pairs of LOSSES.
@@ -16,7 +18,13 @@ of their own, as the other wings' do: they take class logits or labelled embeddi
 
 from __future__ import annotations
 
+import os
+from typing import TYPE_CHECKING
+
 from vembed.registry import Registry
+
+if TYPE_CHECKING:
+    from vembed.losses.saved_state import SavedLoss
 
 # Losses on class logits (the classification task): they take no embeddings and no Matryoshka wrapper.
 CLASSIFICATION_LOSSES: Registry = Registry("loss_type", modules=("vembed.classification.losses",))
@@ -25,4 +33,22 @@ CLASSIFICATION_LOSSES: Registry = Registry("loss_type", modules=("vembed.classif
 METRIC_LOSSES: Registry = Registry("loss_type", modules=("vembed.classification.metric_losses",
                                                          "vembed.classification.pml"))
 
-__all__ = ["CLASSIFICATION_LOSSES", "METRIC_LOSSES"]
+
+
+def load_saved_loss(folder: str | os.PathLike) -> "SavedLoss | None":
+    """The loss state saved beside a model (`loss.safetensors`, vembed/losses/saved_state.py), or None. A
+    metric-learning loss comes back rebuilt from its settings around its trained state (`module`: sub-center ArcFace's
+    centres, which the loaded model scores classes with); any other loss's state stays tensors. Here because
+    METRIC_LOSSES, which says which losses rebuild, is this wing's."""
+    from vembed.losses.saved_state import read_saved_loss
+
+    saved = read_saved_loss(folder)
+    if saved is None or saved.loss_type not in METRIC_LOSSES:
+        return saved
+    loss = METRIC_LOSSES.get(saved.loss_type)(**saved.settings)
+    loss.load_state_dict(saved.tensors)
+    saved.module = loss.eval()
+    return saved
+
+
+__all__ = ["CLASSIFICATION_LOSSES", "METRIC_LOSSES", "load_saved_loss"]

@@ -46,18 +46,21 @@ def save_loss_state(folder: str | Path, loss: nn.Module, loss_type: str, tensors
 
 @dataclass
 class SavedLoss:
-    """What `loss.safetensors` holds. `module`: the loss rebuilt with its trained state (metric-learning losses, whose
-    settings rebuild them), else None and `tensors` are the state as saved."""
+    """What `loss.safetensors` holds. `module`: the loss rebuilt with its trained state where the loss's owner
+    rebuilds it (metric-learning losses, from `settings`: `vembed.classification.load_saved_loss`), else None and
+    `tensors` are the state as saved."""
 
     loss_type: str
     config: dict[str, Any]
     class_names: list[str] | None
     tensors: dict[str, torch.Tensor]
-    module: nn.Module | None
+    settings: dict[str, Any]  # the loss's constructor arguments, as saved
+    module: nn.Module | None = None
 
 
-def load_saved_loss(folder: str | Path) -> SavedLoss | None:
-    """The loss state saved in `folder`, or None when the model was saved without one."""
+def read_saved_loss(folder: str | Path) -> SavedLoss | None:
+    """The loss state saved in `folder` (tensors and metadata; no module), or None when the model was saved without
+    one."""
     from safetensors import safe_open
 
     path = Path(folder, LOSS_STATE_FILE)
@@ -66,17 +69,6 @@ def load_saved_loss(folder: str | Path) -> SavedLoss | None:
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata() or {}
         tensors = {key: handle.get_tensor(key) for key in handle.keys()}
-    loss_type = metadata.get("loss_type", "")
-    settings = json.loads(metadata.get("settings", "{}"))
-    return SavedLoss(loss_type, json.loads(metadata.get("config", "{}")),
-                     json.loads(metadata.get("class_names", "null")), tensors, _rebuilt(loss_type, settings, tensors))
-
-
-def _rebuilt(loss_type: str, settings: dict[str, Any], tensors: dict[str, torch.Tensor]) -> nn.Module | None:
-    from vembed.classification import METRIC_LOSSES
-
-    if loss_type not in METRIC_LOSSES:
-        return None
-    loss = METRIC_LOSSES.get(loss_type)(**settings)
-    loss.load_state_dict(tensors)
-    return loss.eval()
+    return SavedLoss(metadata.get("loss_type", ""), json.loads(metadata.get("config", "{}")),
+                     json.loads(metadata.get("class_names", "null")), tensors,
+                     settings=json.loads(metadata.get("settings", "{}")))

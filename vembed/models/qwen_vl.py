@@ -19,6 +19,10 @@ their instructions and chat format; a page screenshot's document is its image to
 
 Images go through the PIL image processor (no torchvision needed), and the image tokens are expanded here, the
 same way the transformers processor does (tests compare the two when torchvision is installed).
+
+The Qwen-VL family: `QwenVLModel` holds what every model on a Qwen-VL backbone shares (checks of the checkpoint and
+its tokenizer, images, padding, the language model's forward, packing, LoRA, pixel budgets, save and load);
+`QwenVLAdapter` here is its embedder and `QwenVLReranker` (vembed/reranking/qwen_vl_reranker.py) its reranker.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -81,6 +85,19 @@ IMAGES_PER_SIDE = "images_per_side"  # (n,): how many images each side holds; no
 PLANNED_TEXT_TOKENS = 512
 
 
+def image_placeholders(side: "Side") -> str:
+    """One `<|vision_start|><|image_pad|><|vision_end|>` per image of the side (each pad expanded later)."""
+    return (VISION_START + IMAGE_PAD + VISION_END) * len(side.images)
+
+
+def side_text(side: "Side") -> str:
+    """The side's text as the released templates write it after its images: "" when it has images only, "NULL" when
+    it has neither."""
+    if side.text and side.text.strip():
+        return side.text
+    return "" if side.images else EMPTY_INSTANCE
+
+
 def normalize_instruction(instruction: str) -> str:
     """As the official embedder does: stripped, and ended with a full stop unless it ends with punctuation."""
     instruction = instruction.strip()
@@ -133,20 +150,18 @@ def default_ending(model_name: str | None) -> str:
     return "generation_prompt" if EMBEDDING_CHECKPOINT in model_name.lower() else "endoftext"
 
 
-@MODELS.register("qwen_vl")
-class QwenVLAdapter(TokenVectors, TransformersAdapter):
-    model_type = "qwen_vl"
-    Settings: ClassVar[type[QwenVLSettings]] = QwenVLSettings
+class QwenVLModel(TransformersAdapter):
+    """What the embedder and the reranker on a Qwen-VL backbone share; each adds its prompt format and output."""
+
+    Settings: ClassVar[type[QwenVLModelSettings]] = QwenVLModelSettings
     modalities = frozenset({"text", "image"})
     max_images_per_side = None  # every image of a side goes into its user turn
     packs_texts = True  # the language model runs the sides as one row; the vision tower packs its images itself
     # The released Qwen3-VL-Embedding LoRA's targets (its README's table): the attention projections but o_proj, and
     # the MLP's. LoRA goes into the language model only (Qwen2.5-VL's vision MLP reuses these names).
     default_lora_target_modules = ("q_proj", "v_proj", "k_proj", "up_proj", "down_proj", "gate_proj")
-    late_interaction_name = "ColQwen"
-    card_tags = ("ColPali", "ColQwen")  # what the Hub lists page-retrieval late-interaction models under
 
-    def __init__(self, model: "PreTrainedModel", tokenizer: Any, image_processor: Any, settings: QwenVLSettings):
+    def __init__(self, model: "PreTrainedModel", tokenizer: Any, image_processor: Any, settings: QwenVLModelSettings):
         super().__init__(model, tokenizer, image_processor, settings)
         if model.config.model_type not in BACKBONES:
             raise RecipeError("model_name", f"is a {model.config.model_type!r} model; qwen_vl drives {BACKBONES}")
@@ -156,8 +171,6 @@ class QwenVLAdapter(TokenVectors, TransformersAdapter):
 
             use_packed_attention(model, "text_config")
             self._rope_arguments = forward_argument_names(self.backbone.get_rope_index)
-        if settings.multi_vector:
-            self.add_projection(model.config.text_config.hidden_size, next(model.parameters()).device)
         if tokenizer is None:  # on_meta: nothing to tokenise, so nothing to check
             self._token_ids = {name: getattr(model.config, name) for name in VISION_TOKEN_IDS}
             return
@@ -196,15 +209,7 @@ class QwenVLAdapter(TokenVectors, TransformersAdapter):
                               "use sdpa")
 
     @classmethod
-    def from_recipe(cls, recipe: "Recipe") -> "QwenVLAdapter":
-        adapter = super().from_recipe(recipe)
-        name = adapter.settings.model_name
-        if adapter.settings.multi_vector and name is not None and Path(name, PROJECTION_FOLDER).is_dir():
-            adapter.load_projection(name)  # continuing from a saved ColQwen: keep its projection
-        return adapter
-
-    @classmethod
-    def config_dict(cls, settings: QwenVLSettings, tokenizer: Any) -> dict[str, Any] | None:
+    def config_dict(cls, settings: QwenVLModelSettings, tokenizer: Any) -> dict[str, Any] | None:
         raw = settings.model_config_dict
         if raw is not None and tokenizer is not None:
             # A random-init model must agree with its tokenizer on the vision token ids; unless given, take them.
@@ -222,13 +227,6 @@ class QwenVLAdapter(TokenVectors, TransformersAdapter):
         return config.text_config.hidden_size
 
     @classmethod
-    def resolve(cls, settings: QwenVLSettings, tokenizer: Any, config: "PretrainedConfig") -> QwenVLSettings:
-        settings = super().resolve(settings, tokenizer, config)
-        if settings.prompt_ending is None:
-            settings = settings.model_copy(update={"prompt_ending": default_ending(settings.model_name)})
-        return settings
-
-    @classmethod
     def new_image_processor(cls, config: "PretrainedConfig") -> Any:
         """A processor matching a random-init model's vision config (patch, temporal patch and merge sizes)."""
         from transformers import Qwen2VLImageProcessorPil
@@ -240,7 +238,7 @@ class QwenVLAdapter(TokenVectors, TransformersAdapter):
         )
 
     @classmethod
-    def image_processor_for(cls, name: str | None, config: "PretrainedConfig", settings: QwenVLSettings) -> Any:
+    def image_processor_for(cls, name: str | None, config: "PretrainedConfig", settings: QwenVLModelSettings) -> Any:
         processor = super().image_processor_for(name, config, settings)
         set_pixel_budget(processor, settings.min_pixels, settings.max_pixels)
         return processor
@@ -248,13 +246,12 @@ class QwenVLAdapter(TokenVectors, TransformersAdapter):
     def encoder_configs(self) -> "dict[str, PretrainedConfig]":
         return {"text": self.model.config.text_config, "image": self.model.config.vision_config}
 
-    def planning_tokens(self, recipe: "Recipe") -> dict[str, dict[str, int]]:
-        """Every side is one language-model sequence; a document side's image also passes through the vision tower.
-
-        Assumed: one image per document side, at the pixel cap (max_pixels), and none in queries. The vision tower
-        sees its patches, max_pixels / patch²; the language model sees them merged, / merge² more, inside the
-        sequence. Text takes max_length (which bounds the whole sequence, images included) or, unset,
-        PLANNED_TEXT_TOKENS on top of the image."""
+    def planned_document(self, recipe: "Recipe") -> dict[str, int]:
+        """For the planner: a document sequence, in tokens, for the language model ("text") and the vision tower
+        ("image"). Assumed: one image, at the pixel cap (max_pixels). The vision tower sees its patches,
+        max_pixels / patch²; the language model sees them merged, / merge² more, inside the sequence. Text takes
+        max_length (which bounds the whole sequence, images included) or, unset, PLANNED_TEXT_TOKENS on top of the
+        image."""
         settings = self.settings_of(recipe)  # the recipe's own max_length, not the model's limit resolved from it
         max_pixels, max_length = settings.max_pixels, settings.max_length
         if max_pixels is None:
@@ -263,65 +260,10 @@ class QwenVLAdapter(TokenVectors, TransformersAdapter):
         vision = self.model.config.vision_config
         merge = vision.spatial_merge_size**2
         image_tokens = max_pixels // (vision.patch_size**2 * merge)  # one per merged patch
-        if max_length is not None:
-            query, document = max_length, max(max_length, image_tokens)
-        else:
-            query, document = PLANNED_TEXT_TOKENS, PLANNED_TEXT_TOKENS + image_tokens
-        return {"query": {"text": query}, "document": {"text": document, "image": image_tokens * merge}}
+        text = max(max_length, image_tokens) if max_length is not None else PLANNED_TEXT_TOKENS + image_tokens
+        return {"text": text, "image": image_tokens * merge}
 
-    @classmethod
-    def card_rows(cls, settings: dict[str, Any]) -> list[list[Any]]:
-        """Token vectors are every attended token of the side's chat-formatted sequence: they depend on its frame."""
-        query = settings.get("query_instruction") or settings.get("document_instruction")
-        return [
-            ["tokens", "every token of a side's chat-formatted sequence: instruction, text and image tokens (one per "
-                       "merged patch; the pixel bounds are in the saved image processor)"],
-            ["query instruction", f"`{query}`"],
-            ["document instruction", f"`{settings.get('document_instruction')}`"],
-            ["prompt ending", f"`{settings.get('prompt_ending')}`"],
-            ["sequence length", f"at most {settings.get('max_length')} tokens"],
-        ]
-
-    # --- the input format ------------------------------------------------------------------------------------------
-    def instruction_for(self, side: "Side") -> str:
-        if side.instruction is not None:  # a named source's own (data.train.<name>.query_instruction)
-            return normalize_instruction(side.instruction)
-        if side.role == "query" and self.settings.query_instruction is not None:
-            return normalize_instruction(self.settings.query_instruction)
-        return normalize_instruction(self.settings.document_instruction)
-
-    def prompt(self, side: "Side") -> str:
-        """The side's sequence as text, with one `<|image_pad|>` per image (before expansion)."""
-        head, body = self._prompt_parts(side)
-        return head + body + ENDINGS[self.settings.prompt_ending]
-
-    def _prompt_parts(self, side: "Side") -> tuple[str, str]:
-        images = side.images
-        text = side.text if side.text and side.text.strip() else None
-        vision = (VISION_START + IMAGE_PAD + VISION_END) * len(images)
-        head = SYSTEM_START + self.instruction_for(side) + USER_START + vision
-        return head, text if text is not None else ("" if images else EMPTY_INSTANCE)
-
-    def _side_ids(self, side: "Side", tokens_per_image: list[int]) -> list[int]:
-        """Token ids of one side with every image pad expanded; only the instance text is truncated to max_length.
-
-        The three pieces are tokenised apart so that truncation never cuts the template or an image; this equals
-        tokenising the whole string (tested) because each boundary is a special token or a newline -- except for a
-        text that itself starts with newlines, which Qwen's pre-tokeniser would merge with the one before it."""
-        head, body = self._prompt_parts(side)
-        encode = self._encode_text
-        head_ids = self._expand_images(encode(head), tokens_per_image)
-        body_ids, end_ids = encode(body), encode(ENDINGS[self.settings.prompt_ending])
-        if self.settings.max_length is not None:
-            room = self.settings.max_length - len(head_ids) - len(end_ids)
-            if room < 0:
-                raise ValueError(
-                    f"a side's images alone take {len(head_ids)} tokens, over max_length {self.settings.max_length}; "
-                    "raise max_length or lower max_pixels"
-                )
-            body_ids = body_ids[:room]
-        return head_ids + body_ids + end_ids
-
+    # --- sequences -------------------------------------------------------------------------------------------------
     def _encode_text(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -343,15 +285,17 @@ class QwenVLAdapter(TokenVectors, TransformersAdapter):
         tokens_per_image = [int(grid.prod()) // merge for grid in processed["image_grid_thw"]]
         return {PIXEL_VALUES: processed["pixel_values"], IMAGE_GRID_THW: processed["image_grid_thw"]}, tokens_per_image
 
-    def preprocess(self, sides: Sequence["Side"]) -> dict[str, torch.Tensor]:
-        batch, tokens_per_image = self._image_batch([image for side in sides for image in side.images])
-        counts = [len(side.images) for side in sides]
+    def _sequence_batch(self, row_images: Sequence[list[Any]],
+                        row_ids: Callable[[int, list[int]], list[int]]) -> dict[str, torch.Tensor]:
+        """One padded sequence per row, with the pixels of every row's images stacked in row order: `row_images[i]`
+        are row i's images, and `row_ids(i, tokens_per_image)` its token ids given each of its images' token count."""
+        batch, tokens_per_image = self._image_batch([image for images in row_images for image in images])
         rows, start = [], 0
-        for side, count in zip(sides, counts):
-            rows.append(self._side_ids(side, tokens_per_image[start : start + count]))
-            start += count
+        for i, images in enumerate(row_images):
+            rows.append(row_ids(i, tokens_per_image[start : start + len(images)]))
+            start += len(images)
         batch.update(self._pad(rows))
-        batch[IMAGES_PER_SIDE] = torch.tensor(counts, dtype=torch.long)
+        batch[IMAGES_PER_SIDE] = torch.tensor([len(images) for images in row_images], dtype=torch.long)
         return batch
 
     def _pad(self, rows: list[list[int]]) -> dict[str, torch.Tensor]:
@@ -397,12 +341,9 @@ class QwenVLAdapter(TokenVectors, TransformersAdapter):
         hidden = backbone(**packed, **packing.attention_arguments(), use_cache=False).last_hidden_state
         return packing.unpack(hidden)
 
-    def encode(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        hidden = self.last_hidden_state(inputs)
-        if self.settings.multi_vector:
-            return self.token_vectors(hidden, inputs["attention_mask"].bool())  # every attended token, images' too
-        embeddings = pool(hidden, inputs["attention_mask"], "last").float()
-        return F.normalize(embeddings, dim=-1) if self.settings.normalize else embeddings
+    def last_token_states(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """`(n, hidden)`: the last layer's state at each sequence's last attended token, whatever the padding side."""
+        return pool(self.last_hidden_state(inputs), inputs["attention_mask"], "last")
 
     def num_sides(self, inputs: dict[str, torch.Tensor]) -> int:
         return int(inputs["attention_mask"].shape[0])  # one sequence row per side (images are inside it)
@@ -448,30 +389,139 @@ class QwenVLAdapter(TokenVectors, TransformersAdapter):
 
     def save(self, path: str | Path) -> None:
         """The merged model (a plain transformers folder), or with `lora_save: adapter` and LoRA applied only the
-        LoRA weights of the language model (PEFT file names), which `load` puts back on `base_model`."""
+        LoRA weights of the language model (PEFT file names), which `load` puts back on `base_model`; then what the
+        model adds (`save_extra_files`) and vembed.json."""
         if self._saves_lora_only():
             save_lora_weights(self.backbone.language_model, path)
         else:
             save_hf_model(self.model, path)
         self.tokenizer.save_pretrained(path)
         self.image_processor.save_pretrained(path)
-        if self.settings.multi_vector:
-            write_projection(path, self.projection.weight)
+        self.save_extra_files(path)
         self.write_adapter_file(path)
 
+    def save_extra_files(self, path: str | Path) -> None:
+        """Files a family member saves beside the model (the embedder: its token projection)."""
+
     @classmethod
-    def saved_settings(cls, path: str | Path, trust_remote_code: bool) -> tuple[dict[str, Any], QwenVLSettings]:
+    def saved_settings(cls, path: str | Path, trust_remote_code: bool) -> tuple[dict[str, Any], QwenVLModelSettings]:
         info, settings = super().saved_settings(path, trust_remote_code)
         return info, settings.model_copy(update={"model_name": info.get("settings", {}).get("base_model")})
 
     @classmethod
-    def load_weights(cls, path: str | Path, info: dict[str, Any], settings: QwenVLSettings) -> "PreTrainedModel":
+    def load_weights(cls, path: str | Path, info: dict[str, Any], settings: QwenVLModelSettings
+                     ) -> "PreTrainedModel":
         if not Path(path, LORA_WEIGHTS).is_file():
             return super().load_weights(path, info, settings)
         model = load_model(settings.model_name, None, key="model", trust_remote_code=settings.trust_remote_code,
                            attn_implementation=settings.attn_implementation, auto_class=cls.auto_class)
         load_lora_weights(cls.backbone_of(model).language_model, path)
         return model
+
+
+@MODELS.register("qwen_vl")
+class QwenVLAdapter(TokenVectors, QwenVLModel):
+    """The Qwen-VL embedder: one chat-formatted sequence per side, embedded at its last token (or, multi_vector,
+    every token's vector)."""
+
+    model_type = "qwen_vl"
+    Settings: ClassVar[type[QwenVLSettings]] = QwenVLSettings
+    late_interaction_name = "ColQwen"
+    card_tags = ("ColPali", "ColQwen")  # what the Hub lists page-retrieval late-interaction models under
+
+    def __init__(self, model: "PreTrainedModel", tokenizer: Any, image_processor: Any, settings: QwenVLSettings):
+        super().__init__(model, tokenizer, image_processor, settings)
+        if settings.multi_vector:
+            self.add_projection(model.config.text_config.hidden_size, next(model.parameters()).device)
+
+    # --- built from a recipe ---------------------------------------------------------------------------------------
+    @classmethod
+    def from_recipe(cls, recipe: "Recipe") -> "QwenVLAdapter":
+        adapter = super().from_recipe(recipe)
+        name = adapter.settings.model_name
+        if adapter.settings.multi_vector and name is not None and Path(name, PROJECTION_FOLDER).is_dir():
+            adapter.load_projection(name)  # continuing from a saved ColQwen: keep its projection
+        return adapter
+
+    @classmethod
+    def resolve(cls, settings: QwenVLSettings, tokenizer: Any, config: "PretrainedConfig") -> QwenVLSettings:
+        settings = super().resolve(settings, tokenizer, config)
+        if settings.prompt_ending is None:
+            settings = settings.model_copy(update={"prompt_ending": default_ending(settings.model_name)})
+        return settings
+
+    def planning_tokens(self, recipe: "Recipe") -> dict[str, dict[str, int]]:
+        """Every side is one language-model sequence; a document side's image also passes through the vision tower
+        (`planned_document`). Queries are assumed text only: max_length, or PLANNED_TEXT_TOKENS when unset."""
+        max_length = self.settings_of(recipe).max_length
+        query = max_length if max_length is not None else PLANNED_TEXT_TOKENS
+        return {"query": {"text": query}, "document": self.planned_document(recipe)}
+
+    @classmethod
+    def card_rows(cls, settings: dict[str, Any]) -> list[list[Any]]:
+        """Token vectors are every attended token of the side's chat-formatted sequence: they depend on its frame."""
+        query = settings.get("query_instruction") or settings.get("document_instruction")
+        return [
+            ["tokens", "every token of a side's chat-formatted sequence: instruction, text and image tokens (one per "
+                       "merged patch; the pixel bounds are in the saved image processor)"],
+            ["query instruction", f"`{query}`"],
+            ["document instruction", f"`{settings.get('document_instruction')}`"],
+            ["prompt ending", f"`{settings.get('prompt_ending')}`"],
+            ["sequence length", f"at most {settings.get('max_length')} tokens"],
+        ]
+
+    # --- the input format ------------------------------------------------------------------------------------------
+    def instruction_for(self, side: "Side") -> str:
+        if side.instruction is not None:  # a named source's own (data.train.<name>.query_instruction)
+            return normalize_instruction(side.instruction)
+        if side.role == "query" and self.settings.query_instruction is not None:
+            return normalize_instruction(self.settings.query_instruction)
+        return normalize_instruction(self.settings.document_instruction)
+
+    def prompt(self, side: "Side") -> str:
+        """The side's sequence as text, with one `<|image_pad|>` per image (before expansion)."""
+        head, body = self._prompt_parts(side)
+        return head + body + ENDINGS[self.settings.prompt_ending]
+
+    def _prompt_parts(self, side: "Side") -> tuple[str, str]:
+        head = SYSTEM_START + self.instruction_for(side) + USER_START + image_placeholders(side)
+        return head, side_text(side)
+
+    def _side_ids(self, side: "Side", tokens_per_image: list[int]) -> list[int]:
+        """Token ids of one side with every image pad expanded; only the instance text is truncated to max_length.
+
+        The three pieces are tokenised apart so that truncation never cuts the template or an image; this equals
+        tokenising the whole string (tested) because each boundary is a special token or a newline -- except for a
+        text that itself starts with newlines, which Qwen's pre-tokeniser would merge with the one before it."""
+        head, body = self._prompt_parts(side)
+        encode = self._encode_text
+        head_ids = self._expand_images(encode(head), tokens_per_image)
+        body_ids, end_ids = encode(body), encode(ENDINGS[self.settings.prompt_ending])
+        if self.settings.max_length is not None:
+            room = self.settings.max_length - len(head_ids) - len(end_ids)
+            if room < 0:
+                raise ValueError(
+                    f"a side's images alone take {len(head_ids)} tokens, over max_length {self.settings.max_length}; "
+                    "raise max_length or lower max_pixels"
+                )
+            body_ids = body_ids[:room]
+        return head_ids + body_ids + end_ids
+
+    def preprocess(self, sides: Sequence["Side"]) -> dict[str, torch.Tensor]:
+        return self._sequence_batch([side.images for side in sides],
+                                    lambda i, tokens_per_image: self._side_ids(sides[i], tokens_per_image))
+
+    # --- used by the loop ------------------------------------------------------------------------------------------
+    def encode(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.settings.multi_vector:  # every attended token, images' too
+            return self.token_vectors(self.last_hidden_state(inputs), inputs["attention_mask"].bool())
+        embeddings = self.last_token_states(inputs).float()
+        return F.normalize(embeddings, dim=-1) if self.settings.normalize else embeddings
+
+    # --- persistence -----------------------------------------------------------------------------------------------
+    def save_extra_files(self, path: str | Path) -> None:
+        if self.settings.multi_vector:
+            write_projection(path, self.projection.weight)
 
 
 def set_pixel_budget(image_processor: Any, min_pixels: int | None, max_pixels: int | None) -> None:

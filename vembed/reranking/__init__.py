@@ -1,7 +1,8 @@
 """The second stage: rerankers that read a (query, document) pair jointly and give it one score.
 
-- `cross_encoder.py` the text cross-encoder and `qwen_vl.py` the Qwen-VL reranker (text and image documents, scored by
-  the LM head's "yes" and "no" rows), chosen by `model_type` through RERANKERS;
+- `cross_encoder.py` the text cross-encoder and `qwen_vl_reranker.py` the Qwen-VL reranker (text and image documents,
+  scored by the LM head's "yes" and "no" rows; built on the Qwen-VL family of vembed/models/qwen_vl.py), chosen by
+  `model_type` through RERANKERS;
 - `losses.py` losses on a batch of score lists, chosen by `loss_type` through RANKING_LOSSES;
 - `data.py` the lists (a query, its documents, their labels) from corpus folders and list/pair files;
 - `evaluation.py` reranking a first-stage run and judging both; `metric_names.py` its metric names and before/after
@@ -20,7 +21,7 @@ from typing import Any
 from vembed.registry import Registry
 
 RERANKERS: Registry[Any] = Registry("model_type", modules=("vembed.reranking.cross_encoder",
-                                                                  "vembed.reranking.qwen_vl"))
+                                                                  "vembed.reranking.qwen_vl_reranker"))
 RANKING_LOSSES: Registry[Any] = Registry("loss_type", modules=("vembed.reranking.losses",))
 
 

@@ -113,7 +113,8 @@ def write_plots(output_dir: Path, metrics: dict[str, Any], task: "Task") -> list
 
 def loss_state_facts(final_dir: Path) -> dict[str, Any] | None:
     """What the card says of the loss state saved beside the weights (None: there is none)."""
-    from vembed.losses.saved_state import LOSS_STATE_FILE, load_saved_loss
+    from vembed.classification import load_saved_loss
+    from vembed.losses.saved_state import LOSS_STATE_FILE
 
     saved = load_saved_loss(final_dir)
     if saved is None:

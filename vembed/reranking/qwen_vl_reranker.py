@@ -10,8 +10,9 @@ as the released code scores (sigmoid of it: the probability of "yes"). Reading t
 head, is what lets a released reranker fine-tune from where it is, and what keeps the saved folder a plain
 ForConditionalGeneration checkpoint that transformers loads and scores as the released one.
 
-Everything else (tokenizer and vision-token checks, images, padding, LoRA, pixel budgets, save/load) is the qwen_vl
-embedding adapter's (vembed/models/qwen_vl.py), which this class extends with the pair template and the score.
+Everything else (tokenizer and vision-token checks, images, padding, LoRA, pixel budgets, save/load) is the Qwen-VL
+family's (`QwenVLModel`, vembed/models/qwen_vl.py, which the embedder shares), extended here with the pair template
+and the score.
 """
 
 from __future__ import annotations
@@ -25,16 +26,15 @@ from pydantic import Field
 
 from vembed.errors import RecipeError
 from vembed.models.base import ADAPTER_FILE
-from vembed.models.pooling import pool
 from vembed.models.qwen_vl import (
-    EMPTY_INSTANCE,
-    IMAGE_PAD,
-    IMAGES_PER_SIDE,
+    ENDINGS,
     PLANNED_TEXT_TOKENS,
-    VISION_END,
-    VISION_START,
-    QwenVLAdapter,
+    SYSTEM_START,
+    USER_START,
+    QwenVLModel,
     QwenVLModelSettings,
+    image_placeholders,
+    side_text,
 )
 from vembed.reranking import RERANKERS
 from vembed.reranking.pairs import PairPart, PairScorer, as_side
@@ -50,8 +50,8 @@ JUDGE = ('Judge whether the Document meets the requirements based on the Query a
          'the answer can only be "yes" or "no".')
 DEFAULT_INSTRUCTION = "Given a search query, retrieve relevant candidates that answer the query."
 ANSWERS = ("yes", "no")  # the LM head rows whose difference scores a pair
-PAIR_START = "<|im_start|>system\n" + JUDGE + "<|im_end|>\n<|im_start|>user\n<Instruct>: "
-ENDING = "<|im_end|>\n<|im_start|>assistant\n"
+PAIR_START = SYSTEM_START + JUDGE + USER_START + "<Instruct>: "
+ENDING = ENDINGS["generation_prompt"]  # the assistant turn opened: the answer's logits are read at its last token
 
 
 class QwenVLRerankerSettings(QwenVLModelSettings):
@@ -62,13 +62,9 @@ class QwenVLRerankerSettings(QwenVLModelSettings):
 
     unsaved: ClassVar[frozenset[str]] = QwenVLModelSettings.unsaved | {"pairs_per_chunk", "normalize"}
 
-    @property
-    def multi_vector(self) -> bool:  # a reranker scores pairs, never token vectors (the embedder's code asks)
-        return False
-
 
 @RERANKERS.register("qwen_vl_reranker")
-class QwenVLReranker(PairScorer, QwenVLAdapter):
+class QwenVLReranker(PairScorer, QwenVLModel):
     """`preprocess(queries, documents)` -> CPU tensors, `forward(inputs)` -> (n,) float "yes"-vs-"no" logits,
     `score(queries, documents)`, `save`/`load`: the reranker contract of vembed/reranking/cross_encoder.py."""
 
@@ -133,16 +129,10 @@ class QwenVLReranker(PairScorer, QwenVLAdapter):
                                    "ForConditionalGeneration checkpoint (Qwen/Qwen3-VL-Reranker-2B, "
                                    "Qwen/Qwen3-VL-2B-Instruct)")
 
-    @classmethod
-    def resolve(cls, settings: QwenVLRerankerSettings, tokenizer: Any, config: "PretrainedConfig"
-                ) -> QwenVLRerankerSettings:
-        # Past the embedder's resolve: the reranker has one template, no prompt ending to choose.
-        return super(QwenVLAdapter, cls).resolve(settings, tokenizer, config)
-
     def planning_tokens(self, recipe: "Recipe") -> dict[str, dict[str, int]]:
-        """One route, `pair`: the embedder's document sequence (one image at max_pixels, its text) plus a text
+        """One route, `pair`: a document sequence (`planned_document`: one image at max_pixels, its text) plus a text
         query, within max_length when set."""
-        document = super().planning_tokens(recipe)["document"]
+        document = self.planned_document(recipe)
         text = document["text"] if self.settings_of(recipe).max_length is not None else (
             document["text"] + PLANNED_TEXT_TOKENS)
         return {"pair": {"text": text, "image": document["image"]}}
@@ -151,8 +141,8 @@ class QwenVLReranker(PairScorer, QwenVLAdapter):
     def pair_prompt(self, query: "Side", document: "Side") -> str:
         """The pair's sequence as text, one `<|image_pad|>` per image (before expansion)."""
         instruction = query.instruction or self.settings.instruction
-        return (PAIR_START + instruction + "<Query>:" + _content(query) + "\n<Document>:" + _content(document)
-                + ENDING)
+        return (PAIR_START + instruction + "<Query>:" + image_placeholders(query) + side_text(query) + "\n<Document>:"
+                + image_placeholders(document) + side_text(document) + ENDING)
 
     def _truncate(self, ids: list[int]) -> list[int]:
         """At most max_length tokens, as the released code cuts: the ending kept, and before it every special token
@@ -177,34 +167,32 @@ class QwenVLReranker(PairScorer, QwenVLAdapter):
         return kept + tail
 
     def preprocess(self, queries: Sequence[PairPart], documents: Sequence[PairPart]) -> dict[str, torch.Tensor]:
-        """The pairs' sequences (padded, with their images' pixels): the embedder's batch layout, one row per pair."""
+        """The pairs' sequences (padded, with their images' pixels): the family's batch layout, one row per pair."""
         pairs = [(as_side(query, "query"), as_side(document, "document")) for query, document in
                  zip(queries, documents)]
-        batch, tokens_per_image = self._image_batch([image for pair in pairs for side in pair for image in side.images])
-        rows, counts, start = [], [], 0
-        for query, document in pairs:
-            count = len(query.images) + len(document.images)
-            ids = self._expand_images(self._encode_text(self.pair_prompt(query, document)),
-                                      tokens_per_image[start:start + count])
-            rows.append(self._truncate(ids))
-            counts.append(count)
-            start += count
-        batch.update(self._pad(rows))
-        batch[IMAGES_PER_SIDE] = torch.tensor(counts, dtype=torch.long)
-        return batch
+
+        def pair_ids(i: int, tokens_per_image: list[int]) -> list[int]:
+            ids = self._encode_text(self.pair_prompt(*pairs[i]))
+            return self._truncate(self._expand_images(ids, tokens_per_image))
+
+        return self._sequence_batch([[*query.images, *document.images] for query, document in pairs], pair_ids)
 
     # --- used by the task ------------------------------------------------------------------------------------------
     def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """(n,) float32 logits of "yes" against "no" at each pair's last token: h · (W_yes - W_no)."""
-        last = pool(self.last_hidden_state(inputs), inputs["attention_mask"], "last")
+        last = self.last_token_states(inputs)
         if self._answer_ids is None:
             raise RuntimeError("this reranker was built on the meta device (vembed plan) and cannot score")
         yes, no = self._answer_ids
         weight = self.model.get_output_embeddings().weight
         return (last @ (weight[yes] - weight[no]).to(last.dtype)).float()
 
+    def encode(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The adapter contract's output per row: a pair's score (`forward`); a reranker embeds nothing."""
+        return self.forward(inputs)
+
     def apply_lora(self, recipe: "Recipe") -> None:
-        """LoRA on the language model, as the embedder's; the LM head stays frozen too: only its "yes" and "no" rows
+        """LoRA on the language model, as the family's; the LM head stays frozen too: only its "yes" and "no" rows
         are read, and training it whole would train a vocabulary-sized matrix (the input embeddings, where tied)."""
         super().apply_lora(recipe)
         self.model.get_output_embeddings().requires_grad_(False)
@@ -215,11 +203,3 @@ class QwenVLReranker(PairScorer, QwenVLAdapter):
         # A reranker has no embedding size to record (vembed.load refuses it by its model_type).
         Path(path, ADAPTER_FILE).write_text(json.dumps({"model_type": self.model_type,
                                                         "settings": self.settings_to_save()}, indent=2))
-
-
-def _content(side: "Side") -> str:
-    """A query's or document's content as the released template writes it: images first, then text; "NULL" when
-    the part has neither."""
-    text = side.text if side.text and side.text.strip() else None
-    images = (VISION_START + IMAGE_PAD + VISION_END) * len(side.images)
-    return images + (text if text is not None else ("" if images else EMPTY_INSTANCE))
