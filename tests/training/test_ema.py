@@ -143,4 +143,5 @@ def test_a_ddp_launch_averages_as_one_process_on_the_whole_batch(digits, tmp_pat
 
 def _relative_norm(actual: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
     whole = torch.cat([value.float().flatten() for value in reference.values()])
-    return (torch.cat([actual[name].float().flatten() for name in reference]) - whole).norm().item() / whole.norm().item()
+    got = torch.cat([actual[name].float().flatten() for name in reference])
+    return ((got - whole).norm() / whole.norm()).item()
