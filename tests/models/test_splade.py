@@ -274,3 +274,10 @@ def test_a_static_query_encoder_refuses_a_mixed_batch_and_a_vocabulary_its_token
     raw = static_recipe()
     err = _refusal({**raw, "model_config": {**raw["model_config"], "vocab_size": 310}})
     assert err.key == "query_encoder" and "310" in err.message
+
+
+def test_static_queries_cost_no_model_flops(static_recipe):
+    adapter = _adapter(static_recipe())
+    queries = adapter.preprocess([Side(text=t, role="query") for t in TEXTS])
+    documents = adapter.preprocess([Side(text=t, role="document") for t in TEXTS])
+    assert adapter.forward_flops(queries) == 0 and int(adapter.forward_flops(documents)) > 0

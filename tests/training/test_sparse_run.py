@@ -186,6 +186,17 @@ def test_an_inference_free_model_trains_and_its_final_folder_gives_the_same_vect
     assert not torch.equal(queries, documents)
 
 
+def test_gradient_cache_and_length_chunks_give_a_static_query_encoder_the_whole_batch_step(static_run):
+    from one_step import one_step, relative_difference
+
+    raw = {**static_run, "flops_warmup_ratio": None, "flops_query_weight": 1e-2}
+    plain, plain_loss, _ = one_step(raw, list(range(8)))
+    chunked, loss, _ = one_step({**raw, "use_gradient_cache": True, "gradient_cache_chunk_size": 3,
+                                 "length_chunks": 2}, list(range(8)))
+    assert plain["adapter.static_query_weight"].abs().sum() > 0
+    assert abs(loss - plain_loss) <= 1e-5 * abs(plain_loss) and relative_difference(chunked, plain) <= 1e-5
+
+
 @pytest.mark.slow
 def test_two_ranks_train_a_static_query_encoder_as_one_process_on_the_whole_batch(static_run, tmp_path):
     from one_step import one_step, relative_difference, two_rank_gradients

@@ -382,6 +382,10 @@ class TextAdapter(TokenVectors, TransformersAdapter):
         batch[VECTOR_MASK] = kept
         return batch
 
+    def forward_flops(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor | int:
+        """No model FLOPs for static queries (a lookup of their tokens' weights); the default otherwise."""
+        return 0 if STATIC_QUERY_TOKENS in inputs else super().forward_flops(inputs)
+
     def _static_query_batch(self, sides: Sequence["Side"]) -> dict[str, torch.Tensor]:
         """Queries for the static encoder, tokenised as sentence-transformers' SparseStaticEmbedding does: no special
         tokens, cut at max_length. Documents (role "document" or unknown: ST's default route) go through the model."""
