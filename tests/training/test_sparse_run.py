@@ -184,6 +184,13 @@ def test_an_inference_free_model_trains_and_its_final_folder_gives_the_same_vect
     torch.testing.assert_close(theirs.encode_document(DOCUMENTS, convert_to_tensor=True).to_dense(), documents,
                                atol=1e-5, rtol=0)
     assert not torch.equal(queries, documents)
+    # The card encodes queries and documents apart, by role (its snippets run as written on final/).
+    card = (run / "final" / "README.md").read_text()
+    assert "encode_query(" in card and "encode_document(" in card and "role='query'" in card
+    vembed_snippet = card.split("With vembed", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(vembed_snippet, namespace)
+    torch.testing.assert_close(namespace["queries"], model.encode(EXAMPLE_TEXTS[:1], role="query"), atol=1e-6, rtol=0)
 
 
 def test_gradient_cache_and_length_chunks_give_a_static_query_encoder_the_whole_batch_step(static_run):
