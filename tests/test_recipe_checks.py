@@ -43,7 +43,8 @@ ELSEWHERE: dict[str, set[str]] = {
                               "EmbeddingAdapter.set_pixel_budget", "EmbeddingAdapter.saved_settings", "load_adapter",
                               "read_adapter_file"},
     "vembed/models/hf.py": {"require_model_type", "auto_config", "_loading", "resolve_max_length"},  # configs
-    "vembed/models/splade.py": {"require_masked_lm"},  # embedding: sparse needs an MLM head: the config's rule
+    "vembed/models/splade.py": {"require_masked_lm",  # embedding: sparse needs an MLM head: the config's rule
+                                "weights_from_json"},  # static_query_init: the idf.json's content, when it is read
     "vembed/models/packing.py": {"use_packed_attention"},  # built-time guard behind check_packing (stage 3)
     "vembed/losses/guide.py": {"check_guide_folder", "load_guide"},  # stage 4; load: when the loss is built
     "vembed/generation/dit.py": {"config_from_recipe", "Blip3oDiT.on_meta"},  # stage 4 (flow) and the planner
@@ -65,7 +66,9 @@ ELSEWHERE: dict[str, set[str]] = {
     "vembed/models/qwen_vl.py": {"QwenVLModel.__init__", "QwenVLModel._check_token_ids",
                                  "QwenVLModel.planned_document", "set_pixel_budget"},
     "vembed/reranking/qwen_vl_reranker.py": {"QwenVLReranker.__init__"},  # no LM head; a tokenizer without "yes"/"no"
-    "vembed/models/text.py": {"TextAdapter.__init__", "TextAdapter.sentence_transformers_modules"},
+    "vembed/models/text.py": {"TextAdapter.__init__", "TextAdapter.sentence_transformers_modules",
+                              "TextAdapter._add_static_query_weight",  # tokenizer and MLM head of one size
+                              "TextAdapter.load_static_query_weight"},  # a saved static query encoder's weights
     "vembed/models/token_projection.py": {"TokenVectors.load_projection"},  # a saved multi_vector folder
     "vembed/models/vision.py": {"VisionAdapter.load", "VisionAdapter.classify",
                                 "VisionAdapter.head_from_class_names"},  # no class names: the task fills them

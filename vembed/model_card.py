@@ -185,6 +185,12 @@ def _sparse(model: Mapping[str, Any]) -> bool:
     return (model.get("settings") or {}).get("embedding") == "sparse"
 
 
+def _static_queries(model: Mapping[str, Any]) -> bool:
+    """Whether a sparse model encodes queries with static weights (inference-free SPLADE): queries and documents are
+    then encoded apart, by role (sentence-transformers: encode_query / encode_document)."""
+    return (model.get("settings") or {}).get("query_encoder") == "static"
+
+
 def _token_vectors_of(model: Mapping[str, Any]) -> Any:
     """The adapter class of a multi_vector model (its card facts: `vembed.models.token_projection.TokenVectors`)."""
     from vembed.models.token_projection import TokenVectors
@@ -537,6 +543,10 @@ def _load_section(model: Mapping[str, Any], flavour: Flavour, path: str, source_
                  f"{model.get('embedding_dim')})",
                  f"documents = model.encode_token_vectors({documents}, role='document')",
                  "scores = model.score(queries, documents)  # late interaction (MaxSim)"]
+    elif _static_queries(model):
+        usage = [f"queries = model.encode(texts={EXAMPLE_TEXTS[:1]!r}, role='query')  # static weights: no forward "
+                 "pass", f"documents = model.encode(texts={EXAMPLE_TEXTS!r}, role='document')  # {shape}, mostly zeros",
+                 "scores = queries @ documents.T  # scored by dot product"]
     elif _sparse(model):
         usage = [f"embeddings = model.encode(texts={EXAMPLE_TEXTS!r})  # {shape}, mostly zeros",
                  "scores = embeddings[:1] @ embeddings.T  # scored by dot product"]
@@ -570,6 +580,13 @@ def _load_section(model: Mapping[str, Any], flavour: Flavour, path: str, source_
         lines += ["With sentence-transformers: export it first (the export embeds as vembed does, checked on "
                   "probe inputs), then load the export:", "", "```bash", f"vembed export {path} --out {export}",
                   "```", "", *_sentence_transformers_lines(export, images), "", *_mteb_lines(export, images)]
+    elif _static_queries(model):
+        lines += ["With sentence-transformers (>= 6), which reads the folder as it is (a Router: static query "
+                  "weights, MLM transformer and SPLADE pooling for documents):", "", "```python",
+                  "from sentence_transformers import SparseEncoder", f"model = SparseEncoder({path!r})",
+                  f"queries = model.encode_query({EXAMPLE_TEXTS[:1]!r})",
+                  f"documents = model.encode_document({EXAMPLE_TEXTS!r})",
+                  "scores = model.similarity(queries, documents)  # dot product", "```"]
     elif _sparse(model):
         lines += ["With sentence-transformers (>= 5), which reads the folder as it is (MLM transformer, SPLADE "
                   "pooling):", "", "```python", "from sentence_transformers import SparseEncoder",

@@ -276,7 +276,16 @@ def _flops_cases() -> dict:
         "infonce_thresholds": lambda: FlopsRegularizedLoss(InfoNCELoss(temperature=1.0, symmetric=False), 0.5, 0.3,
                                                            6, 5),
         "margin_mse": lambda: FlopsRegularizedLoss(MarginMSELoss(), 0.5, 0.3),
+        "infonce_warming_up": lambda: _at_step(FlopsRegularizedLoss(InfoNCELoss(temperature=1.0, symmetric=False),
+                                                                    0.5, 0.3, warmup_ratio=0.5), 1, 4),
     }
+
+
+def _at_step(loss, step: int, total_steps: int):
+    """`loss` as the loop leaves it before step `step` of `total_steps` (here: a quarter of its FLOPS weights)."""
+    loss.begin_step(step, total_steps)
+    assert loss.weight_factor == 0.25
+    return loss
 
 
 def _sparse_batch() -> tuple[torch.Tensor, ...]:

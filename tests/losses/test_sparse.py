@@ -16,7 +16,7 @@ sparse_losses = pytest.importorskip("sentence_transformers.sparse_encoder.losses
 
 from vembed.losses.contrastive import InfoNCELoss  # noqa: E402
 from vembed.losses.scored import CoSENTLoss, DistillKLDivLoss, MarginMSELoss  # noqa: E402
-from vembed.losses.sparse import FlopsRegularizedLoss, flops  # noqa: E402
+from vembed.losses.sparse import FlopsRegularizedLoss, flops, warmup_factor  # noqa: E402
 
 B, K, V = 6, 2, 12
 TOLERANCE = 1e-6
@@ -109,7 +109,8 @@ def test_a_zero_or_unset_weight_adds_nothing_and_a_negative_weight_is_refused():
 def test_the_config_names_the_weights_thresholds_and_the_inner_loss():
     loss = FlopsRegularizedLoss(MarginMSELoss(), 0.5, 0.25, None, 3)
     assert loss.config == {"name": "FlopsRegularizedLoss", "query_weight": 0.5, "document_weight": 0.25,
-                           "query_threshold": None, "document_threshold": 3, "loss": MarginMSELoss().config}
+                           "query_threshold": None, "document_threshold": 3, "warmup_ratio": None,
+                           "warmup": "quadratic", "loss": MarginMSELoss().config}
     assert loss.gradient_cache_refusal is None and not loss.token_vectors and loss.uses_negatives
 
 
@@ -150,3 +151,51 @@ def test_labels_and_other_inputs_reach_the_inner_loss():
     recording = Recording()
     FlopsRegularizedLoss(recording, 0.5, None)(q, p, guide=("guide",))
     assert recording.seen["guide"] == ("guide",)
+
+
+class _State:
+    """What SpladeRegularizerWeightSchedulerCallback reads of transformers' TrainerState."""
+
+    def __init__(self, max_steps: int):
+        self.max_steps, self.global_step = max_steps, 0
+
+
+@pytest.mark.parametrize("kind", ["quadratic", "linear"])
+@pytest.mark.parametrize("total, ratio", [(30, 1 / 3), (10, 0.25), (7, 1.0), (5, 0.1)])
+def test_the_flops_warmup_equals_sentence_transformers_weight_scheduler_at_every_step(kind, total, ratio):
+    from sentence_transformers.sparse_encoder.callbacks import SpladeRegularizerWeightSchedulerCallback
+
+    q, p = _sparse(B, V, seed=6), _sparse(B, V, seed=7)
+    inner = InfoNCELoss(temperature=1.0, symmetric=False)
+    model = ColumnModel([q, p])
+    splade = sparse_losses.SpladeLoss(model, CASES["infonce"][1](model), document_regularizer_weight=0.3,
+                                      query_regularizer_weight=0.2)
+    callback = SpladeRegularizerWeightSchedulerCallback(splade, scheduler_type=kind, warmup_ratio=ratio)
+    state = _State(total)
+    callback.on_train_begin(None, state, None)
+    ours = FlopsRegularizedLoss(inner, 0.2, 0.3, warmup_ratio=ratio, warmup=kind)
+    plain, full = inner(q, p), FlopsRegularizedLoss(inner, 0.2, 0.3)(q, p)
+    rising = []
+    for step in range(total):
+        state.global_step = step
+        callback.on_step_begin(None, state, None)
+        ours.begin_step(step, total)
+        factor = warmup_factor(step, total, ratio, kind)
+        assert ours.weight_factor == factor
+        assert (0.2 * factor, 0.3 * factor) == pytest.approx((splade.query_regularizer_weight,
+                                                              splade.document_regularizer_weight), abs=1e-15)
+        torch.testing.assert_close(ours(q, p), plain + factor * (full - plain), atol=1e-12, rtol=0)
+        rising.append(factor)
+    assert rising[0] == 0.0 and rising == sorted(rising) and (rising[-1] == 1.0) == (ratio < 1)
+    if total * ratio >= 3:
+        assert 0 < rising[1] < 1  # a real ramp, not a step
+
+
+def test_without_a_warmup_ratio_the_weights_are_full_from_the_first_step():
+    q, p = _sparse(B, V, seed=8), _sparse(B, V, seed=9)
+    inner = InfoNCELoss(temperature=1.0, symmetric=False)
+    for ratio in (None, 0.0):
+        loss = FlopsRegularizedLoss(inner, 0.2, 0.3, warmup_ratio=ratio)
+        loss.begin_step(0, 100)
+        assert loss.weight_factor == 1.0
+        assert loss(q, p).item() == FlopsRegularizedLoss(inner, 0.2, 0.3)(q, p).item()

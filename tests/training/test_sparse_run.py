@@ -104,3 +104,112 @@ def test_vembed_eval_reports_active_dimensions_and_the_inverted_index_size(spars
     # The index's real CSR (one block of 36 documents): float32 weights, int32 term ids and int32 row offsets.
     assert metrics["index/bytes_csr"] == nonzeros * 8 + (len(documents) + 1) * 4
     assert 0 < metrics["sparse/corpus_active_dims"] < 300  # sparse: fewer than the vocabulary's 300
+
+
+# --- inference-free SPLADE (query_encoder: static) and the FLOPS warmup ----------------------------------------------
+
+@pytest.fixture
+def static_run(sparse_run):
+    # sentence-transformers' inference-free recipe: no FLOPS on the static queries (query weight 0), the documents'
+    # weight warmed up.
+    return {**sparse_run, "query_encoder": "static", "flops_query_weight": 0.0, "flops_warmup_ratio": 0.5}
+
+
+def _built(raw: dict):
+    from vembed.components import recipe_from_dict
+    from vembed.training.loop import Trainer
+
+    trainer = Trainer(recipe_from_dict(raw))
+    trainer.build()
+    return trainer
+
+
+def test_the_static_weights_start_at_the_idf_of_the_runs_documents_and_train_at_their_own_rate(static_run,
+                                                                                               tiny_tokenizer_dir):
+    import math
+
+    from transformers import AutoTokenizer
+
+    trainer = _built({**static_run, "static_query_lr": 0.05})
+    weight = trainer.adapter.static_query_weight
+    # By hand: the distinct positives and hard negatives of the 16 rows, each a set of tokens (no special tokens), cut
+    # at max_length (unset: the tokenizer's 16) as queries are.
+    rows = [json.loads(line) for line in Path(static_run["data"]["train"]).read_text().splitlines()]
+    documents = {text for row in rows for text in (row["positive"], *row["negatives"])}
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    df = [0] * 300
+    for text in documents:
+        for token in set(tokenizer(text, add_special_tokens=False, truncation=True, max_length=16)["input_ids"]):
+            df[token] += 1
+    n = len(documents)
+    assert n == 32 and max(df) == n  # every document shares a token
+    expected = torch.tensor([math.log(1 + (n - d + 0.5) / (d + 0.5)) for d in df])
+    torch.testing.assert_close(weight.detach(), expected, atol=1e-6, rtol=0)
+    own = [group for group in trainer.optimizer.param_groups if any(p is weight for p in group["params"])]
+    assert len(own) == 1 and own[0]["params"] == [weight] and own[0]["initial_lr"] == pytest.approx(0.05)
+    others = [group["initial_lr"] for group in trainer.optimizer.param_groups if group is not own[0]]
+    assert others and all(lr == pytest.approx(static_run["learning_rate"]) for lr in others)
+    assert trainer.optimizer.param_groups[0] is not own[0]  # the logged rate stays the run's
+
+
+def test_the_loop_tells_the_loss_the_step_so_a_resumed_run_has_the_warmed_up_weight(static_run):
+    from accelerate.utils import send_to_device
+
+    from vembed.losses.sparse import warmup_factor
+    from vembed.training.checkpoint import TrainerState
+
+    trainer = _built(static_run)  # 4 steps, warmup 0.5: 2 steps, quadratic
+    batch = send_to_device(trainer.loader.collate_fn([trainer.dataset[i] for i in range(8)]),
+                           trainer.accelerator.device)
+    loss = trainer.objective.loss
+    for step, factor in ((0, 0.0), (1, 0.25), (3, 1.0)):  # step 3: as a run resumed after 3 steps
+        trainer.train_on_batch(batch, TrainerState(global_step=step))
+        assert loss.weight_factor == factor == warmup_factor(step, 4, 0.5, "quadratic")
+
+
+def test_an_inference_free_model_trains_and_its_final_folder_gives_the_same_vectors_in_sentence_transformers(
+        static_run, tmp_path):
+    recipe = tmp_path / "static.yaml"
+    recipe.write_text(yaml.safe_dump(static_run))
+    train_in_this_process(recipe)
+    run = Path(static_run["output_dir"])
+    losses = [entry["loss"] for entry in json.loads((run / "metrics.json").read_text())["loss_history"]]
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.1, losses
+    model = vembed.load(str(run / "final"), device="cpu")
+    queries, documents = model.encode(DOCUMENTS, role="query"), model.encode(DOCUMENTS, role="document")
+    st = pytest.importorskip("sentence_transformers")
+    theirs = st.SparseEncoder(str(run / "final"), device="cpu")
+    torch.testing.assert_close(theirs.encode_query(DOCUMENTS, convert_to_tensor=True).to_dense(), queries,
+                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(theirs.encode_document(DOCUMENTS, convert_to_tensor=True).to_dense(), documents,
+                               atol=1e-5, rtol=0)
+    assert not torch.equal(queries, documents)
+    # The card encodes queries and documents apart, by role (its snippets run as written on final/).
+    card = (run / "final" / "README.md").read_text()
+    assert "encode_query(" in card and "encode_document(" in card and "role='query'" in card
+    vembed_snippet = card.split("With vembed", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(vembed_snippet, namespace)
+    torch.testing.assert_close(namespace["queries"], model.encode(EXAMPLE_TEXTS[:1], role="query"), atol=1e-6, rtol=0)
+
+
+def test_gradient_cache_and_length_chunks_give_a_static_query_encoder_the_whole_batch_step(static_run):
+    from one_step import one_step, relative_difference
+
+    raw = {**static_run, "flops_warmup_ratio": None, "flops_query_weight": 1e-2}
+    plain, plain_loss, _ = one_step(raw, list(range(8)))
+    chunked, loss, _ = one_step({**raw, "use_gradient_cache": True, "gradient_cache_chunk_size": 3,
+                                 "length_chunks": 2}, list(range(8)))
+    assert plain["adapter.static_query_weight"].abs().sum() > 0
+    assert abs(loss - plain_loss) <= 1e-5 * abs(plain_loss) and relative_difference(chunked, plain) <= 1e-5
+
+
+@pytest.mark.slow
+def test_two_ranks_train_a_static_query_encoder_as_one_process_on_the_whole_batch(static_run, tmp_path):
+    from one_step import one_step, relative_difference, two_rank_gradients
+
+    raw = {**static_run, "flops_warmup_ratio": None, "flops_query_weight": 1e-2}  # every term, from step 1
+    ddp = two_rank_gradients({**raw, "batch_size": 4}, tmp_path, 8)
+    one, _, _ = one_step({**raw, "batch_size": 8}, list(range(8)))
+    assert "adapter.static_query_weight" in one and one["adapter.static_query_weight"].abs().sum() > 0
+    assert relative_difference(ddp, one) <= 1e-5

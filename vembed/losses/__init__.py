@@ -30,7 +30,8 @@ def build_loss(recipe: "Recipe") -> EmbeddingLoss:
 
         settings = recipe.loss
         loss = FlopsRegularizedLoss(loss, settings.flops_query_weight, settings.flops_document_weight,
-                                    settings.flops_query_threshold, settings.flops_document_threshold)
+                                    settings.flops_query_threshold, settings.flops_document_threshold,
+                                    settings.flops_warmup_ratio, settings.flops_warmup)
     return loss
 
 

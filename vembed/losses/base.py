@@ -6,7 +6,7 @@ gathering live in one place (inside the loss, through `vembed.distributed`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -36,6 +36,12 @@ class EmbeddingLossSettings(Settings):
     flops_query_threshold: int | None = Field(default=None, ge=0)
     # Only documents with more than this many non-zero weights count in their mean (unset: all).
     flops_document_threshold: int | None = Field(default=None, ge=0)
+    # Raise both FLOPS weights from 0 to their value over this share of the run's optimizer steps, as
+    # sentence-transformers' SpladeRegularizerWeightSchedulerCallback (which its trainer adds by default with 1/3,
+    # quadratic); unset or 0: the full weights from step 1 (vembed's default, as before this key).
+    flops_warmup_ratio: float | None = Field(default=None, ge=0, le=1)
+    # How the weights rise: quadratic, weight * (step / warmup steps)^2 (sentence-transformers' default), or linear.
+    flops_warmup: Literal["quadratic", "linear"] = "quadratic"
 
     @property
     def flops_regularized(self) -> bool:
@@ -54,6 +60,11 @@ class EmbeddingLossSettings(Settings):
             if self.mrl_dims != sorted(self.mrl_dims, reverse=True):
                 raise InvalidKey("mrl_dims", f"{self.mrl_dims} is not from largest to smallest; write "
                                              f"{sorted(self.mrl_dims, reverse=True)}")
+        if not self.flops_regularized:
+            for key in ("flops_warmup_ratio", "flops_warmup"):
+                if getattr(self, key) != type(self).model_fields[key].default:
+                    raise InvalidKey(key, "warms up the FLOPS weights; set flops_query_weight or "
+                                          "flops_document_weight, or remove it")
         for side in ("query", "document"):
             if getattr(self, f"flops_{side}_threshold") is not None and getattr(self, f"flops_{side}_weight") is None:
                 raise InvalidKey(f"flops_{side}_threshold", f"does nothing without flops_{side}_weight; set it or "
@@ -98,6 +109,10 @@ class EmbeddingLoss(nn.Module):
     @classmethod
     def from_recipe(cls, recipe: "Recipe") -> "EmbeddingLoss":
         raise NotImplementedError
+
+    def begin_step(self, step: int, total_steps: int) -> None:
+        """Told by the loop before each optimizer step's batches: `step` optimizer steps are done, of `total_steps`.
+        For a loss whose terms follow a schedule (the FLOPS warmup); resuming tells it the restored step."""
 
     def forward(
         self, query: torch.Tensor, positive: torch.Tensor, negatives: torch.Tensor | None = None,

@@ -61,6 +61,9 @@ class MatryoshkaLoss(EmbeddingLoss):
         self.dims = dims
         self.weights = [float(w) for w in weights]
 
+    def begin_step(self, step: int, total_steps: int) -> None:
+        self.loss.begin_step(step, total_steps)
+
     def forward(
         self, query: torch.Tensor, positive: torch.Tensor, negatives: torch.Tensor | None = None,
         labels: torch.Tensor | None = None, scores: torch.Tensor | None = None, **inputs: Any,

@@ -270,6 +270,11 @@ class EmbeddingAdapter(nn.Module, ABC):
                     dropout=recipe.lora_dropout, strict=recipe.lora_target_modules is not None,
                     model_type=self.model_type)
 
+    def learning_rate_scales(self, learning_rate: float) -> dict[nn.Parameter, float]:
+        """Parameters trained at their own rate, as multiples of the recipe's `learning_rate` (the optimizer's
+        groups, `vembed.training.objective.parameter_groups`); none by default."""
+        return {}
+
     def set_pixel_budget(self, min_pixels: int | None, max_pixels: int | None) -> None:
         """Resize images to hold between min and max pixels (a curriculum stage's image size). Adapters with a fixed
         input resolution (CLIP, SigLIP, ViT towers) keep this refusal; qwen_vl overrides it."""

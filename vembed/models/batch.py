@@ -62,6 +62,7 @@ def make_batch(
     max_length: int | None,
     text_keys: Iterable[str],
     padding: str = "longest",
+    add_special_tokens: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Tokenise the texts and process the images of `sides` into the flat layout above.
 
@@ -70,7 +71,8 @@ def make_batch(
     """
     texts, images, batch = split_sides(sides)
     if texts:
-        encoded = tokenizer(texts, padding=padding, truncation=True, max_length=max_length, return_tensors="pt")
+        encoded = tokenizer(texts, padding=padding, truncation=True, max_length=max_length, return_tensors="pt",
+                            add_special_tokens=add_special_tokens)
         keep = set(text_keys)
         batch.update({key: value for key, value in encoded.items() if key in keep})
     if images:

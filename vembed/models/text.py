@@ -12,7 +12,7 @@ ColBERT is also a PyLate folder (`vembed/models/pylate_folder.py`): `pylate.mode
 from __future__ import annotations
 
 import string
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -31,13 +31,21 @@ from vembed.models.packing import first_position, packed_forward, use_packed_att
 from vembed.models.pooling import pool
 from vembed.models.pylate_folder import PROJECTION_FOLDER, write_pylate_files
 from vembed.models.splade import (
+    IDF,
     MASKED_LM,
     SPARSE,
+    STATIC,
+    STATIC_FOLDER,
+    idf_weights,
     keep_top_k,
+    read_static_query_weight,
     require_masked_lm,
     sparse_transformers_example,
     splade_pool,
+    static_query_vectors,
+    weights_from_json,
     write_sparse_encoder_files,
+    write_static_query_files,
 )
 from vembed.models.token_projection import TokenVectors, TokenVectorSettings
 from vembed.recipe import InvalidKey
@@ -52,6 +60,9 @@ if TYPE_CHECKING:
 # Which tokens of a preprocessed batch become token vectors (multi_vector): all of an expanded query, a document's
 # attended tokens but its punctuation. Sliced and trimmed with the other (n, T) token keys; never fed to the model.
 VECTOR_MASK = "token_vector_mask"
+# Marks a batch of queries for the static query encoder (`query_encoder: static`): their attended tokens, (n, T) like
+# the other token keys, so that chunking keeps it; never fed to the model.
+STATIC_QUERY_TOKENS = "static_query_tokens"
 
 
 class TextSettings(PretrainedSettings, TokenVectorSettings):
@@ -71,6 +82,18 @@ class TextSettings(PretrainedSettings, TokenVectorSettings):
     sparse_query_top_k: int | None = Field(default=None, gt=0)
     # embedding: sparse: the same for each document in the search's inverted index (a smaller index, faster search).
     sparse_document_top_k: int | None = Field(default=None, gt=0)
+    # embedding: sparse: what encodes queries. transformer: the masked-LM model, as documents; static: no network
+    # (inference-free SPLADE, sentence-transformers' SparseStaticEmbedding): one trainable weight per vocabulary token,
+    # a query's vector the weights of its tokens (vembed/models/splade.py). Documents always go through the model.
+    query_encoder: Literal["transformer", "static"] = "transformer"
+    # query_encoder: static: the weights' start. idf: the IDF of the training documents' tokens (1 for every token
+    # when there are no training data, e.g. built from Python); ones: 1 for every token; or the path of a JSON object
+    # token -> weight (sentence-transformers' idf.json; unlisted tokens 0). A model_name saved with static weights
+    # keeps its own.
+    static_query_init: str = IDF
+    # query_encoder: static: the static weights' learning rate (sentence-transformers' learning_rate_mapping for
+    # the SparseStaticEmbedding module); unset: learning_rate. Scaled by the schedule like every other rate.
+    static_query_lr: float | None = Field(default=None, gt=0)
     # embedding, multi_vector_dim: vembed/models/token_projection.py; with multi_vector (ColBERT, as described at the
     # top of this file) these keys apply too:
     query_prefix: str = "[Q] "  # put before every query's text
@@ -85,10 +108,18 @@ class TextSettings(PretrainedSettings, TokenVectorSettings):
         "multi_vector_dim", "query_prefix", "document_prefix", "query_length", "skip_punctuation",
         "document_pool_factor")
     sparse_keys: ClassVar[tuple[str, ...]] = ("sparse_pooling", "sparse_top_k", "sparse_query_top_k",
-                                              "sparse_document_top_k")
+                                              "sparse_document_top_k", "query_encoder")
+    static_keys: ClassVar[tuple[str, ...]] = ("static_query_init", "static_query_lr")
+    # Where the static weights start (a file or the data) and their rate are training's, not the saved model's.
+    unsaved: ClassVar[frozenset[str]] = PretrainedSettings.unsaved | set(static_keys)
 
     @model_validator(mode="after")
     def _sparse_keys(self) -> "TextSettings":
+        if self.query_encoder != STATIC:
+            for key in self.static_keys:
+                if getattr(self, key) != type(self).model_fields[key].default:
+                    raise InvalidKey(key, "applies to a static query encoder only; set query_encoder: static (with "
+                                          "embedding: sparse) or remove it")
         if self.embedding != SPARSE:
             for key in self.sparse_keys:  # by value, not by presence: a saved recipe must read back
                 if getattr(self, key) != type(self).model_fields[key].default:
@@ -105,6 +136,11 @@ class TextSettings(PretrainedSettings, TokenVectorSettings):
     @property
     def sparse(self) -> bool:
         return self.embedding == SPARSE
+
+    @property
+    def static_query(self) -> bool:
+        """Inference-free SPLADE: queries are encoded by static weights, not the model."""
+        return self.query_encoder == STATIC
 
 
 @MODELS.register("text")
@@ -133,6 +169,38 @@ class TextAdapter(TokenVectors, TransformersAdapter):
             if tokenizer is not None and tokenizer.mask_token_id is None:
                 raise RecipeError("embedding", "multi_vector expands queries with the tokenizer's mask token, and "
                                                "this tokenizer has none; use one with a mask token (BERT-style)")
+        if settings.static_query:
+            self._add_static_query_weight(model, tokenizer)
+
+    def _add_static_query_weight(self, model: "PreTrainedModel", tokenizer: Any) -> None:
+        """One weight per vocabulary token, 1 until initialised (`initialise_static_query`) or loaded. Trained fully,
+        beside the model (outside what LoRA wraps), as the ColBERT projection."""
+        vocab_size = model.config.vocab_size
+        # sentence-transformers sizes its SparseStaticEmbedding by the tokenizer: the saved folder loads there only
+        # when the tokenizer and the MLM head agree.
+        if tokenizer is not None and len(tokenizer.get_vocab()) != vocab_size:
+            raise RecipeError("query_encoder", f"query_encoder: static needs one weight per token of both the "
+                                               f"tokenizer ({len(tokenizer.get_vocab())} tokens) and the masked-LM "
+                                               f"head ({vocab_size}); use a model whose vocab_size matches its "
+                                               "tokenizer")
+        self.static_query_weight = torch.nn.Parameter(torch.ones(vocab_size, device=next(model.parameters()).device))
+        self.static_query_from = "ones"  # where the weights came from: ones, idf, a JSON path, or a saved model
+
+    def initialise_static_query(self, documents: "Iterable[str] | None") -> None:
+        """Set the static query weights as `static_query_init` says: IDF over `documents` (the training documents;
+        None: unknown, the weights stay 1), ones, or a JSON file. A model continued from a saved static one keeps
+        its weights."""
+        init = self.settings.static_query_init
+        if self.static_query_from == "saved" or init == "ones" or (init == IDF and documents is None):
+            return
+        vocab_size = self.static_query_weight.shape[0]
+        if init == IDF:
+            weight = idf_weights(documents, self.tokenizer, vocab_size, self.settings.max_length)
+        else:
+            weight = weights_from_json(init, self.tokenizer, vocab_size, "static_query_init")
+        with torch.no_grad():
+            self.static_query_weight.copy_(weight)
+        self.static_query_from = init
 
     @classmethod
     def embedding_dim_of(cls, config: "PretrainedConfig") -> int:
@@ -175,12 +243,44 @@ class TextAdapter(TokenVectors, TransformersAdapter):
         name = adapter.settings.model_name
         if adapter.settings.multi_vector and name is not None and Path(name, PROJECTION_FOLDER).is_dir():
             adapter.load_projection(name)  # continuing from a saved ColBERT (ours or PyLate's): keep its projection
+        if adapter.settings.static_query:
+            if name is not None and Path(name, STATIC_FOLDER).is_dir():  # continuing from a saved static model
+                adapter.load_static_query_weight(name)
+            elif adapter.settings.static_query_init != IDF:  # IDF needs the training documents: the task's
+                adapter.initialise_static_query(None)
         return adapter
+
+    @classmethod
+    def load(cls, path: str | Path, *, trust_remote_code: bool = False) -> "TextAdapter":
+        adapter = super().load(path, trust_remote_code=trust_remote_code)
+        if adapter.settings.static_query:
+            adapter.load_static_query_weight(path)
+        return adapter
+
+    def learning_rate_scales(self, learning_rate: float) -> dict[torch.nn.Parameter, float]:
+        rate = self.settings.static_query_lr if self.settings.static_query else None
+        return {} if rate is None else {self.static_query_weight: rate / learning_rate}
+
+    def load_static_query_weight(self, path: str | Path) -> None:
+        try:
+            weight = read_static_query_weight(path)
+        except FileNotFoundError as missing:
+            raise RecipeError("model", f"{str(path)!r} holds a static query encoder without its weights "
+                                       f"({missing})") from None
+        if weight.shape != self.static_query_weight.shape:
+            raise RecipeError("model", f"{Path(path, STATIC_FOLDER)} holds {weight.shape[0]} static query weights, "
+                                       f"this model's vocabulary {self.static_query_weight.shape[0]} tokens")
+        with torch.no_grad():
+            self.static_query_weight.copy_(weight)
+        self.static_query_from = "saved"
 
     def save(self, path: str | Path) -> None:
         super().save(path)
         if self.settings.sparse:
-            write_sparse_encoder_files(path, self.settings.sparse_pooling, self.settings.max_length)
+            settings = self.settings
+            write_sparse_encoder_files(path, settings.sparse_pooling, settings.max_length, settings.static_query)
+            if settings.static_query:
+                write_static_query_files(path, self.static_query_weight, self.tokenizer, settings.max_length)
         if self.settings.multi_vector:
             skipped = punctuation_tokens(self.tokenizer) if self.settings.skip_punctuation else []
             write_pylate_files(path, self.settings, self.projection.weight, skipped)
@@ -226,8 +326,9 @@ class TextAdapter(TokenVectors, TransformersAdapter):
         skip-list and projection are vembed's)."""
         if settings.get("embedding") == "multi_vector":
             return None
-        if settings.get("embedding") == SPARSE:
-            return sparse_transformers_example(path, settings, texts)
+        if settings.get("embedding") == SPARSE:  # a static query encoder's queries are vembed's (or ST's) own
+            return None if settings.get("query_encoder") == STATIC else sparse_transformers_example(path, settings,
+                                                                                                    texts)
         pooling = settings.get("pooling", "mean")
         pooled = {
             "mean": "mask = tokens[\"attention_mask\"].unsqueeze(-1).float()\n"
@@ -254,6 +355,8 @@ class TextAdapter(TokenVectors, TransformersAdapter):
 
     def preprocess(self, sides: Sequence["Side"]) -> dict[str, torch.Tensor]:
         # No image processor: a side with an image is a ValueError naming the adapters that take images.
+        if self.settings.static_query and any(side.role == "query" for side in sides):
+            return self._static_query_batch(sides)
         if not self.settings.multi_vector:
             return make_batch(sides, self.tokenizer, None, max_length=self.settings.max_length,
                               text_keys=self._text_keys)
@@ -279,8 +382,26 @@ class TextAdapter(TokenVectors, TransformersAdapter):
         batch[VECTOR_MASK] = kept
         return batch
 
+    def forward_flops(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor | int:
+        """No model FLOPs for static queries (a lookup of their tokens' weights); the default otherwise."""
+        return 0 if STATIC_QUERY_TOKENS in inputs else super().forward_flops(inputs)
+
+    def _static_query_batch(self, sides: Sequence["Side"]) -> dict[str, torch.Tensor]:
+        """Queries for the static encoder, tokenised as sentence-transformers' SparseStaticEmbedding does: no special
+        tokens, cut at max_length. Documents (role "document" or unknown: ST's default route) go through the model."""
+        if any(side.role != "query" for side in sides):
+            raise ValueError("a batch for a static query encoder holds queries or documents, not both: preprocess "
+                             "them apart")
+        batch = make_batch(sides, self.tokenizer, None, max_length=self.settings.max_length,
+                           text_keys=self._text_keys, add_special_tokens=False)
+        batch[STATIC_QUERY_TOKENS] = batch["attention_mask"].bool()
+        return batch
+
     def encode(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         tokens = {key: value for key, value in inputs.items() if key in self._text_keys}
+        if STATIC_QUERY_TOKENS in inputs:
+            weights = static_query_vectors(inputs["input_ids"], inputs[STATIC_QUERY_TOKENS], self.static_query_weight)
+            return self._pruned(weights)
         if self.settings.sparse:
             return self._sparse_vectors(tokens)
         hidden = self._per_token(tokens, lambda output: output.last_hidden_state)
@@ -293,10 +414,12 @@ class TextAdapter(TokenVectors, TransformersAdapter):
     def _sparse_vectors(self, tokens: dict[str, torch.Tensor]) -> torch.Tensor:
         """`(n, vocab_size)` SPLADE weights (`vembed.models.splade`); pruned to sparse_top_k only outside training."""
         logits = self._per_token(tokens, lambda output: output.logits)
-        weights = splade_pool(logits, tokens["attention_mask"], self.settings.sparse_pooling)
+        return self._pruned(splade_pool(logits, tokens["attention_mask"], self.settings.sparse_pooling))
+
+    def _pruned(self, weights: torch.Tensor) -> torch.Tensor:
+        """Sparse `weights` pruned to sparse_top_k, outside training only."""
         top_k = self.settings.sparse_top_k
         return keep_top_k(weights, top_k) if top_k is not None and not self.training else weights
-
 
     def _per_token(self, tokens: dict[str, torch.Tensor], read: Callable[[Any], torch.Tensor]) -> torch.Tensor:
         """`read(model output)`, a (rows, positions, ...) per-token tensor, computed packed when `packing` is on."""

@@ -104,6 +104,14 @@ class Task:
     def enter_stage(self, objective: "nn.Module", stage: "Stage") -> None:
         """Apply a curriculum stage's inputs to the model (tokens per text, image size) before its first batch."""
 
+    def learning_rate_scales(self, objective: "nn.Module") -> "dict[nn.Parameter, float]":
+        """Parameters of `objective` trained at their own rate, as multiples of the learning rate; none by default."""
+        return {}
+
+    def begin_step(self, objective: "nn.Module", step: int, total_steps: int) -> None:
+        """Before each optimizer step's batches (`step` steps done of `total_steps`, restored on resume): what follows
+        the step count besides the learning rate (a loss's schedule)."""
+
     def load_eval_split(self, split: str) -> Any:
         """Held-out data for `split` ("validation"/"test"), or something empty when the recipe has none."""
         raise NotImplementedError

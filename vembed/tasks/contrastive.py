@@ -12,10 +12,11 @@ from torch import nn
 from vembed.errors import DataError, RecipeError, did_you_mean
 from vembed.losses.base import EmbeddingLoss
 from vembed.models.base import EmbeddingAdapter
+from vembed.models.splade import IDF
 from vembed.tasks import TASKS, Task
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Iterable, Iterator, Sequence
 
     from accelerate import Accelerator
 
@@ -226,6 +227,8 @@ class ContrastiveTask(Task):
 
         recipe = self.recipe
         adapter = self.build_adapter()
+        if getattr(adapter.settings, "static_query", False):  # inference-free SPLADE: IDF over this run's documents
+            adapter.initialise_static_query(None if self.train_rows is None else document_texts(self.train_rows))
         loss = build_loss(recipe)
         guide = None
         if getattr(loss, "needs_guide", False):
@@ -271,6 +274,12 @@ class ContrastiveTask(Task):
         adapter.settings = adapter.settings.model_copy(update={"max_length": max_length})
         if any(config.min_pixels is not None or config.max_pixels is not None for config in self.recipe.stages or ()):
             adapter.set_pixel_budget(stage.min_pixels, stage.max_pixels)
+
+    def learning_rate_scales(self, objective: "nn.Module") -> "dict[nn.Parameter, float]":
+        return objective.adapter.learning_rate_scales(self.recipe.learning_rate)
+
+    def begin_step(self, objective: "nn.Module", step: int, total_steps: int) -> None:
+        objective.loss.begin_step(step, total_steps)  # the FLOPS warmup (vembed/losses/sparse.py)
 
     # --- streamed training data (vembed/data/streaming.py) ----------------------------------------------------------
     def _open_train_stream(self):
@@ -445,6 +454,9 @@ def _check_not_streamed(recipe: "Recipe") -> None:
     if recipe.stages:
         raise RecipeError("stages", "are not available for streamed data yet; train the stages as separate runs "
                                     "(model_name: the previous run's final/ folder)")
+    if getattr(recipe.model, "static_query", False) and recipe.model.static_query_init == IDF:
+        raise RecipeError("static_query_init", "idf counts every training document before step 1, which a stream "
+                                               "cannot; give an idf.json or ones, or set data.streaming: false")
     from vembed.components import loss_class
 
     # Read whole, a split keeps its rows' smallest count of negatives; a stream cannot know it before reading.
@@ -564,6 +576,14 @@ def _held_out_pair_files(recipe: "Recipe") -> str | None:
     return None
 
 
+def document_texts(rows: Iterable[Example]) -> Iterator[str]:
+    """The texts of the training documents (positives and hard negatives) of `rows`: what IDF is counted over."""
+    for example in rows:
+        for side in (example.positive, *example.negatives):
+            if side.text:
+                yield side.text
+
+
 def _check_sparse(recipe: "Recipe") -> None:
     """FLOPS regularisation goes with sparse vectors (`embedding: sparse`), and a sparse model with neither Matryoshka
     (prefixes of a vocabulary-sized vector, L2-normalised, mean nothing) nor pair files to evaluate on, whose metrics
@@ -575,6 +595,10 @@ def _check_sparse(recipe: "Recipe") -> None:
                 raise RecipeError(key, "FLOPS regularises sparse vectors; set embedding: sparse (model_type text) or "
                                        "remove it")
         return
+    init = getattr(recipe.model, "static_query_init", IDF)
+    if getattr(recipe.model, "static_query", False) and init not in (IDF, "ones") and not Path(init).is_file():
+        raise RecipeError("static_query_init", f"is neither idf, ones nor a file: no {init!r}; give the path of a "
+                                               "JSON object token -> weight (sentence-transformers' idf.json)")
     if recipe.loss.mrl_dims:
         raise RecipeError("mrl_dims", "Matryoshka truncates and L2-normalises dense vectors; a sparse vector's "
                                       "dimensions are the vocabulary: remove mrl_dims")

@@ -155,7 +155,9 @@ class Trainer:
             self.stream = None
             loader = self._plan_stages()
         lr = learning_rate_for(recipe, acc.num_processes, log=acc.print)  # scale_lr_with_world_size, logged once
-        optimizer = build_optimizer(parameter_groups(self.objective, recipe.weight_decay, recipe.layer_lr_decay), lr)
+        own_rates = self.task.learning_rate_scales(self.objective)
+        optimizer = build_optimizer(parameter_groups(self.objective, recipe.weight_decay, recipe.layer_lr_decay,
+                                                     own_rates), lr)
         if len(self.stages) > 1:
             scheduler = staged_scheduler(optimizer, self.stages, recipe.scheduler_type, recipe.warmup_ratio,
                                          recipe.learning_rate)
@@ -463,6 +465,7 @@ class Trainer:
         """Forward and backward of one batch, then (once gradients are accumulated) the checked, clipped optimizer
         step; the detached loss. All the model work of one loop iteration (bench/step_overhead.py times it)."""
         acc = self.accelerator
+        self.task.begin_step(self.objective, state.global_step, self.total_steps)
         with acc.accumulate(self.model):
             loss = self.train_step(batch)  # forward + backward: plain, or GradCache's chunked passes
             # Kept on the device (no host sync per micro-batch); read with the gradient norm at the optimizer step.
