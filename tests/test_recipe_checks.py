@@ -89,7 +89,7 @@ ELSEWHERE: dict[str, set[str]] = {
     "vembed/cli.py": {"_index_command"},
     "vembed/models/token_vectors.py": {"require_single_vector"},  # a dense-only command handed a ColBERT model
     "vembed/retrieval/maxsim_search.py": {"set_pool_factor"},  # --pool-factor, document_pool_factor
-    "vembed/entrypoints/evaluate.py": {"_evaluate_corpus", "_named_sources", "_check_reranking"},
+    "vembed/entrypoints/evaluate.py": {"_check_flags", "_named_sources", "_check_reranking"},
     "vembed/reranking/__init__.py": {"load_reranker"},  # a saved reranker folder
     "vembed/entrypoints/extract.py": {"run.body", "_mode"},
 }

@@ -210,7 +210,7 @@ def _evaluate_embedder(args: argparse.Namespace, accelerator: "Accelerator") -> 
     named = _named_sources(args.data)
     pairs = None if None in folders else ({name: path for name, path in named.items() if name not in folders}
                                           if named else args.data)
-    _check_flags(args, corpus=bool(folders), pairs=bool(pairs), mixed=bool(folders) and bool(pairs))
+    _check_flags(args, corpus=bool(folders), pairs=bool(pairs))
     sources = {name: _corpus_source(args, name, folder) for name, folder in folders.items()}
     data = _pair_data(args, pairs) if pairs else None
     for source in sources.values():
@@ -231,7 +231,7 @@ def _evaluate_embedder(args: argparse.Namespace, accelerator: "Accelerator") -> 
     return merge_source_metrics({name: found[name] for name in named})  # in the order given
 
 
-def _check_flags(args: argparse.Namespace, *, corpus: bool, pairs: bool, mixed: bool) -> None:
+def _check_flags(args: argparse.Namespace, *, corpus: bool, pairs: bool) -> None:
     """Flags that apply to one kind of data are refused, in one line, when none of the data is of that kind."""
     from vembed.errors import ArgumentError, RecipeError
 
