@@ -210,3 +210,137 @@ def test_a_lock_taken_and_released_leaves_no_folder_it_created(tmp_path):
     with RunLock(tmp_path / "kept"):
         pass
     assert (tmp_path / "kept").is_dir()
+
+
+# --- identity, a folder's contents and its clearing, without a run (fast: what mutation testing reruns) -------------
+
+NOT_TRAINING = {  # a key that changes where or how a run is written, logged or checked, with another value
+    "output_dir": "elsewhere", "persistent_dir": "/mirror", "resume_from": "auto", "overwrite_output_dir": True,
+    "report_to": "wandb", "run_name": "other", "logging_steps": 7, "save_steps": 9, "save_total_limit": 5,
+    "eval_steps": 3, "eval_before_training": True, "metric_for_best_model": "r@5", "eval_batch_size": 3,
+    "profile": {"steps": 2}, "data.validation": "v.jsonl", "data.test": "t.jsonl", "data.eval_max_samples": 3,
+    "data.num_workers": 4, "data.max_bad_fraction": 0.5, "data.qrels_splits.validation": "dev",
+    "data.qrels_splits.test": "eval", "data.first_stage_run": "bm25.trec", "compile": True,
+}
+
+
+def _recipe_dict(**changes) -> dict:
+    raw = {"model_type": "clip", "model_config": {"projection_dim": 16}, "learning_rate": 1e-3, "seed": 0,
+           "data": {"train": "train.jsonl", "columns": {"text": "caption"}, "qrels_splits": {}}}
+    for dotted, value in changes.items():
+        *parents, key = dotted.split(".")
+        section = raw
+        for parent in parents:
+            section = section.setdefault(parent, {})
+        section[key] = value
+    return raw
+
+
+@pytest.mark.parametrize("key", sorted(NOT_TRAINING))
+def test_keys_that_do_not_change_what_is_trained_are_not_part_of_the_identity(key):
+    from vembed.training.run_dir import NOT_IDENTITY, identity_of
+
+    assert identity_of(_recipe_dict(**{key: NOT_TRAINING[key]})) == identity_of(_recipe_dict())
+    assert set(NOT_TRAINING) == NOT_IDENTITY  # a new such key gets a case here
+
+
+def test_a_recipe_that_evaluates_on_other_qrels_may_write_into_its_runs_folder(dummy_data_dir, tmp_path):
+    from vembed.training.run_dir import run_identity, write_run_file
+
+    raw = _recipe(dummy_data_dir, tmp_path / "run")
+    (tmp_path / "run").mkdir()
+    write_run_file(tmp_path / "run", run_identity(recipe_from_dict(raw)))
+    check_output_dir(recipe_from_dict(dict(raw, data={**raw["data"], "qrels_splits": {"validation": "test"}})))
+    with pytest.raises(RecipeError, match=r"another run \(data.qrels_splits.train: train → dev\)"):
+        check_output_dir(recipe_from_dict(dict(raw, data={**raw["data"], "qrels_splits": {"train": "dev"}})))
+
+
+@pytest.mark.parametrize("key, value", [("learning_rate", 5e-4), ("seed", 1), ("data.train", "other.jsonl"),
+                                        ("data.columns.text", "title"), ("model_config.projection_dim", 8)])
+def test_keys_that_change_what_is_trained_are_part_of_the_identity(key, value):
+    from vembed.training.run_dir import identity_of
+
+    assert identity_of(_recipe_dict(**{key: value})) != identity_of(_recipe_dict())
+
+
+def test_sections_are_compared_key_by_key_and_free_form_dicts_as_a_whole():
+    from vembed.training.run_dir import identity_differences, identity_of
+
+    for section in ("data", "data.columns", "dit", "flow"):
+        ours = identity_of(_recipe_dict(**{f"{section}.size": 2}))
+        stored = identity_of(_recipe_dict(**{f"{section}.size": 1}))
+        assert identity_differences(stored, ours) == [f"{section}.size: 1 → 2"]
+        del stored[f"{section}.size"]  # a key an older vembed did not write is not a difference
+        assert identity_differences(stored, ours) == []
+    ours, stored = identity_of(_recipe_dict(**{"model_config.size": 2})), identity_of(_recipe_dict())
+    assert identity_differences(stored, ours) == ['model_config: {"projection_dim": 16} → {"projection_dim": 16, "s...']
+
+
+@pytest.mark.parametrize("differing, shown", [(3, 3), (4, 4), (5, 4)])
+def test_at_most_four_differences_are_named_and_the_rest_counted(differing, shown):
+    from vembed.training.run_dir import identity_differences
+
+    stored = {f"key{i}": 0 for i in range(differing)}
+    lines = identity_differences(stored, {key: 1 for key in stored})
+    assert lines[:shown] == [f"key{i}: 0 → 1" for i in range(shown)]
+    assert lines[shown:] == ([f"and {differing - shown} more"] if differing > shown else [])
+
+
+@pytest.mark.parametrize("length, shown", [(39, "a" * 39), (40, "a" * 40), (41, "a" * 37 + "...")])
+def test_a_long_value_is_cut_to_forty_characters(length, shown):
+    from vembed.training.run_dir import identity_differences
+
+    assert identity_differences({"k": "a" * length}, {"k": "b"}) == [f"k: {shown} → b"]
+
+
+def test_the_stored_identity_comes_from_run_json_else_the_saved_recipe(tmp_path):
+    from vembed.training.run_dir import RECIPE_FILE, RUN_FILE, identity_of, stored_identity, write_run_file
+
+    assert stored_identity(tmp_path) is None
+    (tmp_path / RECIPE_FILE).write_text("- not a recipe\n")
+    assert stored_identity(tmp_path) is None
+    import yaml
+
+    (tmp_path / RECIPE_FILE).write_text(yaml.safe_dump(_recipe_dict(logging_steps=3)))
+    assert stored_identity(tmp_path) == identity_of(_recipe_dict())
+    for broken in ("{not json", "[]", '{"fingerprint": "x"}', '{"identity": 3}'):  # a damaged run.json: the recipe says
+        (tmp_path / RUN_FILE).write_text(broken)
+        assert stored_identity(tmp_path) == identity_of(_recipe_dict())
+    write_run_file(tmp_path, {"seed": 5})
+    assert stored_identity(tmp_path) == {"seed": 5}
+
+
+def test_work_lists_checkpoints_in_step_order_then_the_final_model(tmp_path):
+    from vembed.training.run_dir import work_in
+
+    assert work_in(tmp_path / "missing") == []
+    for name in ("checkpoint-10", "checkpoint-9", "checkpoint-100"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "checkpoint-5").write_text("a file, not a checkpoint")
+    (tmp_path / "xcheckpoint-1").mkdir()
+    assert work_in(tmp_path) == ["checkpoint-9", "checkpoint-10", "checkpoint-100"]
+    (tmp_path / "final").mkdir()
+    assert work_in(tmp_path) == ["checkpoint-9", "checkpoint-10", "checkpoint-100", "final/"]
+
+
+def test_clearing_a_previous_run_removes_its_outputs_and_nothing_else(tmp_path):
+    from vembed.training.run_dir import RUN_OUTPUTS, clear_previous_run
+
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "kept.txt").write_text("x")
+    run.mkdir()
+    for name in RUN_OUTPUTS:
+        (run / name).write_text("old")
+    (run / "final").unlink()
+    (run / "final").mkdir()
+    (run / "final" / "model.safetensors").write_text("old")
+    for name in ("checkpoint-2", ".tmp-checkpoint-4"):
+        (run / name).mkdir()
+    (run / "checkpoint-6").symlink_to(outside, target_is_directory=True)  # unlinked, its target left alone
+    for name in ("notes.txt", "data", "tmp-x"):
+        (run / name).write_text("the user's")
+    clear_previous_run(run)
+    assert sorted(p.name for p in run.iterdir()) == ["data", "notes.txt", "tmp-x"]
+    assert (outside / "kept.txt").read_text() == "x"
+    clear_previous_run(tmp_path / "missing")  # nothing to clear
