@@ -5,7 +5,9 @@ is kept out by a lock that a dead holder never leaves behind."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -344,3 +346,65 @@ def test_clearing_a_previous_run_removes_its_outputs_and_nothing_else(tmp_path):
     assert sorted(p.name for p in run.iterdir()) == ["data", "notes.txt", "tmp-x"]
     assert (outside / "kept.txt").read_text() == "x"
     clear_previous_run(tmp_path / "missing")  # nothing to clear
+
+
+def test_a_folder_with_work_is_refused_unless_resumed_or_overwritten_naming_that_work(dummy_data_dir, tmp_path):
+    from vembed.training.run_dir import RUN_FILE, run_identity, write_run_file
+
+    run = tmp_path / "run"
+    raw = _recipe(dummy_data_dir, run)
+    for step in (2, 4, 6, 10):
+        (run / f"checkpoint-{step}").mkdir(parents=True)
+    with pytest.raises(RecipeError, match=r"holds checkpoint-2, checkpoint-4, checkpoint-6 of a run whose recipe is "
+                                          r"not there \(no run.json or recipe.yaml\); choose another output_dir, or "
+                                          r"set overwrite_output_dir: true to replace it$"):
+        check_output_dir(recipe_from_dict(raw))
+    write_run_file(run, run_identity(recipe_from_dict(raw)))
+    (run / "final").mkdir()
+    with pytest.raises(RecipeError, match=r"already holds this recipe's run \(checkpoint-6, checkpoint-10, final/\)"):
+        check_output_dir(recipe_from_dict(raw))
+    check_output_dir(recipe_from_dict(dict(raw, resume_from="auto")))
+    check_output_dir(recipe_from_dict(dict(raw, learning_rate=5e-4, overwrite_output_dir=True)))
+    (run / RUN_FILE).unlink()
+    shutil.rmtree(run / "final")
+    for step in (2, 4, 6, 10):
+        (run / f"checkpoint-{step}").rmdir()
+    check_output_dir(recipe_from_dict(raw))  # an empty folder takes any run
+
+
+def _lock_held_by(folder: Path, holder: dict) -> int:
+    """Lock `folder` as a run `holder` names would (a second open file description conflicts even in this process)."""
+    import fcntl
+
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.write(fd, json.dumps(holder).encode())
+    return fd
+
+
+def test_a_held_lock_keeps_out_a_launch_it_did_not_start_naming_the_holder(tmp_path):
+    import socket
+    import time
+
+    host, started = socket.gethostname(), time.mktime((2026, 1, 2, 3, 4, 5, 0, 0, -1))
+    fd = _lock_held_by(tmp_path / "run", {"pid": 999_999_999, "host": host, "started": started})
+    try:
+        with pytest.raises(LaunchError) as info:
+            RunLock(tmp_path / "run").acquire()
+        assert str(info.value) == (f"launch error: output_dir {tmp_path / 'run'} is in use by another vembed run "
+                                   f"(pid 999999999 on {host}, started 2026-01-02 03:04:05); wait for it to end or "
+                                   "stop it, or choose another output_dir")
+        for holder, who in (({"pid": os.getpid(), "host": "elsewhere"}, f"pid {os.getpid()} on elsewhere"),
+                            ([], "pid ? on ?")):  # the same pid on another host is another process
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(holder).encode(), 0)
+            with pytest.raises(LaunchError, match=rf"in use by another vembed run \({re.escape(who)}\); wait"):
+                RunLock(tmp_path / "run").acquire()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getppid(), "host": host}).encode(), 0)  # our launcher: let in
+        lock = RunLock(tmp_path / "run").acquire()
+        lock.release()
+        assert (tmp_path / "run" / LOCK_FILE).is_file()  # the holder's file, not ours to remove
+    finally:
+        os.close(fd)
