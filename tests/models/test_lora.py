@@ -8,7 +8,10 @@ import json
 
 import pytest
 import torch
+from peft.tuners.lora import LoraLayer  # at the top (lora.py imports PEFT lazily): mutation-test workers fork after it
+from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers.pytorch_utils import Conv1D  # noqa: F401  (imported once, as above)
 
 from vembed.errors import RecipeError
 from vembed.models.lora import (
@@ -50,8 +53,6 @@ def _lora(towers, names=("q_proj", "v_proj"), *, r=2, alpha=6, dropout=0.0, stri
 
 
 def _wrapped(tower: nn.Module) -> list[str]:
-    from peft.tuners.lora import LoraLayer
-
     return sorted(name for name, module in tower.named_modules() if isinstance(module, LoraLayer))
 
 
@@ -132,8 +133,6 @@ def test_lora_weights_alone_are_saved_with_their_config_and_load_back(tmp_path, 
     config = json.loads((tmp_path / "lora" / LORA_CONFIG).read_text())
     assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (2, 6, dropout)
     assert sorted(config["target_modules"]) == ["attn.q_proj", "attn.v_proj"]
-    from safetensors.torch import load_file
-
     assert all(".lora_" in key for key in load_file(str(tmp_path / "lora" / LORA_WEIGHTS)))
     loaded = Tower().eval()
     load_lora_weights(loaded, tmp_path / "lora")
@@ -152,8 +151,6 @@ def test_saving_lora_weights_of_a_model_without_lora_is_refused(tmp_path):
 @pytest.mark.parametrize("change, says", [("drop", "unexpected [], missing ['attn.q_proj.lora_A.default.weight']"),
                                           ("add", "unexpected ['mlp.lora_A.default.weight'], missing []")])
 def test_lora_weights_that_do_not_fit_the_base_model_are_a_recipe_error(tmp_path, change, says):
-    from safetensors.torch import load_file, save_file
-
     tower = Tower()
     _lora([tower])
     save_lora_weights(tower, tmp_path / "lora")
