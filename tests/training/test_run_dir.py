@@ -275,7 +275,8 @@ def test_sections_are_compared_key_by_key_and_free_form_dicts_as_a_whole():
         del stored[f"{section}.size"]  # a key an older vembed did not write is not a difference
         assert identity_differences(stored, ours) == []
     ours, stored = identity_of(_recipe_dict(**{"model_config.size": 2})), identity_of(_recipe_dict())
-    assert identity_differences(stored, ours) == ['model_config: {"projection_dim": 16} → {"projection_dim": 16, "s...']
+    assert identity_differences(stored, ours) == [
+        'model_config: {"projection_dim": 16} → {"projection_dim": 16, "size": 2}']
 
 
 @pytest.mark.parametrize("differing, shown", [(3, 3), (4, 4), (5, 4)])
