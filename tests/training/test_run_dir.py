@@ -409,3 +409,49 @@ def test_a_held_lock_keeps_out_a_launch_it_did_not_start_naming_the_holder(tmp_p
         assert (tmp_path / "run" / LOCK_FILE).is_file()  # the holder's file, not ours to remove
     finally:
         os.close(fd)
+
+
+def test_a_lock_names_its_holder_in_its_file_and_lets_in_the_process_that_holds_it(tmp_path, monkeypatch):
+    import socket
+    import stat
+    import time
+
+    monkeypatch.setattr(sys, "argv", ["vembed", "train", "x" * 400])
+    path = tmp_path / "run" / LOCK_FILE
+    lock = RunLock(tmp_path / "run").acquire()
+    try:
+        holder = json.loads(path.read_text())
+        assert (holder["pid"], holder["host"]) == (os.getpid(), socket.gethostname())
+        assert abs(holder["started"] - time.time()) < 600 and holder["command"] == ("vembed train " + "x" * 400)[:300]
+        umask = os.umask(0)
+        os.umask(umask)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644 & ~umask
+        RunLock(tmp_path / "run").acquire().release()  # as a rank of this launcher: let in, and nothing released
+        assert json.loads(path.read_text()) == holder
+        path.unlink()  # removed under the holder (a user cleaning the folder): releasing still works
+    finally:
+        lock.release()
+    assert not path.exists()
+
+
+def test_a_file_system_without_locks_warns_and_lets_the_launch_in(tmp_path, monkeypatch, capsys):
+    import errno
+    import fcntl
+
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    RunLock(tmp_path / "run").acquire().release()
+    assert capsys.readouterr().err == (f"warning: cannot lock {tmp_path / 'run' / LOCK_FILE} (No locks available); a "
+                                       "second launch into this output_dir would not be stopped\n")
+
+
+def test_an_unreadable_holder_is_unknown_and_a_value_json_cannot_write_is_shown_as_text(tmp_path):
+    import datetime
+
+    from vembed.training.run_dir import _read_holder, identity_differences
+
+    assert _read_holder(tmp_path / "missing") == {}
+    day = datetime.date(2026, 1, 2)  # as YAML reads an unquoted date in a saved recipe.yaml
+    assert identity_differences({"k": [day]}, {"k": "b"}) == ['k: ["2026-01-02"] → b']
