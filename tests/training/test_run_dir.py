@@ -455,3 +455,38 @@ def test_an_unreadable_holder_is_unknown_and_a_value_json_cannot_write_is_shown_
     assert _read_holder(tmp_path / "missing") == {}
     day = datetime.date(2026, 1, 2)  # as YAML reads an unquoted date in a saved recipe.yaml
     assert identity_differences({"k": [day]}, {"k": "b"}) == ['k: ["2026-01-02"] → b']
+
+
+def test_the_run_fingerprint_is_sixteen_hex_digits_of_the_identity_whatever_its_key_order(tmp_path):
+    import datetime
+
+    from vembed.training.run_dir import RUN_FILE, fingerprint, write_run_file
+
+    ours = {"seed": 0, "learning_rate": 1e-3}
+    assert fingerprint(ours) == fingerprint(dict(reversed(ours.items()))) != fingerprint(dict(ours, seed=1))
+    assert re.fullmatch("[0-9a-f]{16}", fingerprint(ours))
+    assert fingerprint({"when": datetime.date(2026, 1, 2)}) == fingerprint({"when": "2026-01-02"})
+    write_run_file(tmp_path, ours)
+    assert json.loads((tmp_path / RUN_FILE).read_text()) == {"fingerprint": fingerprint(ours), "identity": ours}
+
+
+def test_an_unreadable_or_broken_run_file_or_recipe_is_no_identity(tmp_path, monkeypatch):
+    from vembed.training.run_dir import RECIPE_FILE, RUN_FILE, stored_identity, write_run_file
+
+    write_run_file(tmp_path, {"seed": 5})
+    (tmp_path / RECIPE_FILE).write_text("seed: [")  # not YAML
+    assert stored_identity(tmp_path) == {"seed": 5}
+    real_read_text = Path.read_text
+
+    def unreadable(path, *args, **kwargs):
+        if path.name in unreadable.names:
+            raise PermissionError(13, "Permission denied")
+        return real_read_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", unreadable)
+    unreadable.names = {RUN_FILE}
+    assert stored_identity(tmp_path) is None  # the recipe is broken too
+    (tmp_path / RECIPE_FILE).write_text("seed: 6\n")
+    assert stored_identity(tmp_path) == {"seed": 6}
+    unreadable.names = {RUN_FILE, RECIPE_FILE}
+    assert stored_identity(tmp_path) is None
