@@ -490,3 +490,32 @@ def test_an_unreadable_or_broken_run_file_or_recipe_is_no_identity(tmp_path, mon
     assert stored_identity(tmp_path) == {"seed": 6}
     unreadable.names = {RUN_FILE, RECIPE_FILE}
     assert stored_identity(tmp_path) is None
+
+
+def test_releasing_twice_or_unacquired_is_harmless_and_a_created_folder_holding_results_is_kept(tmp_path):
+    RunLock(tmp_path / "never").release()
+    lock = RunLock(tmp_path / "new" / "run").acquire()
+    (tmp_path / "new" / "run" / "metrics.json").write_text("{}")  # what the run wrote
+    lock.release()
+    lock.release()
+    assert (tmp_path / "new" / "run" / "metrics.json").is_file() and not (tmp_path / "new" / "run" / LOCK_FILE).exists()
+
+
+def test_the_ancestors_follow_the_parent_chain_even_through_odd_process_names(monkeypatch):
+    from vembed.training.run_dir import _ancestors
+
+    stats = {"/proc/100/stat": "100 (a) b (c) S 50 100 1", "/proc/50/stat": "50 (launcher) S 1 50 1"}
+    real_read_text = Path.read_text
+
+    def proc(path, *args, **kwargs):
+        if str(path).startswith("/proc/"):
+            if str(path) not in stats:
+                raise FileNotFoundError(str(path))  # a process that ended, or no /proc at all
+            return stats[str(path)]
+        return real_read_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", proc)
+    monkeypatch.setattr(os, "getppid", lambda: 100)
+    assert _ancestors() == {os.getpid(), 100, 50, 1}
+    del stats["/proc/50/stat"]
+    assert _ancestors() == {os.getpid(), 100, 50}
