@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from vembed.errors import RecipeError
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
 
 # Attention projections under the names common encoders use (BERT/RoBERTa/ViT/DINOv2, MPNet, DistilBERT,
 # CLIP/SigLIP/LLaMA/Qwen-style, ModernBERT): the default LoRA targets of AutoModel towers are those a tower has.
@@ -42,7 +46,7 @@ def inject_lora(
     keeps each tower its plain HF class, so its own methods (get_text_features, gradient_checkpointing_enable,
     save_pretrained) keep working.
     """
-    from peft import LoraConfig, inject_adapter_in_model
+    from peft import LoraConfig
 
     plans = []
     matched: set[str] = set()
@@ -69,11 +73,16 @@ def inject_lora(
                 f"none of {list(names)} is a linear layer of the {type(tower).__name__} tower; {hint}",
             )
     for tower, targets in plans:
-        config = LoraConfig(
-            r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets
-        )
-        inject_adapter_in_model(config, tower)
-        tower.train(tower.training)  # new LoRA dropout modules start in train mode; match the tower's mode
+        _inject(LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets), tower)
+
+
+def _inject(config: "LoraConfig", model: nn.Module) -> None:
+    """PEFT's LoRA layers wrapped into `model`, in `model`'s mode: new LoRA dropout modules start in train mode, which
+    in an eval-mode model (a loaded one) would make its embeddings random."""
+    from peft import inject_adapter_in_model
+
+    inject_adapter_in_model(config, model)
+    model.train(model.training)
 
 
 def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
@@ -129,11 +138,10 @@ def save_lora_weights(model: nn.Module, path: str | Path) -> None:
 def load_lora_weights(model: nn.Module, path: str | Path) -> None:
     """Wrap `model` with the LoRA layers described in `path` and load their weights (inverse of
     `save_lora_weights`); every saved weight must find its layer."""
-    from peft import LoraConfig, inject_adapter_in_model
+    from peft import LoraConfig
     from safetensors.torch import load_file
 
-    config = LoraConfig.from_pretrained(str(path))
-    inject_adapter_in_model(config, model)
+    _inject(LoraConfig.from_pretrained(str(path)), model)
     weights = load_file(str(Path(path, LORA_WEIGHTS)))
     result = model.load_state_dict(weights, strict=False)
     missing_lora = [key for key in result.missing_keys if ".lora_" in key]

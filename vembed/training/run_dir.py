@@ -73,12 +73,16 @@ def identity_differences(stored: dict[str, Any], ours: dict[str, Any], limit: in
     return shown
 
 
+# Sub-sections of the schema, compared key by key (so NOT_IDENTITY can name one of their keys); free-form dicts
+# (model_config) are compared as a whole.
+FLATTENED = ("data", "data.columns", "data.qrels_splits", "dit", "flow", "profile")
+
+
 def _flatten(raw: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in raw.items():
         name = f"{prefix}{key}"
-        # Sub-sections of the schema are compared key by key; free-form dicts (model_config) as a whole.
-        if isinstance(value, dict) and name in ("data", "data.columns", "dit", "flow", "profile"):
+        if isinstance(value, dict) and name in FLATTENED:
             flat.update(_flatten(value, f"{name}."))
         else:
             flat[name] = value
@@ -97,8 +101,10 @@ def stored_identity(output_dir: Path) -> dict[str, Any] | None:
     """The identity of the run `output_dir` holds: from run.json, else (older vembed) from its recipe.yaml."""
     run_file = output_dir / RUN_FILE
     if run_file.is_file():
-        with contextlib.suppress(OSError, ValueError, AttributeError, TypeError):
-            return json.loads(run_file.read_text())["identity"]
+        with contextlib.suppress(OSError, ValueError):
+            content = json.loads(run_file.read_text())
+            if isinstance(content, dict) and isinstance(content.get("identity"), dict):
+                return content["identity"]
     recipe_file = output_dir / RECIPE_FILE
     if recipe_file.is_file():
         import yaml
