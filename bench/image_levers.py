@@ -34,6 +34,8 @@ VARIANTS: dict[str, list[str]] = {
     "ema_decay: 0.98": ["ema_decay=0.98"],  # an average over ~50 of the 160 steps of 10 epochs
     "trivial_augment + random_erasing 0.25": ["augmentation.trivial_augment=true",
                                               "augmentation.random_erasing=0.25"],
+    "trivial_augment": ["augmentation.trivial_augment=true"],
+    "random_erasing 0.25": ["augmentation.random_erasing=0.25"],
     "freeze_backbone (linear probe)": ["freeze_backbone=true"],
 }
 REPORTED = ("accuracy", "macro_f1", "ece")  # from metrics.json's test split
