@@ -90,8 +90,8 @@ def run(args: argparse.Namespace) -> int:
             raise RecipeError("--split", f"names a qrels split of a corpus folder; {' '.join(args.data)} is not "
                                          "one (a corpus folder holds corpus.jsonl, queries.jsonl and qrels/)")
         if _asks_for_a_launch(args):
-            return _launch(args, corpus)
-        return _evaluate(args, corpus)
+            return _launch(args)
+        return _evaluate(args)
 
     return run_cli(body, args.debug)
 
@@ -105,7 +105,7 @@ def _asks_for_a_launch(args: argparse.Namespace) -> bool:
     return asked and not (os.environ.get(LAUNCHER_PID_ENV) or started_by_accelerate_or_torchrun(os.environ))
 
 
-def _launch(args: argparse.Namespace, corpus: bool) -> int:
+def _launch(args: argparse.Namespace) -> int:
     """`accelerate launch -m vembed.entrypoints.evaluate ARGS` with the config and process count `vembed train` would
     use (the same machinery); one plain process evaluates here."""
     from vembed.entrypoints.launch import accelerate_arguments, plan_launch, scratch_folder, start
@@ -118,7 +118,7 @@ def _launch(args: argparse.Namespace, corpus: bool) -> int:
     with scratch_folder() as scratch:  # derived configs go when the launch ends
         config, num_processes = plan_launch(args.accelerate_config, args.num_processes, scratch)
         launch_args = accelerate_arguments(config, num_processes, ["-m", "vembed.entrypoints.evaluate", *argv])
-        return start(launch_args, num_processes, config, "vembed eval", lambda: _evaluate(args, corpus))
+        return start(launch_args, num_processes, config, "vembed eval", lambda: _evaluate(args))
 
 
 def _is_corpus(args: argparse.Namespace) -> bool:
@@ -137,7 +137,7 @@ def _corpus_folders(args: argparse.Namespace) -> dict[str | None, str]:
     return {name: path for name, path in (_named_sources(args.data) or {}).items() if is_corpus_folder(path)}
 
 
-def _evaluate(args: argparse.Namespace, corpus: bool) -> int:
+def _evaluate(args: argparse.Namespace) -> int:
     """Evaluate in this process, one of the processes a launch started or the only one; rank 0 reports."""
     from vembed.training.launch_promise import command_accelerator, stop_with_launcher
     from vembed.training.threads import use_threads
